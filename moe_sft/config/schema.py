@@ -1,0 +1,206 @@
+"""Typed configuration schema: one dataclass per recipe section.
+
+The dataclasses are the single source of truth (DESIGN.md principle 5). Hydra/OmegaConf
+are used only in `load.py`, at the edge, to compose YAML recipes onto these classes.
+
+Field names follow megatron-core's own (`TransformerConfig`, `ModelParallelConfig`,
+`OptimizerConfig`, `OptimizerParamScheduler`) wherever one exists, so the trainer can
+forward them without renaming. Every field carries a one-line doc in
+`metadata["help"]`; fields restricted to a fixed set carry `metadata["choices"]`,
+which `validate.py` checks generically. Fields without a default are required.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+def _f(default: Any, doc: str, choices: Optional[Sequence[Any]] = None) -> Any:
+    """A schema field with a default, its one-line doc and (optionally) its allowed values."""
+    meta: dict[str, Any] = {"help": doc}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _required(doc: str) -> Any:
+    """A required schema field (no default; missing in YAML is reported by the loader)."""
+    return dataclasses.field(metadata={"help": doc})
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field(s), the value(s) and the fix.
+
+    Defined here (plain Python, no Hydra import) so that `validate.py` and `load.py` share it.
+    The entry point prints the message and exits with status 2.
+    """
+
+
+def format_errors(errors: Sequence[str]) -> str:
+    """One ConfigError message for several problems, one per line."""
+    head = "invalid configuration" if len(errors) == 1 else f"invalid configuration ({len(errors)} problems)"
+    return head + ":\n" + "\n".join(f"  - {e}" for e in errors)
+
+
+# Megatron-core 0.16.1 accepts these (TransformerConfig.moe_router_load_balancing_type).
+LOAD_BALANCING_TYPES = (None, "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which checkpoint to train and the model-side knobs that are not in the HF config."""
+
+    hf_path: Optional[str] = _f(None, "HF checkpoint dir (the source; used for export and tiny-model creation)")
+    mcore_path: Optional[str] = _f(None, "converted megatron dist-checkpoint dir; the trainer loads this")
+    create_tiny_if_missing: bool = _f(
+        False, "quickstart only: make a tiny random HF model at hf_path and convert it to mcore_path when absent"
+    )
+    backend: str = _f("auto", "layer spec: auto (TE when it imports) | te | torch", ("auto", "te", "torch"))
+    moe_router_load_balancing_type: Optional[str] = _f(
+        None, "router balancing loss: aux_loss | seq_aux_loss | none | ...; null = family default",
+        LOAD_BALANCING_TYPES,
+    )
+    moe_aux_loss_coeff: Optional[float] = _f(None, "aux loss coefficient; null = from the HF config")
+    moe_router_enable_expert_bias: Optional[bool] = _f(
+        None, "aux-loss-free expert bias (DeepSeek-V3 style); null = family default"
+    )
+    moe_router_bias_update_rate: Optional[float] = _f(
+        None, "expert-bias update rate when the expert bias is enabled; null = family default"
+    )
+    moe_token_dispatcher_type: str = _f(
+        "auto", "token dispatcher: auto (alltoall on CUDA, allgather on CPU) | alltoall | allgather",
+        ("auto", "alltoall", "allgather"),
+    )
+    moe_router_dtype: Optional[str] = _f("fp32", "router logits/softmax dtype: fp32 | fp64 | null (model dtype)",
+                                         (None, "fp32", "fp64"))
+    moe_expert_capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless")
+    recompute_granularity: Optional[str] = _f(
+        None, "activation recomputation: null (off) | full | selective", (None, "full", "selective")
+    )
+    recompute_method: Optional[str] = _f(
+        None, "with full recompute: uniform | block (required then)", (None, "uniform", "block")
+    )
+    recompute_num_layers: Optional[int] = _f(
+        None, "with full recompute: layers per recompute unit (uniform) or recomputed per stage (block)"
+    )
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    hidden_dropout: float = _f(0.0, "dropout on the residual-branch outputs")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the conversations come from and how they are tokenized and packed."""
+
+    train_files: list[str] = _required("training data: list of .jsonl paths (relative to the cwd)")
+    eval_files: list[str] = _f([], "evaluation data: list of .jsonl paths; empty = no evaluation")
+    tokenizer_path: Optional[str] = _f(None, "tokenizer dir; null = the tokenizer saved with the converted checkpoint")
+    max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
+    pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
+    overlong: str = _f("truncate", "what to do with conversations longer than max_seq_len: truncate | drop",
+                       ("truncate", "drop"))
+    shuffle: bool = _f(True, "shuffle conversations each epoch")
+    seed: int = _f(1234, "data shuffling seed")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout; names and semantics are megatron-core's ModelParallelConfig ones."""
+
+    tensor_model_parallel_size: int = _f(1, "tensor parallel size (TP)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(
+        None, "virtual pipeline stages per PP rank (interleaved schedule); null = off"
+    )
+    num_layers_in_first_pipeline_stage: Optional[int] = _f(
+        None, "uneven PP: transformer layers on the first stage; null = even split"
+    )
+    num_layers_in_last_pipeline_stage: Optional[int] = _f(
+        None, "uneven PP: transformer layers on the last stage; null = even split"
+    )
+    expert_model_parallel_size: int = _f(1, "expert parallel size (EP)")
+    expert_tensor_parallel_size: Optional[int] = _f(None, "tensor parallel size inside experts (ETP); null = TP")
+    context_parallel_size: int = _f(1, "context parallel size (CP)")
+    sequence_parallel: bool = _f(False, "sequence parallelism; must be true when TP>1 with MoE")
+    use_distributed_optimizer: bool = _f(True, "shard optimizer state across data-parallel ranks")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW and its LR schedule; names follow megatron-core OptimizerConfig / OptimizerParamScheduler."""
+
+    lr: float = _f(1e-5, "peak learning rate (reached after warmup)")
+    min_lr: float = _f(0.0, "learning rate at the end of decay")
+    weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = off")
+    lr_warmup_steps: int = _f(0, "linear warmup steps from 0 to lr")
+    lr_decay_style: str = _f("cosine", "decay after warmup until max_steps: cosine | linear | constant",
+                             ("cosine", "linear", "constant"))
+    optimizer_cpu_offload: bool = _f(
+        False, "keep optimizer state and step on the CPU (needs the distributed optimizer)"
+    )
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The run: where outputs go, how long, on what device and precision."""
+
+    output_dir: str = _required("run directory: checkpoints/, logs, resolved config, exported HF model")
+    max_steps: int = _required("number of optimizer steps (> 0)")
+    global_batch_size: int = _f(8, "packed micro-batches per optimizer step across all data-parallel ranks")
+    seed: int = _f(42, "model/dropout RNG seed")
+    device: str = _f("auto", "auto (cuda when available) | cuda | cpu", ("auto", "cuda", "cpu"))
+    precision: str = _f("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32", ("auto", "bf16", "fp32"))
+    log_interval: int = _f(1, "log metrics every N steps")
+    export_hf_at_end: bool = _f(
+        True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
+    )
+    eval_interval: int = _f(0, "evaluate every N steps; 0 = never (needs data.eval_files)")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Periodic distributed checkpoints under trainer.output_dir/checkpoints."""
+
+    save_interval: int = _f(0, "save every N steps; 0 = only at the end")
+    keep_last: int = _f(2, "number of most recent checkpoints to keep (>= 1)")
+    resume: str = _f("auto", "auto = resume from the latest checkpoint in output_dir/checkpoints if any | never",
+                     ("auto", "never"))
+    load_optimizer: bool = _f(True, "on resume, also load optimizer/scheduler state")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A full run: the six sections of a recipe."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig, metadata={"help": "model section"})
+    data: DataConfig = _required("data section")
+    parallel: ParallelConfig = dataclasses.field(
+        default_factory=ParallelConfig, metadata={"help": "parallel layout section"}
+    )
+    optimizer: OptimizerConfig = dataclasses.field(
+        default_factory=OptimizerConfig, metadata={"help": "optimizer section"}
+    )
+    trainer: TrainerConfig = _required("trainer section")
+    checkpoint: CheckpointConfig = dataclasses.field(
+        default_factory=CheckpointConfig, metadata={"help": "checkpoint section"}
+    )
+
+
+# Section name -> dataclass, in recipe order.
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+
+def field_help(section: str, name: str) -> str:
+    """The one-line doc of `section.name` ('' if unknown)."""
+    cls = SECTIONS.get(section)
+    if cls is None:
+        return ""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("help", "")
+    return ""

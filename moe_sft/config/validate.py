@@ -1,0 +1,386 @@
+"""Pre-flight cross-checks of a TrainConfig: run before any process group is created.
+
+`validate_config(cfg, world_size)` needs no model; `validate_against_model(...)` needs the sizes
+from the HF config. Both run every named check, collect ALL failures and raise one ConfigError
+whose lines read "[check] field=value problem; fix".
+
+The layout rules are megatron-core 0.16.1's (parallel_state.initialize_model_parallel,
+TransformerConfig.__post_init__, schedules.forward_backward_pipelining_with_interleaving),
+repeated here so they fail in seconds with a fix instead of minutes later with an assert.
+"""
+
+import dataclasses
+import math
+import os
+from typing import Callable, Optional
+
+from moe_sft.config.schema import SECTIONS, ConfigError, ParallelConfig, TrainConfig, format_errors
+
+Check = Callable[[TrainConfig, int], list[str]]
+
+
+# ----------------------------------------------------------------------------- derived sizes
+
+
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> Optional[int]:
+    """dp = world / (tp*pp*cp); None when that is not an integer."""
+    model = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+             * parallel.context_parallel_size)
+    return world_size // model if model > 0 and world_size % model == 0 else None
+
+
+def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
+    """ETP; megatron-core uses TP when it is unset."""
+    etp = parallel.expert_tensor_parallel_size
+    return parallel.tensor_model_parallel_size if etp is None else etp
+
+
+def expert_data_parallel_size(parallel: ParallelConfig, world_size: int) -> Optional[int]:
+    """Expert dp = world / (etp*ep*pp); None when that is not an integer."""
+    size = (expert_tensor_parallel_size(parallel) * parallel.expert_model_parallel_size
+            * parallel.pipeline_model_parallel_size)
+    return world_size // size if size > 0 and world_size % size == 0 else None
+
+
+def _divisors(n: int, limit: int = 0) -> list[int]:
+    found = [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+    return [d for d in found if d <= limit] if limit else found
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+# ----------------------------------------------------------------------------- checks (no model)
+
+
+def check_choices(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Every field with metadata["choices"] holds one of them."""
+    errors = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            choices = f.metadata.get("choices")
+            value = getattr(obj, f.name)
+            if choices is not None and value not in choices:
+                allowed = " | ".join("null" if c is None else str(c) for c in choices)
+                errors.append(f"{section}.{f.name}={value!r} is not one of {allowed}; use one of those")
+    return errors
+
+
+def check_parallel_sizes_positive(cfg: TrainConfig, world_size: int) -> list[str]:
+    p = cfg.parallel
+    errors = [] if world_size >= 1 else [f"world_size={world_size} must be >= 1 (torchrun --nproc_per_node)"]
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "context_parallel_size"):
+        if getattr(p, name) < 1:
+            errors.append(f"parallel.{name}={getattr(p, name)} must be >= 1; use 1 to disable it")
+    for name in ("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size",
+                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        value = getattr(p, name)
+        if value is not None and value < 1:
+            errors.append(f"parallel.{name}={value} must be >= 1 or null")
+    return errors
+
+
+def check_model_parallel_divides_world(cfg: TrainConfig, world_size: int) -> list[str]:
+    p = cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    if min(tp, pp, cp, world_size) < 1 or data_parallel_size(p, world_size) is not None:
+        return []
+    return [f"parallel.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "
+            f"context_parallel_size={cp} = {tp * pp * cp} does not divide world_size={world_size}; "
+            f"choose sizes whose product is one of {_fmt(_divisors(world_size))} "
+            f"or change --nproc_per_node"]
+
+
+def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
+    """megatron-core: world % (etp*ep*pp) == 0, the expert data-parallel size is integral."""
+    p = cfg.parallel
+    etp, ep, pp = expert_tensor_parallel_size(p), p.expert_model_parallel_size, p.pipeline_model_parallel_size
+    if min(etp, ep, pp, world_size) < 1 or expert_data_parallel_size(p, world_size) is not None:
+        return []
+    per_stage = world_size // pp if world_size % pp == 0 else None
+    fit = f"; etp*ep must divide world_size/pp={per_stage}" if per_stage else ""
+    return [f"parallel.expert_tensor_parallel_size={etp} (null = TP) x expert_model_parallel_size={ep} x "
+            f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide world_size={world_size}, "
+            f"so the expert data-parallel size {world_size}/{etp * ep * pp} is not an integer{fit}; "
+            f"lower expert_model_parallel_size or expert_tensor_parallel_size"]
+
+
+def check_global_batch_size(cfg: TrainConfig, world_size: int) -> list[str]:
+    gbs = cfg.trainer.global_batch_size
+    if gbs < 1:
+        return [f"trainer.global_batch_size={gbs} must be >= 1 (packed micro-batches per step)"]
+    dp = data_parallel_size(cfg.parallel, world_size)
+    if dp is None or gbs % dp == 0:
+        return []
+    lower, upper = max(dp, gbs // dp * dp), (gbs // dp + 1) * dp
+    return [f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size {dp} "
+            f"(world_size={world_size} / (tp*pp*cp)); use a multiple of {dp}, e.g. {lower} or {upper}"]
+
+
+def check_sequence_parallel(cfg: TrainConfig, world_size: int) -> list[str]:
+    """MoE with TP>1 needs sequence parallelism (megatron-core ModelParallelConfig warns; we require)."""
+    p = cfg.parallel
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        return [f"parallel.sequence_parallel=False with tensor_model_parallel_size="
+                f"{p.tensor_model_parallel_size}: MoE with TP>1 requires sequence parallelism; "
+                f"set parallel.sequence_parallel=true"]
+    return []
+
+
+def check_pipeline_options(cfg: TrainConfig, world_size: int) -> list[str]:
+    """VPP and uneven first/last stages only make sense with PP>1; VPP also constrains micro-batches."""
+    p, errors = cfg.parallel, []
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if vpp is not None and pp <= 1:
+        errors.append(f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
+                      f"pipeline_model_parallel_size>1 (it is {pp}); set it to null or raise PP")
+    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        if getattr(p, name) is not None and pp <= 1:
+            errors.append(f"parallel.{name}={getattr(p, name)} needs pipeline_model_parallel_size>1 "
+                          f"(it is {pp}); set it to null")
+    dp = data_parallel_size(p, world_size)
+    if vpp is not None and pp > 1 and dp:
+        # Interleaved schedule: micro-batch groups of size pp (microbatch_group_size_per_vp_stage).
+        micro = cfg.trainer.global_batch_size // dp
+        if micro < pp or micro % pp:
+            errors.append(f"trainer.global_batch_size={cfg.trainer.global_batch_size} gives {micro} "
+                          f"micro-batches per data-parallel rank; the interleaved (VPP) schedule needs "
+                          f"a multiple of pipeline_model_parallel_size={pp}; use global_batch_size="
+                          f"{dp * pp * max(1, math.ceil(micro / pp))}")
+    return errors
+
+
+def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
+    d, p, errors = cfg.data, cfg.parallel, []
+    for name in ("max_seq_len", "pack_length"):
+        if getattr(d, name) < 1:
+            errors.append(f"data.{name}={getattr(d, name)} must be >= 1")
+    if d.max_seq_len > d.pack_length:
+        errors.append(f"data.max_seq_len={d.max_seq_len} > data.pack_length={d.pack_length}: a conversation "
+                      f"must fit in one packed micro-batch; lower max_seq_len or raise pack_length")
+    # THD with CP splits each sequence into 2*cp chunks; SP splits tokens over TP ranks.
+    multiple = (2 * p.context_parallel_size if p.context_parallel_size > 1 else 1) * (
+        p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    if multiple > 1 and d.pack_length >= 1 and d.pack_length % multiple:
+        why = " x ".join(w for w, on in (("2*context_parallel_size", p.context_parallel_size > 1),
+                                         ("tensor_model_parallel_size (sequence_parallel)",
+                                          p.sequence_parallel)) if on)
+        errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} ({why}); "
+                      f"use {math.ceil(d.pack_length / multiple) * multiple}")
+    return errors
+
+
+def check_data_files(cfg: TrainConfig, world_size: int) -> list[str]:
+    d, errors = cfg.data, []
+    if not d.train_files:
+        errors.append("data.train_files=[] is empty; list at least one .jsonl file")
+    for name in ("train_files", "eval_files"):
+        for path in getattr(d, name):
+            if not os.path.exists(path):
+                errors.append(f"data.{name} entry {path!r} does not exist (cwd: {os.getcwd()}); "
+                              f"fix the path or remove it")
+    if d.tokenizer_path is not None and not os.path.isdir(d.tokenizer_path):
+        errors.append(f"data.tokenizer_path={d.tokenizer_path!r} is not a directory; "
+                      f"fix it or use null (the tokenizer saved with the converted checkpoint)")
+    if cfg.trainer.eval_interval > 0 and not d.eval_files:
+        errors.append(f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty; "
+                      f"list eval files or set trainer.eval_interval=0")
+    return errors
+
+
+def check_optimizer(cfg: TrainConfig, world_size: int) -> list[str]:
+    o, errors = cfg.optimizer, []
+    if not o.lr > 0:
+        errors.append(f"optimizer.lr={o.lr} must be > 0")
+    if not 0 <= o.min_lr <= max(o.lr, 0):
+        errors.append(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
+    if o.weight_decay < 0:
+        errors.append(f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, name) < 1:
+            errors.append(f"optimizer.{name}={getattr(o, name)} must be in [0, 1)")
+    if not o.adam_eps > 0:
+        errors.append(f"optimizer.adam_eps={o.adam_eps} must be > 0 (e.g. 1e-8)")
+    if o.clip_grad < 0:
+        errors.append(f"optimizer.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    if o.lr_warmup_steps < 0 or o.lr_warmup_steps > cfg.trainer.max_steps > 0:
+        errors.append(f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be in [0, trainer.max_steps="
+                      f"{cfg.trainer.max_steps}]")
+    if o.optimizer_cpu_offload and not cfg.parallel.use_distributed_optimizer:
+        errors.append("optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
+                      "enable it or turn the offload off")
+    return errors
+
+
+def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
+    t, c, errors = cfg.trainer, cfg.checkpoint, []
+    if t.max_steps < 1:
+        errors.append(f"trainer.max_steps={t.max_steps} must be > 0")
+    if t.log_interval < 1:
+        errors.append(f"trainer.log_interval={t.log_interval} must be >= 1")
+    for name, value in (("trainer.eval_interval", t.eval_interval), ("checkpoint.save_interval", c.save_interval)):
+        if value < 0:
+            errors.append(f"{name}={value} must be >= 0 (0 = off / only at the end)")
+    if c.keep_last < 1:
+        errors.append(f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    for name, value in (("trainer.seed", t.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= value < 2**32:
+            errors.append(f"{name}={value} must be in [0, 2**32)")
+    if not t.output_dir:
+        errors.append("trainer.output_dir is empty; set a run directory")
+    return errors
+
+
+def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
+    m, errors = cfg.model, []
+    if m.backend == "te" and cfg.trainer.device == "cpu":
+        errors.append("model.backend='te' needs CUDA but trainer.device='cpu'; use model.backend=torch or auto")
+    for name in ("attention_dropout", "hidden_dropout"):
+        if not 0 <= getattr(m, name) < 1:
+            errors.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    if m.moe_aux_loss_coeff is not None and m.moe_aux_loss_coeff < 0:
+        errors.append(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 or null")
+    if m.moe_router_bias_update_rate is not None and m.moe_router_bias_update_rate < 0:
+        errors.append(f"model.moe_router_bias_update_rate={m.moe_router_bias_update_rate} must be >= 0 or null")
+    if m.moe_expert_capacity_factor is not None:
+        if m.moe_expert_capacity_factor <= 0:
+            errors.append(f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0, "
+                          f"or null for dropless")
+        if m.moe_router_load_balancing_type == "sinkhorn":
+            errors.append("model.moe_expert_capacity_factor is set with moe_router_load_balancing_type="
+                          "'sinkhorn'; megatron-core allows capacity only with aux_loss, seq_aux_loss, "
+                          "global_aux_loss or none")
+    errors.extend(_recompute_errors(cfg))
+    return errors
+
+
+def _recompute_errors(cfg: TrainConfig) -> list[str]:
+    """megatron-core: full needs recompute_method and recompute_num_layers; selective forbids the count."""
+    m = cfg.model
+    if m.recompute_granularity == "full" and (m.recompute_method is None or m.recompute_num_layers is None):
+        return [f"model.recompute_granularity='full' needs recompute_method (uniform|block) and "
+                f"recompute_num_layers (got {m.recompute_method!r}, {m.recompute_num_layers!r}); "
+                f"e.g. model.recompute_method=uniform model.recompute_num_layers=1"]
+    if m.recompute_granularity == "selective" and m.recompute_num_layers is not None:
+        return [f"model.recompute_num_layers={m.recompute_num_layers} must be null with "
+                f"recompute_granularity='selective'"]
+    if m.recompute_num_layers is not None and m.recompute_num_layers < 1:
+        return [f"model.recompute_num_layers={m.recompute_num_layers} must be >= 1"]
+    return []
+
+
+def check_model_paths(cfg: TrainConfig, world_size: int) -> list[str]:
+    m = cfg.model
+    if m.create_tiny_if_missing:
+        missing = [n for n in ("hf_path", "mcore_path") if getattr(m, n) is None]
+        return [f"model.create_tiny_if_missing=True needs model.{n} (where the tiny model is written)"
+                for n in missing]
+    if m.mcore_path is None:
+        return ["model.mcore_path is null; set it to a checkpoint converted with "
+                "tools/convert_hf_to_mcore.py (or model.create_tiny_if_missing=true for the quickstart)"]
+    if not os.path.isdir(m.mcore_path):
+        return [f"model.mcore_path={m.mcore_path!r} does not exist; convert the HF checkpoint "
+                f"(model.hf_path={m.hf_path!r}) with tools/convert_hf_to_mcore.py first, or fix the path"]
+    return []
+
+
+CHECKS: tuple[tuple[str, Check], ...] = (
+    ("choices", check_choices),
+    ("parallel_sizes_positive", check_parallel_sizes_positive),
+    ("model_parallel_divides_world", check_model_parallel_divides_world),
+    ("expert_layout", check_expert_layout),
+    ("global_batch_size", check_global_batch_size),
+    ("sequence_parallel", check_sequence_parallel),
+    ("pipeline_options", check_pipeline_options),
+    ("sequence_lengths", check_sequence_lengths),
+    ("data_files", check_data_files),
+    ("optimizer", check_optimizer),
+    ("trainer", check_trainer),
+    ("model", check_model),
+    ("model_paths", check_model_paths),
+)
+
+
+def validate_config(cfg: TrainConfig, world_size: int) -> None:
+    """Run every named check; raise one ConfigError listing all failures."""
+    errors = [f"[{name}] {msg}" for name, check in CHECKS for msg in check(cfg, world_size)]
+    if errors:
+        raise ConfigError(format_errors(errors))
+
+
+# ----------------------------------------------------------------------------- checks (need the model)
+
+
+def validate_against_model(cfg: TrainConfig, num_layers: int, num_experts: Optional[int],
+                           num_attention_heads: int, num_query_groups: Optional[int],
+                           vocab_size: int) -> None:
+    """Checks that need the HF config's sizes; raise one ConfigError listing all failures.
+
+    num_query_groups=None means plain multi-head attention (= num_attention_heads);
+    num_experts=None means a dense model (no expert checks).
+    """
+    p = cfg.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    groups = num_attention_heads if num_query_groups is None else num_query_groups
+    errors = [f"[pipeline_layers] {m}" for m in _pipeline_layer_errors(p, num_layers)]
+    if num_experts is not None and num_experts % ep:
+        errors.append(f"[experts] parallel.expert_model_parallel_size={ep} does not divide "
+                      f"num_experts={num_experts}; use one of {_fmt(_divisors(num_experts, 256))}")
+    for name, count in (("num_attention_heads", num_attention_heads), ("num_query_groups", groups)):
+        if count % tp:
+            errors.append(f"[attention_heads] parallel.tensor_model_parallel_size={tp} does not divide "
+                          f"{name}={count}; use one of {_fmt(_divisors(math.gcd(num_attention_heads, groups)))}")
+    if vocab_size % tp:
+        errors.append(f"[vocab] parallel.tensor_model_parallel_size={tp} does not divide vocab_size="
+                      f"{vocab_size} (the embedding is split evenly over TP); use one of "
+                      f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}")
+    if errors:
+        raise ConfigError(format_errors(errors))
+
+
+def _pipeline_layer_errors(p: ParallelConfig, num_layers: int) -> list[str]:
+    """megatron-core TransformerConfig: even split, or uneven first/last stages + even middle."""
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if pp < 1 or num_layers < 1:
+        return [] if num_layers >= 1 else [f"num_layers={num_layers} must be >= 1"]
+    if first is None and last is None:
+        if num_layers % pp:
+            return [f"parallel.pipeline_model_parallel_size={pp} does not divide num_layers={num_layers}; "
+                    f"use one of {_fmt(_divisors(num_layers, 64))}, or set an uneven split"
+                    f"{_uneven_suggestion(num_layers, pp, vpp)}"]
+        if (num_layers // pp) % vpp:
+            return [f"parallel.virtual_pipeline_model_parallel_size={vpp} does not divide the "
+                    f"{num_layers // pp} layers per pipeline stage (num_layers={num_layers} / pp={pp}); "
+                    f"use one of {_fmt(_divisors(num_layers // pp))} or null"]
+        return []
+    errors = []
+    for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if value is not None and value % vpp:
+            errors.append(f"parallel.{name}={value} is not divisible by virtual_pipeline_model_parallel_size={vpp}")
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    middle_stages = pp - (first is not None) - (last is not None)
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+            middle_stages and middle_layers % (middle_stages * vpp)):
+        errors.append(f"parallel.num_layers_in_first_pipeline_stage={first} / num_layers_in_last_pipeline_stage="
+                      f"{last} leave {middle_layers} of num_layers={num_layers} for {middle_stages} middle "
+                      f"stage(s) (pipeline_model_parallel_size={pp}), which must split evenly"
+                      f"{' (and by VPP)' if vpp > 1 else ''}{_uneven_suggestion(num_layers, pp, vpp)}")
+    return errors
+
+
+def _uneven_suggestion(num_layers: int, pp: int, vpp: int) -> str:
+    """A last-stage size leaving an even split for the other pp-1 stages, nearest num_layers/pp."""
+    if pp < 2:
+        return ""
+    target = num_layers / pp
+    candidates = [last for last in range(vpp, num_layers, vpp)
+                  if (num_layers - last) % ((pp - 1) * vpp) == 0]
+    if not candidates:
+        return ""
+    best = min(candidates, key=lambda last: abs(last - target))
+    per_other = (num_layers - best) // (pp - 1)
+    return f", e.g. parallel.num_layers_in_last_pipeline_stage={best} ({per_other} per other stage)"
