@@ -1,0 +1,88 @@
+"""Streaming reader of an HF checkpoint directory: one tensor in memory at a time.
+
+Every failure names the file (and tensor): no config.json, no weights, an index naming a missing
+shard, a truncated or corrupt safetensors file, mixed dtypes across shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """The HF checkpoint on disk is unusable; the message names the file and the fix."""
+
+
+class HFCheckpointReader:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: HF checkpoint directory does not exist")
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"{self.path}: no config.json; point --hf-path at the directory "
+                                  "holding config.json and *.safetensors")
+        self._handles: dict[str, object] = {}
+        self._name_to_file = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from err
+            files = {f: self.path / f for f in set(weight_map.values())}
+            for name, file in sorted(files.items()):
+                if not file.is_file():
+                    raise CheckpointError(f"{index} names shard {name}, which is missing from "
+                                          f"{self.path}; re-download the checkpoint")
+            return {t: files[f] for t, f in weight_map.items()}
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{self.path}: no *.safetensors files (PyTorch .bin checkpoints "
+                                  "are not supported; re-save with safe_serialization=True)")
+        mapping = {}
+        for shard in shards:
+            for name in self._open(shard).keys():
+                mapping[name] = shard
+        return mapping
+
+    def _open(self, file: Path):
+        key = str(file)
+        if key not in self._handles:
+            try:
+                self._handles[key] = safe_open(key, framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise CheckpointError(f"{file}: cannot read safetensors header ({err}); the file "
+                                      "is truncated or corrupt, re-download it") from err
+        return self._handles[key]
+
+    def names(self) -> set[str]:
+        return set(self._name_to_file)
+
+    def file_of(self, name: str) -> Path:
+        return self._name_to_file[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._name_to_file:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        file = self._name_to_file[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"{file}: reading tensor {name!r} failed ({err}); the file is "
+                                  "truncated or corrupt") from err
+
+    def dtypes(self) -> dict[str, set[str]]:
+        """Floating dtypes per shard file (read from headers only)."""
+        out: dict[str, set[str]] = {}
+        for name, file in self._name_to_file.items():
+            dtype = self._open(file).get_slice(name).get_dtype()
+            out.setdefault(file.name, set()).add(dtype)
+        return out

@@ -1,0 +1,128 @@
+"""The generic engine behind every family's mapping table, with the completeness gate.
+
+`expand()` turns a family's declarative rules into concrete (mcore name, HF names, transform)
+entries for this config. Loading checks that every HF tensor is consumed exactly once or matches
+the family's DROPPED list, and that every megatron parameter is produced: a missing
+`e_score_correction_bias`, MTP layer or `lm_head` is an error listing the names, never a skip.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from moe_sft.conversion.transforms import Transform
+from moe_sft.models.builder import padded_vocab_size
+from moe_sft.models.family import Family
+from moe_sft.models.hf_config import num_experts
+
+
+class MappingError(ValueError):
+    """The checkpoint and the family's mapping table disagree; the message lists the names."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    mcore: str
+    hf: tuple[str, ...]
+    transform: Transform
+
+
+def transform_context(family: Family, hf_cfg) -> dict:
+    kw = family.transformer_config_kwargs(hf_cfg)
+    ctx = dict(num_query_groups=kw["num_query_groups"], head_dim=kw["kv_channels"],
+               num_experts=num_experts(hf_cfg), vocab_size=hf_cfg.vocab_size,
+               padded_vocab_size=padded_vocab_size(hf_cfg.vocab_size))
+    if family.transform_context is not None:
+        ctx.update(family.transform_context(hf_cfg))
+    return ctx
+
+
+def expand(family: Family, hf_cfg) -> list[Entry]:
+    experts = range(num_experts(hf_cfg))
+    entries = []
+    for rule in family.rules(hf_cfg):
+        if rule.layers == "none":
+            layer_ids = [None]
+        else:
+            layer_ids = [i for i in range(hf_cfg.num_hidden_layers)
+                         if rule.layers == "all" or family.is_moe_layer(hf_cfg, i) == (rule.layers == "moe")]
+        for layer in layer_ids:
+            fmt = {} if layer is None else {"layer": layer}
+            hf_names = []
+            if any("{expert}" in n for n in rule.hf):
+                for e in experts:
+                    hf_names += [n.format(expert=e, **fmt) for n in rule.hf]
+            else:
+                hf_names = [n.format(**fmt) for n in rule.hf]
+            entries.append(Entry(rule.mcore.format(**fmt), tuple(hf_names), rule.transform))
+    return entries
+
+
+def _list(names, limit=20) -> str:
+    names = sorted(names)
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str]) -> None:
+    """Every HF tensor is consumed exactly once or deliberately dropped, and none is missing."""
+    wanted = [n for e in entries for n in e.hf]
+    duplicated = {n for n in wanted if wanted.count(n) > 1}
+    if duplicated:
+        raise MappingError(f"{family.name} mapping consumes these HF tensors twice: {_list(duplicated)}")
+    missing = set(wanted) - hf_names
+    if missing:
+        hint = ""
+        if any(n.startswith("lm_head") for n in missing):
+            hint = (" The checkpoint has no lm_head.weight but config.json says "
+                    "tie_word_embeddings=false: re-save it with lm_head, or set tie_word_embeddings=true.")
+        raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) the {family.name} mapping "
+                           f"needs: {_list(missing)}.{hint}")
+    dropped = [re.compile(p) for p in family.dropped]
+    unconsumed = {n for n in hf_names - set(wanted) if not any(p.fullmatch(n) for p in dropped)}
+    if unconsumed:
+        raise MappingError(f"HF checkpoint has {len(unconsumed)} tensor(s) the {family.name} mapping "
+                           f"neither loads nor lists as dropped: {_list(unconsumed)}. Refusing to "
+                           "convert silently incomplete weights.")
+
+
+def model_parameter_names(state_dict: dict) -> set[str]:
+    return {k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+
+
+def load_hf_into_state(entries: list[Entry], get_hf: Callable[[str], torch.Tensor], ctx: dict,
+                       target: dict) -> None:
+    """Fill `target` (name → tensor, a module's state_dict) from HF tensors fetched one at a time."""
+    produced = set()
+    for entry in entries:
+        if entry.mcore not in target:
+            raise MappingError(f"mapping produces {entry.mcore!r}, which the megatron model lacks")
+        value = entry.transform.from_hf([get_hf(n) for n in entry.hf], ctx)
+        dest = target[entry.mcore]
+        if tuple(value.shape) != tuple(dest.shape):
+            raise MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)[:3]} give shape "
+                               f"{tuple(value.shape)} via {entry.transform.name}, model expects "
+                               f"{tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(value)
+        produced.add(entry.mcore)
+    unproduced = model_parameter_names(target) - produced
+    if unproduced:
+        raise MappingError(f"no HF tensor produces these megatron parameters: {_list(unproduced)}")
+
+
+def state_to_hf(entries: list[Entry], state: dict, ctx: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from a megatron state_dict, one entry at a time."""
+    missing = [e.mcore for e in entries if e.mcore not in state]
+    if missing:
+        raise MappingError(f"megatron checkpoint lacks {_list(missing)}")
+    for entry in entries:
+        tensors = entry.transform.to_hf(state[entry.mcore], ctx)
+        if len(tensors) != len(entry.hf):
+            raise MappingError(f"{entry.transform.name} gave {len(tensors)} tensors for "
+                               f"{len(entry.hf)} HF names ({entry.mcore})")
+        yield from zip(entry.hf, tensors)

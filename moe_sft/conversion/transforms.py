@@ -1,0 +1,140 @@
+"""Pure tensor transforms between HF and megatron-core layouts, each an inverse pair.
+
+`to_hf(from_hf(x)) == x` bit-exactly for every transform (tests/cpu/test_transforms.py): they
+only slice, concatenate, transpose and reshape — no arithmetic. Names carry layouts:
+`E` experts, `F` ffn width, `H` hidden, `G` query groups, `D` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+Tensors = Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A named inverse pair. `ctx` carries the model dimensions a transform needs."""
+
+    name: str
+    from_hf: Callable[[Tensors, dict], torch.Tensor]
+    to_hf: Callable[[torch.Tensor, dict], list[torch.Tensor]]
+
+
+def _identity_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    return ts[0]
+
+
+def _identity_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    return [t]
+
+
+IDENTITY = Transform("identity", _identity_from, _identity_to)
+
+
+def _qkv_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    """q [G*R*D, H], k [G*D, H], v [G*D, H] → megatron's per-group interleave [G*(R+2)*D, H]."""
+    q, k, v = ts
+    groups, dim = ctx["num_query_groups"], ctx["head_dim"]
+    hidden = q.shape[-1]
+    q_GRDH = q.reshape(groups, -1, dim, hidden)
+    k_G1DH = k.reshape(groups, 1, dim, hidden)
+    v_G1DH = v.reshape(groups, 1, dim, hidden)
+    return torch.cat([q_GRDH, k_G1DH, v_G1DH], dim=1).reshape(-1, hidden)
+
+
+def _qkv_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    groups, dim = ctx["num_query_groups"], ctx["head_dim"]
+    hidden = t.shape[-1]
+    per_group = t.reshape(groups, -1, dim, hidden)
+    heads_per_group = per_group.shape[1] - 2
+    q, k, v = torch.split(per_group, [heads_per_group, 1, 1], dim=1)
+    return [q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(),
+            v.reshape(-1, hidden).contiguous()]
+
+
+QKV_INTERLEAVE = Transform("qkv_interleave", _qkv_from, _qkv_to)
+
+
+def _qkv_bias_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    return _qkv_from([t.unsqueeze(-1) for t in ts], ctx).squeeze(-1)
+
+
+def _qkv_bias_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    return [x.squeeze(-1) for x in _qkv_to(t.unsqueeze(-1), ctx)]
+
+
+QKV_BIAS_INTERLEAVE = Transform("qkv_bias_interleave", _qkv_bias_from, _qkv_bias_to)
+
+
+def _gate_up_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    """gate [F, H], up [F, H] → linear_fc1 [2F, H] (megatron's SwiGLU: first half is gated)."""
+    return torch.cat([ts[0], ts[1]], dim=0)
+
+
+def _gate_up_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    gate, up = torch.chunk(t, 2, dim=0)
+    return [gate.contiguous(), up.contiguous()]
+
+
+GATE_UP_FUSE = Transform("gate_up_fuse", _gate_up_from, _gate_up_to)
+
+
+def _experts_fc1_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    """[gate_0, up_0, gate_1, up_1, ...] each [F, H] → GroupedMLP.weight1 [H, E*2F].
+
+    GroupedMLP views weight1 as w1_EH2F = weight1.view(E, H, 2F): expert e's block is
+    contiguous and holds (gate_e ‖ up_e)ᵀ.
+    """
+    gates, ups = ts[0::2], ts[1::2]
+    w1_EH2F = torch.stack([torch.cat([g, u], 0).t() for g, u in zip(gates, ups)])
+    hidden = w1_EH2F.shape[1]
+    return w1_EH2F.contiguous().view(hidden, -1)
+
+
+def _experts_fc1_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    experts, hidden = ctx["num_experts"], t.shape[0]
+    out = []
+    for w_H2F in t.contiguous().view(experts, hidden, -1):
+        gate, up = torch.chunk(w_H2F.t(), 2, dim=0)
+        out += [gate.contiguous(), up.contiguous()]
+    return out
+
+
+EXPERTS_FC1 = Transform("experts_gate_up_stack", _experts_fc1_from, _experts_fc1_to)
+
+
+def _experts_fc2_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    """[down_0, down_1, ...] each [H, F] → GroupedMLP.weight2 [E*F, H] (block e = down_eᵀ)."""
+    w2_EFH = torch.stack([d.t() for d in ts])
+    return w2_EFH.contiguous().view(-1, w2_EFH.shape[-1])
+
+
+def _experts_fc2_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    experts, hidden = ctx["num_experts"], t.shape[-1]
+    return [w_FH.t().contiguous() for w_FH in t.contiguous().view(experts, -1, hidden)]
+
+
+EXPERTS_FC2 = Transform("experts_down_stack", _experts_fc2_from, _experts_fc2_to)
+
+
+def _pad_vocab_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    """[V, H] → [V_padded, H] with zero rows: TP shards the vocab evenly."""
+    t = ts[0]
+    padded = ctx["padded_vocab_size"]
+    if padded == t.shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])], dim=0)
+
+
+def _pad_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    return [t[: ctx["vocab_size"]].contiguous()]  # padded rows are never exported
+
+
+PAD_VOCAB = Transform("pad_vocab", _pad_vocab_from, _pad_vocab_to)
+
+ALL_TRANSFORMS = (IDENTITY, QKV_INTERLEAVE, QKV_BIAS_INTERLEAVE, GATE_UP_FUSE, EXPERTS_FC1,
+                  EXPERTS_FC2, PAD_VOCAB)

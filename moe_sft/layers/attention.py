@@ -1,0 +1,113 @@
+"""Core attention for the torch-native layer spec: packed (THD) sequences, causal, GQA.
+
+megatron-core's local `DotProductAttention` rejects `packed_seq_params` and allocates on CUDA,
+so the torch-native spec uses this module instead. Kernels, best first:
+
+* flash-attn's `flash_attn_varlen_func` when the package imports (GPU);
+* torch's `torch.nn.attention.varlen.varlen_attn` (a flash kernel inside torch) on CUDA;
+* a per-document `scaled_dot_product_attention` loop that honours cu_seqlens (CPU, and any
+  head dim the kernels refuse) — the reference the fast paths are tested against.
+
+Inputs follow megatron's SelfAttention: THD `[t, heads, dim]` when packed, else `[s, b, heads, dim]`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+try:  # flash-attn is optional: the field's standard kernel when installed.
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters)
+except ImportError:  # pragma: no cover - torch < 2.10
+    varlen_attn, _VARLEN_PARAMS = None, set()
+
+
+def attention_kernel_name(device_type: str) -> str:
+    """Which kernel `VarlenCoreAttention` uses on this device (printed at startup)."""
+    if device_type == "cuda" and flash_attn_varlen_func is not None:
+        return "flash_attn.flash_attn_varlen_func"
+    if device_type == "cuda" and varlen_attn is not None:
+        return "torch.nn.attention.varlen.varlen_attn"
+    return "per-document scaled_dot_product_attention (reference path)"
+
+
+def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
+    """Attention over each document [cu[i], cu[i+1]) alone; q/k/v are [t, heads, dim]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qd = q[start:end].transpose(0, 1)  # [heads, s, dim]
+        kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
+        out[start:end] = od.transpose(0, 1)
+    return out
+
+
+def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):
+    if flash_attn_varlen_func is not None:
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      softmax_scale=scale, causal=True)
+    extra = {"enable_gqa": True} if ("enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]) else {}
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                       window_size=(-1, 0), **extra)
+
+
+class VarlenCoreAttention(MegatronModule):
+    """Drop-in for megatron's core attention (same constructor) that supports THD packing."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("context_parallel_size > 1 needs the Transformer Engine backend "
+                             "(model.backend=te); the torch-native attention has no CP ring.")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"VarlenCoreAttention supports causal masks only, got {attn_mask_type}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError("attention_dropout > 0 is not supported by the torch-native "
+                             "attention; set model.attention_dropout=0.0 (SFT default).")
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: Optional[PackedSeqParams] = None):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by VarlenCoreAttention")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            max_len = int(packed_seq_params.max_seqlen_q)
+            out = self._thd(query, key, value, cu, max_len)
+            return out.reshape(out.shape[0], -1)
+        # [s, b, h, d]: each batch row is one document.
+        s, b = query.shape[:2]
+        to_thd = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
+        out = self._thd(to_thd(query), to_thd(key), to_thd(value), cu, s)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+    def _thd(self, q, k, v, cu_seqlens, max_seqlen):
+        if q.is_cuda and (flash_attn_varlen_func is not None or varlen_attn is not None):
+            return _varlen_cuda(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, self.softmax_scale)
+        return sdpa_varlen_reference(q, k, v, cu_seqlens, self.softmax_scale)

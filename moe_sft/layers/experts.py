@@ -1,0 +1,63 @@
+"""Routed experts for the torch-native spec, computed with `torch.nn.functional.grouped_mm`.
+
+We subclass megatron-core's `GroupedMLP` for its parameter layout and, above all, its
+`sharded_state_dict`, which writes per-expert tensors in the same global format as
+`SequentialMLP`/`TEGroupedMLP`: a checkpoint converted once loads under either backend and any
+expert-parallel layout. Only the compute changes: `GroupedMLP` calls the external `grouped_gemm`
+package (bf16 only); torch ships the same kernel as `F.grouped_mm` (CUDA and CPU, any float dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe import experts as mcore_experts
+
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+@contextlib.contextmanager
+def _grouped_gemm_package_not_required():
+    """GroupedMLP.__init__ asserts the `grouped_gemm` package; we never call it."""
+    original = mcore_experts.gg.assert_grouped_gemm_is_available
+    mcore_experts.gg.assert_grouped_gemm_is_available = lambda: None
+    try:
+        yield
+    finally:
+        mcore_experts.gg.assert_grouped_gemm_is_available = original
+
+
+def _aligned_for_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # grouped_mm needs 16-byte aligned strides (e.g. dims multiple of 8 in bf16, 4 in fp32).
+    return all((d * x.element_size()) % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+
+
+def grouped_matmul(x: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert: torch.Tensor):
+    """Rows of `x` grouped by expert (counts in tokens_per_expert) times w_EKN[expert]."""
+    if _HAS_GROUPED_MM and _aligned_for_grouped_mm(x, w_EKN):
+        offs = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)
+        return F.grouped_mm(x, w_EKN, offs=offs)
+    chunks = torch.split(x, tokens_per_expert.tolist())
+    return torch.cat([c @ w_EKN[e] for e, c in enumerate(chunks)])
+
+
+class TorchGroupedMLP(mcore_experts.GroupedMLP):
+    """megatron's GroupedMLP with torch's grouped_mm instead of the grouped_gemm package."""
+
+    def __init__(self, num_local_experts, config, pg_collection=None):
+        with _grouped_gemm_package_not_required():
+            super().__init__(num_local_experts, config, pg_collection=pg_collection)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        hidden = self.config.hidden_size
+        w1 = self.weight1.view(self.num_local_experts, hidden, -1)
+        w2 = self.weight2.view(self.num_local_experts, -1, hidden)
+        if x.numel() == 0:
+            # Keep every expert weight in the autograd graph so gradients (zeros) exist.
+            return x @ w1.sum(0)[:, : w2.shape[1]] @ w2.sum(0), None
+        h = grouped_matmul(x, w1, tokens_per_expert)
+        h = self.activation_func(h) * permuted_probs.unsqueeze(-1).to(h.dtype)
+        return grouped_matmul(h.to(x.dtype), w2, tokens_per_expert), None

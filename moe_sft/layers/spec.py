@@ -1,0 +1,82 @@
+"""Layer specs: Transformer Engine when it imports, else the torch-native spec of this package.
+
+Both produce the same dist-checkpoint keys (the torch-native spec maps its separate norms onto
+TE's fused `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight` names), so a converted
+checkpoint loads under either backend.
+"""
+
+from __future__ import annotations
+
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules, get_num_layers_to_build)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset)
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from moe_sft.layers.attention import VarlenCoreAttention
+from moe_sft.layers.experts import TorchGroupedMLP
+from moe_sft.layers.norm import RMSNorm
+
+
+def _dense_mlp_spec() -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                           linear_fc2=RowParallelLinear))
+
+
+def _moe_spec() -> ModuleSpec:
+    shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=TorchGroupedMLP), shared_experts=shared))
+
+
+def torch_layer_spec(config: TransformerConfig, is_moe: bool) -> ModuleSpec:
+    """One decoder layer built from torch-native modules (GQA attention, optional qk-norm)."""
+    qk_norm = RMSNorm if config.qk_layernorm else IdentityOp
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not is_moe:  # TE fuses the pre-MLP norm into linear_fc1 only for dense MLPs
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=RMSNorm,
+        self_attention=ModuleSpec(
+            module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=ColumnParallelLinear, core_attention=VarlenCoreAttention,
+                linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm)),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=RMSNorm,
+        mlp=_moe_spec() if is_moe else _dense_mlp_spec(),
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=keys_map))
+
+
+def _is_moe_layer(config: TransformerConfig, layer_index: int) -> bool:
+    freq = config.moe_layer_freq
+    if config.num_moe_experts is None:
+        return False
+    if isinstance(freq, int):
+        return layer_index % freq == 0
+    return bool(freq[layer_index])
+
+
+def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, pp_rank=None):
+    """The block spec for the layers of this pipeline stage (and virtual stage)."""
+    if backend == "te":
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage,
+            pp_rank=pp_rank)
+    specs = [torch_layer_spec(config, _is_moe_layer(config, i)) for i in range(config.num_layers)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=RMSNorm)

@@ -1,0 +1,117 @@
+"""HF config + family + runtime → megatron TransformerConfig → GPTModel chunks (one per VPP stage)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from moe_sft.layers.spec import decoder_block_spec
+from moe_sft.models.family import Family
+
+VOCAB_DIVISOR = 128  # Megatron convention: the padded vocab splits evenly for TP in {1,2,4,8,...}
+
+
+def padded_vocab_size(vocab_size: int, divisor: int = VOCAB_DIVISOR) -> int:
+    return -(-vocab_size // divisor) * divisor
+
+
+@dataclass
+class ModelOptions:
+    """What the recipe (not the HF config) decides about the megatron model."""
+
+    precision: str = "fp32"            # bf16 | fp32
+    backend: str = "torch"             # te | torch
+    device: str = "cpu"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    moe_token_dispatcher_type: str = "auto"
+    moe_router_load_balancing_type: Optional[str] = None
+    moe_aux_loss_coeff: Optional[float] = None
+    moe_router_dtype: Optional[str] = "fp32"
+    moe_expert_capacity_factor: Optional[float] = None
+    recompute_granularity: Optional[str] = None
+    extra: dict = field(default_factory=dict)  # any further TransformerConfig field
+
+
+def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> TransformerConfig:
+    kwargs = family.transformer_config_kwargs(hf_cfg)
+    kwargs.pop("rotary_base", None)
+    dispatcher = opts.moe_token_dispatcher_type
+    if dispatcher == "auto":  # alltoall needs CUDA streams; allgather runs anywhere
+        dispatcher = "alltoall" if opts.device == "cuda" else "allgather"
+    balancing = opts.moe_router_load_balancing_type or family.training_defaults.get(
+        "moe_router_load_balancing_type", "aux_loss")
+    bf16 = opts.precision == "bf16"
+    kwargs.update(
+        tensor_model_parallel_size=opts.tensor_model_parallel_size,
+        pipeline_model_parallel_size=opts.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=opts.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=opts.expert_model_parallel_size,
+        expert_tensor_parallel_size=opts.expert_tensor_parallel_size or opts.tensor_model_parallel_size,
+        context_parallel_size=opts.context_parallel_size,
+        sequence_parallel=opts.sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type=balancing,
+        moe_router_dtype=opts.moe_router_dtype,
+        moe_expert_capacity_factor=opts.moe_expert_capacity_factor,
+        moe_grouped_gemm=True,
+        moe_permute_fusion=False,
+        recompute_granularity=opts.recompute_granularity,
+        # Fusions that need apex/TE kernels are off on the torch-native path.
+        bias_dropout_fusion=opts.backend == "te",
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=opts.device == "cpu",
+        perform_initialization=True,
+        calculate_per_token_loss=True,
+    )
+    if opts.moe_aux_loss_coeff is not None:
+        kwargs["moe_aux_loss_coeff"] = opts.moe_aux_loss_coeff
+    if opts.recompute_granularity == "full":
+        kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(opts.extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions,
+                       vocab_size: Optional[int] = None) -> list[GPTModel]:
+    """The GPTModel chunks this rank holds (one per virtual pipeline stage), on opts.device."""
+    rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]
+    vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
+    vpp = opts.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        vp = vp_stage if opts.virtual_pipeline_model_parallel_size else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder_block_spec(config, opts.backend, vp_stage=vp),
+            vocab_size=vocab,
+            max_sequence_length=hf_cfg.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings),
+            position_embedding_type="rope",
+            rotary_base=rope_base,
+            vp_stage=vp,
+        )
+        if opts.device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,43 @@
+"""What a model family declares: config translation, the weight mapping table, and defaults.
+
+Each family file (qwen3_moe.py, ...) builds one `Family`. The mapping table is declarative:
+`Rule(mcore, hf, transform, layers)` with `{layer}` / `{expert}` placeholders; the generic engine
+in moe_sft/conversion/mapping.py expands and applies it in both directions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from moe_sft.conversion.transforms import IDENTITY, Transform
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron tensor ↔ the HF tensor(s) it is made of."""
+
+    mcore: str                     # megatron state_dict name (TP=PP=EP=1 module layout)
+    hf: tuple[str, ...]            # HF names; with "{expert}", repeated for every expert in order
+    transform: Transform = IDENTITY
+    layers: str = "none"           # none (global tensor) | all | dense | moe
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    hf_config_class: type
+    hf_model_class: type
+    check_supported: Callable[[object], None]     # raises UnsupportedConfigError naming the field
+    transformer_config_kwargs: Callable[[object], dict]
+    rules: Callable[[object], list[Rule]]
+    is_moe_layer: Callable[[object, int], bool]
+    tiny_hf_config: Callable[..., object]
+    dropped: tuple[str, ...] = ()                  # regexes of HF tensors deliberately not loaded
+    training_defaults: dict = field(default_factory=dict)
+    transform_context: Optional[Callable[[object], dict]] = None
+
+
+class UnsupportedConfigError(ValueError):
+    """An HF config field moe-sft cannot honour; the message names the field and the value."""

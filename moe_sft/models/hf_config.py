@@ -1,0 +1,35 @@
+"""Reading HF config fields whose names differ across transformers versions (4.x vs 5.x)."""
+
+from __future__ import annotations
+
+from moe_sft.models.family import UnsupportedConfigError
+
+
+def num_experts(cfg) -> int:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(cfg, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def rope_parameters(cfg) -> dict:
+    params = getattr(cfg, "rope_parameters", None)  # transformers 5
+    if params:
+        return dict(params)
+    legacy = dict(getattr(cfg, "rope_scaling", None) or {})
+    legacy.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    legacy.setdefault("rope_type", legacy.get("type", "default"))
+    return legacy
+
+
+def rope_theta(cfg) -> float:
+    return float(rope_parameters(cfg)["rope_theta"])
+
+
+def check_rope_default(cfg) -> None:
+    rope_type = rope_parameters(cfg).get("rope_type", "default")
+    if rope_type not in ("default", None):
+        raise UnsupportedConfigError(
+            f"config.json: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported "
+            "for this family; remove the rope scaling entry or use a model with default RoPE.")

@@ -1,0 +1,128 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): HF config → megatron TransformerConfig, weight map.
+
+Faithful to transformers' `Qwen3MoeForCausalLM`: GQA with per-head RMSNorm on q and k, SwiGLU
+experts, softmax router with top-k renormalisation when `norm_topk_prob` (megatron:
+top-k then softmax, `moe_router_pre_softmax=False`), load-balancing aux loss with
+`router_aux_loss_coef`, optional dense layers (`mlp_only_layers`, `decoder_sparse_step`).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from moe_sft.conversion import transforms as T
+from moe_sft.models.family import Family, Rule, UnsupportedConfigError
+from moe_sft.models.hf_config import num_experts, rope_theta, check_rope_default
+
+
+def is_moe_layer(cfg, i: int) -> bool:
+    mlp_only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return i not in mlp_only and num_experts(cfg) > 0 and (i + 1) % step == 0
+
+
+def check_supported(cfg) -> None:
+    if getattr(cfg, "use_sliding_window", False):
+        raise UnsupportedConfigError(
+            "config.json: use_sliding_window=true is not supported (Qwen3-MoE trains with full "
+            "attention); set use_sliding_window=false.")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedConfigError(f"config.json: hidden_act={cfg.hidden_act!r} is not "
+                                     "supported; Qwen3-MoE uses 'silu'.")
+    check_rope_default(cfg)
+
+
+def transformer_config_kwargs(cfg) -> dict:
+    layers = cfg.num_hidden_layers
+    return dict(
+        num_layers=layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        num_moe_experts=num_experts(cfg),
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(layers)],
+        moe_aux_loss_coeff=cfg.router_aux_loss_coef,
+        init_method_std=cfg.initializer_range,
+        rotary_base=rope_theta(cfg),
+    )
+
+
+def rules(cfg) -> list[Rule]:
+    attn = "model.layers.{layer}.self_attn."
+    table = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), T.PAD_VOCAB),
+        Rule("decoder.layers.{layer}.input_layernorm.weight",
+             ("model.layers.{layer}.input_layernorm.weight",), layers="all"),
+        Rule("decoder.layers.{layer}.self_attention.linear_qkv.weight",
+             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+             T.QKV_INTERLEAVE, layers="all"),
+        Rule("decoder.layers.{layer}.self_attention.q_layernorm.weight", (attn + "q_norm.weight",),
+             layers="all"),
+        Rule("decoder.layers.{layer}.self_attention.k_layernorm.weight", (attn + "k_norm.weight",),
+             layers="all"),
+        Rule("decoder.layers.{layer}.self_attention.linear_proj.weight", (attn + "o_proj.weight",),
+             layers="all"),
+        Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight",
+             ("model.layers.{layer}.post_attention_layernorm.weight",), layers="all"),
+        Rule("decoder.layers.{layer}.mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",),
+             layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.experts.weight1",
+             ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+              "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
+             T.EXPERTS_FC1, layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.experts.weight2",
+             ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",),
+             T.EXPERTS_FC2, layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.linear_fc1.weight",
+             ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
+             T.GATE_UP_FUSE, layers="dense"),
+        Rule("decoder.layers.{layer}.mlp.linear_fc2.weight",
+             ("model.layers.{layer}.mlp.down_proj.weight",), layers="dense"),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    ]
+    if getattr(cfg, "attention_bias", False):
+        table.append(Rule("decoder.layers.{layer}.self_attention.linear_qkv.bias",
+                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                          T.QKV_BIAS_INTERLEAVE, layers="all"))
+    if not cfg.tie_word_embeddings:
+        table.append(Rule("output_layer.weight", ("lm_head.weight",), T.PAD_VOCAB))
+    return table
+
+
+def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3MoeConfig:
+    """A few-MB Qwen3-MoE for tests and the quickstart (dims multiple of 16 for grouped_mm)."""
+    kwargs = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+                  moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=2048, tie_word_embeddings=False, norm_topk_prob=True,
+                  router_aux_loss_coef=0.01, rms_norm_eps=1e-6)
+    kwargs.update(overrides)
+    return Qwen3MoeConfig(**kwargs)
+
+
+FAMILY = Family(
+    name="qwen3_moe",
+    model_types=("qwen3_moe",),
+    hf_config_class=Qwen3MoeConfig,
+    hf_model_class=Qwen3MoeForCausalLM,
+    check_supported=check_supported,
+    transformer_config_kwargs=transformer_config_kwargs,
+    rules=rules,
+    is_moe_layer=is_moe_layer,
+    tiny_hf_config=tiny_hf_config,
+    training_defaults={"moe_router_load_balancing_type": "aux_loss"},
+)

@@ -1,0 +1,27 @@
+"""HF `model_type` → Family. Unknown types are an error that lists the supported ones."""
+
+from __future__ import annotations
+
+from moe_sft.models import qwen3_moe
+from moe_sft.models.family import Family
+
+FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY,)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES for t in f.model_types)
+
+
+def family_for_model_type(model_type: str, source: str = "config.json") -> Family:
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise ValueError(f"{source}: model_type={model_type!r} is not supported by moe-sft; supported: "
+                     f"{', '.join(supported_model_types())}.")
+
+
+def family_by_name(name: str) -> Family:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")

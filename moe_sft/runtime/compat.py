@@ -1,0 +1,266 @@
+"""Every patch moe-sft applies to torch or megatron-core, in one place, applied explicitly.
+
+Two groups:
+
+* `apply_megatron_fixes()` — always applied. Bugs of megatron-core 0.16.1 that bite without
+  Transformer Engine (the fast path on GPUs without TE, and every CPU run).
+* `apply_cpu_compat()` — applied only when CUDA is absent (CI, laptops, the quickstart on CPU).
+  megatron-core assumes CUDA in ~260 places (`device="cuda"`, `torch.cuda.current_device()`,
+  streams, events, `Tensor.type()` asserts in the distributed optimizer and grad clipping).
+  Instead of forking megatron-core we redirect those requests to the CPU: factory functions and
+  `Tensor.to/.cuda` map CUDA devices to CPU, `torch.cuda` streams/events/synchronize become
+  no-ops, and `Tensor.type()` reports `torch.cuda.*` names so type assertions pass. The trainer
+  says at startup when this is active. Never applied when CUDA is available.
+
+Each patch is gated on the megatron-core version it was written against and covered by
+tests/cpu/test_compat.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TESTED_MCORE_VERSIONS = ("0.16.",)
+
+_state = {"megatron_fixes": False, "cpu_compat": False}
+# (owner, attribute) → (original, patched) for every CPU-compat patch, so it can be suspended.
+_cpu_patches: dict[tuple[object, str], tuple[object, object]] = {}
+
+
+def _mcore_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def apply_megatron_fixes() -> list[str]:
+    """Fix megatron-core 0.16.1 problems that occur whenever Transformer Engine is absent."""
+    if _state["megatron_fixes"]:
+        return []
+    applied = []
+    if _mcore_version().startswith(TESTED_MCORE_VERSIONS):
+        from megatron.core.transformer.moe import moe_utils
+
+        # moe_utils imports `te_general_gemm` inside a try block that fails without TE, then the
+        # router's fp32 gemm reads the name: NameError. None selects its torch.mm branch.
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+            applied.append("moe_utils.te_general_gemm = None (router gemm without TE)")
+    _state["megatron_fixes"] = True
+    return applied
+
+
+# --------------------------------------------------------------------------------------------
+# CPU emulation of the CUDA calls megatron-core makes
+# --------------------------------------------------------------------------------------------
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "randint",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "as_tensor", "linspace", "eye", "empty_strided", "randperm",
+)
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):  # megatron passes torch.cuda.current_device() (an int)
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _cpu_device(device):
+    return torch.device("cpu") if _is_cuda_device(device) else device
+
+
+def _wrap_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patched_to(orig_to):
+    @functools.wraps(orig_to)
+    def to(self, *args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if args and (_is_cuda_device(args[0]) and not isinstance(args[0], bool)):
+            args = (torch.device("cpu"),) + tuple(args[1:])
+        return orig_to(self, *args, **kwargs)
+
+    return to
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _patched_type(orig_type):
+    @functools.wraps(orig_type)
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs:
+            # distributed optimizer and clip_grads assert 'torch.cuda.FloatTensor' etc.
+            return _CUDA_TYPE_NAMES.get(self.dtype, orig_type(self))
+        return orig_type(self, *args, **kwargs)
+
+    return type_
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream / ExternalStream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cuda_stubs() -> dict:
+    null_stream = _NullStream()
+    return {
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "set_device": lambda *a, **k: None,
+        "synchronize": lambda *a, **k: None,
+        "empty_cache": lambda: None,
+        "Stream": _NullStream,
+        "ExternalStream": _NullStream,
+        "Event": _NullEvent,
+        "current_stream": lambda *a, **k: null_stream,
+        "default_stream": lambda *a, **k: null_stream,
+        "stream": lambda *a, **k: contextlib.nullcontext(),
+        "set_stream": lambda *a, **k: None,
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "reset_peak_memory_stats": lambda *a, **k: None,
+        "memory_stats": lambda *a, **k: {},
+        # The CUDA RNG tracker forks "CUDA" RNG states; on CPU the CPU generator plays that role.
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+        # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly)
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: None,
+    }
+
+
+def _patch_rng_tracker():
+    """megatron's `_set_cuda_rng_state` reaches into torch.cuda.default_generators."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+
+
+def apply_cpu_compat() -> list[str]:
+    """Redirect megatron-core's CUDA requests to the CPU. Only for machines without CUDA."""
+    if _state["cpu_compat"]:
+        return []
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_compat() is for machines without CUDA; this one has CUDA.")
+    version = _mcore_version()
+    if not version.startswith(TESTED_MCORE_VERSIONS):
+        log.warning("CPU compat was written for megatron-core %s, found %s", TESTED_MCORE_VERSIONS,
+                    version)
+    for name in _FACTORIES:
+        _patch(torch, name, _wrap_factory(getattr(torch, name)))
+    _patch(torch.Tensor, "to", _patched_to(torch.Tensor.to))
+    _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    _patch(torch.Tensor, "type", _patched_type(torch.Tensor.type))
+    _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    for name, stub in _cuda_stubs().items():
+        _patch(torch.cuda, name, stub)
+    _patch(torch.cuda, "nvtx", types.SimpleNamespace(
+        range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+        range=lambda *a, **k: contextlib.nullcontext()))
+    _patch_rng_tracker()
+    _state["cpu_compat"] = True
+    return ["torch factories/Tensor.to/.cuda map CUDA to CPU", "torch.cuda streams/events stubbed",
+            "Tensor.type() reports torch.cuda.* names", "CUDA RNG tracker uses the CPU generator"]
+
+
+def _patch(owner, name: str, new) -> None:
+    _cpu_patches[(owner, name)] = (getattr(owner, name, None), new)
+    setattr(owner, name, new)
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run code that is not megatron's (transformers model loading) with torch unpatched.
+
+    transformers builds models on the meta device and then materialises non-persistent buffers
+    (e.g. rotary `inv_freq`); under the factory wrappers those came out uninitialised. HF models
+    are therefore loaded (and run) inside this context.
+    """
+    if not _state["cpu_compat"]:
+        yield
+        return
+    for (owner, name), (orig, _new) in _cpu_patches.items():
+        setattr(owner, name, orig)
+    try:
+        yield
+    finally:
+        for (owner, name), (_orig, new) in _cpu_patches.items():
+            setattr(owner, name, new)
+
+
+def cpu_compat_active() -> bool:
+    return _state["cpu_compat"]

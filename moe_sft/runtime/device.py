@@ -1,0 +1,64 @@
+"""Startup capability probe: which device, precision and layer backend, and why."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from moe_sft.runtime import compat
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    device: str          # cuda | cpu
+    precision: str       # bf16 | fp32
+    backend: str         # te | torch
+    reasons: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (f"device={self.device} precision={self.precision} backend={self.backend} ("
+                + "; ".join(self.reasons) + ")")
+
+
+def _te_importable() -> bool:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:  # a broken TE install must not take the torch path down with it
+        return False
+
+
+def choose_runtime(device: str = "auto", precision: str = "auto", backend: str = "auto") -> RuntimeChoice:
+    reasons = []
+    has_cuda = torch.cuda.is_available()
+    if device == "auto":
+        device = "cuda" if has_cuda else "cpu"
+        reasons.append("CUDA available" if has_cuda else "no CUDA device: CPU (gloo)")
+    elif device == "cuda" and not has_cuda:
+        raise RuntimeError("trainer.device=cuda but torch sees no CUDA device; use "
+                           "trainer.device=auto or cpu.")
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    if device == "cpu" and precision == "bf16":
+        reasons.append("bf16 on CPU is slow; fp32 recommended")
+    te_ok = device == "cuda" and _te_importable()
+    if backend == "auto":
+        backend = "te" if te_ok else "torch"
+        reasons.append("transformer_engine imports" if te_ok else
+                       "transformer_engine not importable: torch-native spec")
+    elif backend == "te" and not te_ok:
+        raise RuntimeError("model.backend=te but transformer_engine does not import on this "
+                           "machine (or no CUDA); use model.backend=auto or torch.")
+    return RuntimeChoice(device, precision, backend, tuple(reasons))
+
+
+def prepare_runtime(choice: RuntimeChoice) -> list[str]:
+    """Apply the compat patches this runtime needs; returns what was applied (for the log)."""
+    applied = compat.apply_megatron_fixes()
+    if choice.device == "cpu":
+        applied += compat.apply_cpu_compat()
+    return applied
