@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -19,6 +20,17 @@ log = logging.getLogger(__name__)
 
 
 def load_hf_config(path: Path):
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing; point the path at a directory holding "
+                              "config.json")
+    # Check model_type before AutoConfig: a type transformers does not know (a newer family) must
+    # still get the registry's error listing the supported types, not transformers' upgrade hint.
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
+    registry.family_for_model_type(model_type, source=str(config_file))
     try:
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as err:

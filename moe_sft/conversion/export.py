@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from moe_sft.conversion import mapping, mcore_io
 from moe_sft.conversion.hf_writer import ShardedSafetensorsWriter
@@ -39,7 +40,9 @@ def export(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 *
     state = model.state_dict()
     for name, tensor in mapping.state_to_hf(entries, state, ctx):
         writer.add(name, tensor.to(torch_dtype))
-    mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
+    copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
+    if "generation_config.json" not in copied:  # generate() and serving stacks read it
+        GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
     hf_cfg.torch_dtype = torch_dtype
     hf_cfg.save_pretrained(str(writer.staging_dir))
     return writer.close()

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from jinja2 import TemplateError
+
 from moe_sft.data.formats import DataFormatError, iter_conversations
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -88,10 +90,18 @@ def tokenize_conversation(
         raise ValueError(f"overlong={overlong!r} is not supported; use 'truncate' or 'drop'")
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len} leaves nothing to learn; use at least 2 (typically 2048 or more)")
-    if has_generation_markers(tokenizer.chat_template):
-        input_ids, mask = assistant_mask_from_markers(tokenizer, messages)
-    else:
-        input_ids, mask = assistant_mask_from_prefixes(tokenizer, messages, source=source, end_of_turn=end_of_turn)
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an instruct model's "
+            "tokenizer (data.tokenizer_path) or set tokenizer.chat_template"
+        )
+    try:
+        if has_generation_markers(tokenizer.chat_template):
+            input_ids, mask = assistant_mask_from_markers(tokenizer, messages)
+        else:
+            input_ids, mask = assistant_mask_from_prefixes(tokenizer, messages, source=source, end_of_turn=end_of_turn)
+    except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
+        raise DataFormatError(f"{source or 'conversation'}: the chat template rejected this row: {e}") from e
     if not any(mask):
         raise DataFormatError(
             f"{source or 'conversation'}: the chat template marked no assistant token; check that it renders "

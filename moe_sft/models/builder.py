@@ -80,7 +80,7 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
         persist_layer_norm=False,
         use_cpu_initialization=opts.device == "cpu",
         perform_initialization=True,
-        calculate_per_token_loss=True,
+        calculate_per_token_loss=False,  # we normalise by the global token count ourselves (step.py)
     )
     if opts.moe_aux_loss_coeff is not None:
         kwargs["moe_aux_loss_coeff"] = opts.moe_aux_loss_coeff

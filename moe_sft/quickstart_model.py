@@ -1,0 +1,57 @@
+"""Create the quickstart's tiny random Qwen3-MoE HF checkpoint (demo tokenizer) and convert it.
+
+Run as a module in its own process (the trainer's rank 0 does this when
+`model.create_tiny_if_missing=true` and the paths are absent):
+
+    python -m moe_sft.quickstart_model --hf-path DIR --mcore-path DIR --tokenizer recipes/demo/tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def create_tiny_hf(hf_path: Path, tokenizer_dir: Path, seed: int = 0) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from moe_sft.models import qwen3_moe
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = qwen3_moe.tiny_hf_config(vocab_size=len(tokenizer))
+    cfg.bos_token_id = None
+    cfg.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cfg.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = qwen3_moe.FAMILY.hf_model_class(cfg)
+    tmp = hf_path.with_name(hf_path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                     do_sample=False).save_pretrained(str(tmp))
+    tmp.rename(hf_path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hf-path", required=True, type=Path)
+    parser.add_argument("--mcore-path", required=True, type=Path)
+    parser.add_argument("--tokenizer", required=True, type=Path)
+    args = parser.parse_args()
+    if not (args.hf_path / "config.json").is_file():
+        args.hf_path.parent.mkdir(parents=True, exist_ok=True)
+        create_tiny_hf(args.hf_path, args.tokenizer)
+        print(f"created tiny Qwen3-MoE at {args.hf_path}")
+    if not (args.mcore_path / "moe_sft_meta.json").is_file():
+        from moe_sft.conversion.convert import convert
+
+        convert(args.hf_path, args.mcore_path)
+        print(f"converted {args.hf_path} -> {args.mcore_path}")
+
+
+if __name__ == "__main__":
+    main()

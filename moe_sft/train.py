@@ -1,0 +1,31 @@
+"""torchrun -m moe_sft.train --config-path DIR --config-name NAME [key=value ...]"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from moe_sft.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(argv)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    from moe_sft.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        trainer.train()
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns a process: the guard is required
+    sys.exit(main(sys.argv[1:]))

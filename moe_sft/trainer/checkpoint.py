@@ -1,0 +1,135 @@
+"""Atomic, resumable training checkpoints in megatron's dist-checkpoint format.
+
+    <output_dir>/checkpoints/step_0000010/   model (+ optimizer, scheduler, RNG, data position)
+    <output_dir>/checkpoints/latest          the newest complete step, written last
+
+Each checkpoint is written into `step_N.tmp`, completed (meta + hf side files) and renamed;
+`latest` is replaced atomically afterwards. A killed run therefore resumes from the newest
+complete checkpoint and never from a partial one. Any checkpoint directory is also a valid
+`--mcore-path` for tools/export_mcore_to_hf.py. Model and optimizer state are sharded by
+megatron, so a resume may change TP/PP/EP/DP (RNG state is restored only for the same world).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from moe_sft.conversion import mcore_io
+
+_STEP_DIR = re.compile(r"step_(\d{7})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:07d}"
+
+
+def latest_step(root: Path) -> Optional[int]:
+    pointer = Path(root) / "latest"
+    if not pointer.is_file():
+        return None
+    step = int(pointer.read_text().strip())
+    return step if (step_dir(root, step) / mcore_io.META_FILE).is_file() else None
+
+
+def unwrap(model_chunks) -> list:
+    """The GPTModels inside megatron's DDP wrappers (DDP would prefix every key with 'module.')."""
+    return [getattr(c, "module", c) for c in model_chunks]
+
+
+def model_sharded_state(model_chunks) -> dict:
+    model_chunks = unwrap(model_chunks)
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def _rng_object() -> ShardedObject:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = {"cpu": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
+
+
+def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loading=False) -> dict:
+    state = model_sharded_state(model_chunks)
+    # 'fully_reshardable': optimizer state in the canonical per-parameter form, so a resume may
+    # change TP/PP/EP/DP (the default format relies on flattened ranges torch_dist rejects).
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    state["scheduler"] = scheduler.state_dict()
+    state["rng_state"] = _rng_object()
+    state["world_size"] = dist.get_world_size()
+    state.update(extra)
+    return state
+
+
+def save(root: Path, step: int, model_chunks, optimizer, scheduler, extra: dict, meta: dict,
+         hf_side_dir: Path, keep_last: int) -> Path:
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(full_sharded_state(model_chunks, optimizer, scheduler, extra), str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        mcore_io.copy_hf_side_files(hf_side_dir, tmp / mcore_io.HF_SUBDIR)
+        mcore_io.write_meta(tmp, dict(meta, step=step))
+        mcore_io.commit_dir(tmp, final)
+        pointer_tmp = root / "latest.tmp"
+        pointer_tmp.write_text(str(step))
+        os.replace(pointer_tmp, root / "latest")
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    for step in steps[:-keep_last]:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+
+
+def load_model_weights(path: Path, model_chunks) -> None:
+    """Initial weights from a converted (or any moe-sft) checkpoint, in any parallel layout.
+
+    Storage is keyed by each ShardedTensor's global key, not by the dict path, so the chunks of
+    a VPP model read the single 'model' a converter wrote.
+    """
+    sharded = model_sharded_state(model_chunks)
+    state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
+    for key, chunk in zip(sharded, unwrap(model_chunks)):
+        chunk.load_state_dict(state[key])
+
+
+def load_full(path: Path, model_chunks, optimizer, scheduler, extra_template: dict,
+              load_optimizer: bool = True) -> dict:
+    """Resume: model, optimizer, scheduler, RNG (same world size only) and the extra entries."""
+    sharded = full_sharded_state(model_chunks, optimizer, scheduler, extra_template, is_loading=True)
+    if not load_optimizer:
+        sharded.pop("optimizer")
+    state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
+    for key, chunk in zip(model_sharded_state(model_chunks), unwrap(model_chunks)):
+        chunk.load_state_dict(state[key])
+    if load_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    if state.get("world_size") == dist.get_world_size():
+        rng = state["rng_state"]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    return state

@@ -1,0 +1,90 @@
+"""One training step around megatron-core's pipeline schedule.
+
+Loss normalisation: loss = Σ assistant-token losses / (assistant tokens in the whole global
+batch). The batch plan gives every rank that global count without communication. megatron's
+schedule divides each micro-batch loss by `num_microbatches` and DDP averages gradients over the
+data-parallel group, so each micro-batch returns `local_sum / global_tokens * num_mb * dp` —
+after both reductions the gradient is exactly that of the global per-token mean (not a mean
+of per-micro-batch means, which overweights short micro-batches).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from moe_sft.data.packing import PackedMicroBatch
+from moe_sft.models.forward import packed_seq_params
+
+
+def _to_device(mb: PackedMicroBatch, device: str) -> dict:
+    return dict(tokens=mb.tokens[None].to(device), labels=mb.labels[None].to(device),
+                loss_mask=mb.loss_mask[None].to(device), position_ids=mb.position_ids[None].to(device),
+                params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen))
+
+
+def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token CE over the vocab-parallel logits [b, s, V/tp], ignoring padded vocab rows.
+
+    The vocabulary is padded to a multiple of 128 for TP; padded columns get -inf so they take
+    no probability mass and their output rows never train (the exported model is unchanged).
+    """
+    local_vocab = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
+    if start + local_vocab > vocab_size:
+        pad = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(pad, float("-inf"))
+    # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).float().contiguous(),
+                                                          labels.transpose(0, 1).contiguous())
+    return losses.transpose(0, 1)
+
+
+def _loss_func(batch: dict, scale: float, vocab_size: int, output: torch.Tensor):
+    losses = masked_token_losses(output, batch["labels"], vocab_size)
+    local_sum = (losses * batch["loss_mask"]).sum()
+    reported = torch.stack([local_sum.detach(), batch["loss_mask"].sum().detach()])
+    return local_sum * scale, {"lm_loss": reported}
+
+
+def make_forward_step(device: str, scale: float, vocab_size: int):
+    def forward_step(data_iterator, model):
+        batch = _to_device(next(data_iterator), device)
+        output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                       attention_mask=None, packed_seq_params=batch["params"])
+        return output, partial(_loss_func, batch, scale, vocab_size)
+
+    return forward_step
+
+
+def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, device: str,
+                         vocab_size: int, seq_length: int, forward_only: bool = False):
+    """Forward+backward over this rank's micro-batches; returns (loss_sum, loss_tokens) local."""
+    num_mb = len(micro_batches)
+    dp = parallel_state.get_data_parallel_world_size()
+    scale = num_mb * dp / max(global_loss_tokens, 1)
+    iterators = [iter(micro_batches) for _ in model_chunks]
+    fb = get_forward_backward_func()
+    outputs = fb(forward_step_func=make_forward_step(device, scale, vocab_size),
+                 data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+                 model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+                 num_microbatches=num_mb, seq_length=seq_length, micro_batch_size=1,
+                 forward_only=forward_only)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for out in outputs or []:
+        total += out["lm_loss"].to(total)
+    return total
+
+
+def global_loss(local_total: torch.Tensor) -> float:
+    """Σ loss / Σ tokens over the data-parallel replicas of the last pipeline stage."""
+    counted = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+               and parallel_state.get_tensor_model_parallel_rank() == 0
+               and parallel_state.get_context_parallel_rank() == 0)
+    total = local_total if counted else torch.zeros_like(local_total)
+    dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item()

@@ -1,0 +1,265 @@
+"""The Trainer: built in documented phases, then a plain loop of `train_step`s.
+
+Phases (each a method, in order): runtime → distributed → model source → model → optimizer →
+data → resume. Everything a phase needs from the recipe is validated before any process group
+exists (moe_sft.config.validate), and again against the model's dimensions once the HF config
+is known.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from moe_sft.config import TrainConfig, save_resolved_config, validate_against_model, validate_config
+from moe_sft.conversion import mcore_io
+from moe_sft.layers.attention import attention_kernel_name
+from moe_sft.models import registry
+from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
+from moe_sft.models.hf_config import num_experts
+from moe_sft.runtime import device as rdevice, distributed
+from moe_sft.trainer import checkpoint, step as train_step
+from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def _say(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[moe-sft] {msg}", flush=True)
+
+
+def run_single_process(code: list[str]) -> None:
+    """Run a tool in a fresh process outside the torchrun world (conversion, export)."""
+    # torchrun's variables (TORCHELASTIC_USE_AGENT_STORE above all) would make the child try to
+    # join the training world's rendezvous and hang.
+    env = {k: v for k, v in os.environ.items()
+           if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    subprocess.run([sys.executable, *code], check=True, env=env)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.trainer.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.start_step = 0
+
+    # ---------------------------------------------------------------- phases
+    def setup(self) -> "Trainer":
+        self._runtime()
+        self._distributed()
+        self._model_source()
+        self._model()
+        self._optimizer()
+        self._data()
+        self._resume()
+        return self
+
+    def _runtime(self) -> None:
+        t = self.cfg.trainer
+        self.rt = rdevice.choose_runtime(t.device, t.precision, self.cfg.model.backend)
+        applied = rdevice.prepare_runtime(self.rt)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[moe-sft] {self.rt.describe()}", flush=True)
+            print(f"[moe-sft] attention kernel: {attention_kernel_name(self.rt.device)}", flush=True)
+            for patch in applied:
+                print(f"[moe-sft] compat: {patch}", flush=True)
+
+    def _distributed(self) -> None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        validate_config(self.cfg, world)
+        distributed.init_process_group(self.rt.device)
+        p = self.cfg.parallel
+        distributed.init_model_parallel(
+            tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+            vpp=p.virtual_pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size, cp=p.context_parallel_size, seed=self.cfg.trainer.seed)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        _say(f"world={world} tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} "
+             f"ep={p.expert_model_parallel_size} cp={p.context_parallel_size} dp={self.dp_size}")
+        if dist.get_rank() == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_resolved_config(self.cfg, self.out / "config.yaml")
+
+    def _model_source(self) -> None:
+        m = self.cfg.model
+        mcore = Path(m.mcore_path)
+        if m.create_tiny_if_missing and not (mcore / mcore_io.META_FILE).is_file():
+            if dist.get_rank() == 0:
+                _say(f"creating the tiny demo model at {m.hf_path} and converting it to {mcore}")
+                tokenizer = self.cfg.data.tokenizer_path or "recipes/demo/tokenizer"
+                run_single_process(["-m", "moe_sft.quickstart_model", "--hf-path", m.hf_path,
+                                    "--mcore-path", str(mcore), "--tokenizer", tokenizer])
+            dist.barrier()
+        self.meta = mcore_io.read_meta(mcore)
+        self.hf_side = mcore / mcore_io.HF_SUBDIR
+
+    def _model(self) -> None:
+        from moe_sft.conversion.convert import load_hf_config
+
+        self.family, self.hf_cfg = load_hf_config(self.hf_side)
+        validate_against_model(self.cfg, self.hf_cfg.num_hidden_layers, num_experts(self.hf_cfg) or None,
+                               self.hf_cfg.num_attention_heads, self.hf_cfg.num_key_value_heads,
+                               self.hf_cfg.vocab_size)
+        m, p = self.cfg.model, self.cfg.parallel
+        self.opts = ModelOptions(
+            precision=self.rt.precision, backend=self.rt.backend, device=self.rt.device,
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+            context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
+            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+            moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_router_dtype=m.moe_router_dtype,
+            moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+            recompute_granularity=m.recompute_granularity)
+        self.tconfig = build_transformer_config(self.family, self.hf_cfg, self.opts)
+        chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        self.model = [DDP(config=self.tconfig, ddp_config=ddp_config, module=c,
+                          disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        params = sum(x.numel() for c in chunks for x in c.parameters())
+        _say(f"model {self.family.name}: {params / 1e6:.2f}M parameters on rank 0's shard, "
+             f"{self.tconfig.num_layers} layers, {self.tconfig.num_moe_experts} experts")
+
+    def _optimizer(self) -> None:
+        o = self.cfg.optimizer
+        bf16 = self.rt.precision == "bf16"
+        oc = MegatronOptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, bf16=bf16, params_dtype=self.tconfig.params_dtype,
+            use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
+            optimizer_cpu_offload=o.optimizer_cpu_offload)
+        self.optimizer = get_megatron_optimizer(oc, self.model)
+        # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
+        steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=steps, lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=steps,
+            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True)  # the recipe's schedule wins on resume
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.tconfig.no_sync_func = ([c.no_sync for c in self.model] if len(self.model) > 1
+                                     else self.model[0].no_sync)
+
+    def _data(self) -> None:
+        from transformers import AutoTokenizer
+
+        from moe_sft.data.chat import tokenize_files
+        from moe_sft.data.loader import PackedBatchPlan
+
+        d, p = self.cfg.data, self.cfg.parallel
+        self.tokenizer = AutoTokenizer.from_pretrained(d.tokenizer_path or str(self.hf_side))
+        docs, stats = tokenize_files(self.tokenizer, d.train_files, d.max_seq_len, d.overlong)
+        _say(f"data: {stats.as_dict()}")
+        pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
+        if p.pipeline_model_parallel_size > 1:  # pipeline p2p needs one shape for every micro-batch
+            pad_to = d.pack_length
+        self.seq_length = d.pack_length
+        self.plan = PackedBatchPlan(docs, d.pack_length, self.cfg.trainer.global_batch_size,
+                                    seed=d.seed, shuffle=d.shuffle, pad_to=pad_to,
+                                    pad_token_id=self.tokenizer.pad_token_id or 0)
+        _say(f"{self.plan.steps_per_epoch} steps per epoch of {self.cfg.trainer.global_batch_size} "
+             f"packed micro-batches x {d.pack_length} tokens")
+
+    def _resume(self) -> None:
+        latest = checkpoint.latest_step(self.ckpt_root)
+        if self.cfg.checkpoint.resume == "auto" and latest is not None:
+            path = checkpoint.step_dir(self.ckpt_root, latest)
+            state = checkpoint.load_full(path, self.model, self.optimizer, self.scheduler,
+                                         self._extra_state(), self.cfg.checkpoint.load_optimizer)
+            self.plan.load_state_dict(state["data_state"])
+            self.start_step = int(state["step"])
+            _say(f"resumed from {path} at step {self.start_step}")
+        else:
+            checkpoint.load_model_weights(Path(self.cfg.model.mcore_path), self.model)
+            _say(f"loaded weights from {self.cfg.model.mcore_path}")
+        self.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
+
+    # ---------------------------------------------------------------- loop
+    def _extra_state(self) -> dict:
+        return {"data_state": self.plan.state_dict(), "step": self.plan.next_step}
+
+    def _save(self, step: int) -> Path:
+        meta = dict(self.meta, step=step)
+        path = checkpoint.save(self.ckpt_root, step, self.model, self.optimizer, self.scheduler,
+                               self._extra_state(), meta, self.hf_side, self.cfg.checkpoint.keep_last)
+        _say(f"saved checkpoint {path}")
+        return path
+
+    def train_one_step(self, step: int) -> dict[str, float]:
+        batches, global_tokens = self.plan.batches_for_step(step, self.dp_rank, self.dp_size)
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        timer = Throughput()
+        timer.start()
+        local = train_step.run_forward_backward(self.model, batches, global_tokens, self.rt.device,
+                                                self.hf_cfg.vocab_size, self.seq_length)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        tokens = torch.tensor([sum(len(b.tokens) for b in batches)], device=self.rt.device)
+        dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+        tokens_per_s, seconds = timer.stop(int(tokens.item()))
+        metrics = {"train/loss": train_step.global_loss(local), "train/lr": self.scheduler.get_lr(
+            self.optimizer.param_groups[0]), "train/grad_norm": float(grad_norm or 0.0),
+            "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
+            "train/loss_tokens": float(global_tokens)}
+        metrics.update(moe_aux_losses(len(batches)))
+        if not ok:
+            metrics["train/skipped"] = 1.0
+        return metrics
+
+    def train(self) -> None:
+        t, c = self.cfg.trainer, self.cfg.checkpoint
+        logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
+        last_saved = self.start_step if self.start_step else None
+        for step in range(self.start_step, t.max_steps):
+            metrics = self.train_one_step(step)
+            self.plan.next_step = step + 1
+            if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
+                logger.log(step + 1, t.max_steps, metrics)
+            if c.save_interval and (step + 1) % c.save_interval == 0:
+                self._save(step + 1)
+                last_saved = step + 1
+        logger.close()
+        final = max(t.max_steps, self.start_step)
+        if last_saved != final:
+            self._save(final)
+        if t.export_hf_at_end:
+            self.export(checkpoint.step_dir(self.ckpt_root, final))
+
+    def export(self, ckpt: Path) -> None:
+        if dist.get_rank() == 0:
+            out = self.out / "hf"
+            dtype = "bf16" if self.rt.precision == "bf16" else "fp32"
+            run_single_process(["-c", "import sys; from moe_sft.conversion.export import export; "
+                                "export(sys.argv[1], sys.argv[2], dtype=sys.argv[3])",
+                                str(ckpt), str(out), dtype])
+            _say(f"exported HF model to {out}")
+        dist.barrier()
+
+    def close(self) -> None:
+        distributed.destroy()
