@@ -53,8 +53,35 @@ def apply_megatron_fixes() -> list[str]:
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
             applied.append("moe_utils.te_general_gemm = None (router gemm without TE)")
+        _fix_fully_reshardable_step_load()
+        applied.append("DistributedOptimizer: per-parameter Adam 'step' kept on fully_reshardable load")
     _state["megatron_fixes"] = True
     return applied
+
+
+def _fix_fully_reshardable_step_load() -> None:
+    """Without apex/TE, torch's Adam keeps a per-parameter 'step' tensor. megatron 0.16.1 saves
+    the step once (in the common state) but `_set_main_param_and_optimizer_states` copies every
+    state key from the loaded tensors, so resuming a fully_reshardable checkpoint dies with
+    KeyError: 'step'. Keep the existing tensor for that key; load_state_dict restores the step.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_moe_sft_fixed", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"].clone())
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._moe_sft_fixed = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 # --------------------------------------------------------------------------------------------

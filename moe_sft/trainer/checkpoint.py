@@ -60,7 +60,19 @@ def _rng_object() -> ShardedObject:
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
+def _materialise_optimizer_state(optimizer) -> None:
+    """A fresh torch Adam has no state yet, but the sharded state dict describes existing state.
+
+    megatron's own loader fills it with dummy values that the checkpoint then overwrites in place.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not opt.optimizer.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loading=False) -> dict:
+    if is_loading:
+        _materialise_optimizer_state(optimizer)
     state = model_sharded_state(model_chunks)
     # 'fully_reshardable': optimizer state in the canonical per-parameter form, so a resume may
     # change TP/PP/EP/DP (the default format relies on flattened ranges torch_dist rejects).
