@@ -5,9 +5,12 @@
 
 The task is *word-list reversal*: the user gives 3 distinct words out of 48 and the assistant
 answers "Reversed: " followed by the same words in reverse order. The answer is exactly checkable
-(compare strings), and the tiny quickstart MoE (2 layers, 8 experts, hidden 128) learns it on CPU:
-with AdamW at lr 3e-3 and 16 conversations per step, greedy exact match on the held-out eval
-prompts goes 0% → ~65% at step 200 → ~97% at step 300 (about 1.5 minutes on 2 cores).
+(compare strings), and the tiny quickstart MoE (2 layers, 8 experts, hidden 128) learns it on CPU.
+Measured with HF Qwen3MoeForCausalLM, AdamW lr 3e-3 (20 warmup steps, linear decay), 16
+conversations per step, loss on assistant tokens, greedy exact match on the 200 eval prompts:
+step 100: 0-25%, step 200: 60-97%, step 300: 98-100% (seeds 0, 1, 2; about a minute on 2
+cores). Less signal per step learns slower: lr 1e-3 reached 60% at step 300; 8 conversations
+per step 22%. A conversation averages 43 tokens, so pack_length 512 holds ~12 of them.
 
 Why exactly 3 words: each answer word then sits at a fixed distance from its source word, which
 rotary attention learns quickly. With 3-4 words the model needs an induction-style circuit, which
@@ -90,31 +93,39 @@ VOCAB_SIZE = 1024  # an upper bound: merges run out first (~600 tokens)
 
 
 def make_exchange(rng: random.Random) -> tuple[tuple[str, ...], str, str]:
-    """One user request and its exact answer; the word tuple is the key used for disjointness."""
-    words = tuple(rng.sample(WORDS, N_WORDS_PER_LIST))
+    """One user request and its exact answer.
+
+    The first item, the sorted word set, is the key for held-out-ness: no eval word set appears
+    in training in any order, so eval measures reversal, not recall of a seen triple.
+    """
+    words = rng.sample(WORDS, N_WORDS_PER_LIST)
     user = rng.choice(PHRASINGS).format(words=" ".join(words))
     answer = "Reversed: " + " ".join(reversed(words))
-    return words, user, answer
+    return tuple(sorted(words)), user, answer
 
 
 def make_row(rng: random.Random, forbidden: set[tuple[str, ...]]) -> tuple[dict, list[tuple[str, ...]]]:
-    """A conversation: 30% have a system prompt, 25% have two user/assistant exchanges."""
+    """A conversation: 30% have a system prompt; half have 2-3 user/assistant exchanges.
+
+    Multi-turn rows exercise the masking of later turns and give ~1.75 answers per conversation,
+    i.e. more signal per step: with only 25% of rows two-turn, step-300 accuracy was 58-97%.
+    """
     messages: list[dict[str, str]] = []
     if rng.random() < 0.30:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
     keys = []
-    for _ in range(2 if rng.random() < 0.25 else 1):
-        words, user, answer = make_exchange(rng)
-        while words in forbidden or words in keys:
-            words, user, answer = make_exchange(rng)
-        keys.append(words)
+    for _ in range(rng.choice((2, 3)) if rng.random() < 0.5 else 1):
+        key, user, answer = make_exchange(rng)
+        while key in forbidden or key in keys:
+            key, user, answer = make_exchange(rng)
+        keys.append(key)
         messages.append({"role": "user", "content": user})
         messages.append({"role": "assistant", "content": answer})
     return {"messages": messages}, keys
 
 
 def make_split(rng: random.Random, n_rows: int, forbidden: set[tuple[str, ...]]) -> tuple[list[dict], set]:
-    """`n_rows` rows whose word tuples avoid `forbidden`; returns the rows and the tuples used."""
+    """`n_rows` rows whose word sets avoid `forbidden`; returns the rows and the word sets used."""
     rows, used = [], set()
     for _ in range(n_rows):
         row, keys = make_row(rng, forbidden | used)
@@ -172,7 +183,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def build(out: Path, seed: int) -> None:
     rng = random.Random(seed)
-    # Eval first, then train avoiding every eval word tuple: held-out prompts are unseen.
+    # Eval first, then train avoiding every eval word set: held-out prompts are unseen.
     eval_rows, eval_keys = make_split(rng, N_EVAL, set())
     train_rows, _ = make_split(rng, N_TRAIN, eval_keys)
     write_jsonl(out / "data" / "train.jsonl", train_rows)

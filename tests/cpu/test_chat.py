@@ -76,7 +76,7 @@ def masked_runs(tok, doc) -> list[str]:
 
 
 def test_demo_tokenizer_is_the_committed_one(tok):
-    assert len(tok) == 687
+    assert len(tok) == 688
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert has_generation_markers(tok.chat_template)
@@ -160,6 +160,15 @@ def test_prefix_diff_end_of_turn_is_eos_or_im_end(tok_plain):
     assert masked_runs(mistral, doc) == [" Reversed: sun dog cat<|endoftext|>", " Reversed: egg fox owl<|endoftext|>"]
     with pytest.raises(DataFormatError, match=r"messages\[1\]: .*not closed by any of \['</s>'\].*end_of_turn"):
         tokenize_conversation(mistral, CONVERSATION[1:], 1024, end_of_turn="</s>")
+
+
+def test_template_exceptions_name_the_row():
+    tokenizer = _load(
+        "{%- for m in messages -%}{%- if m['role'] == 'system' -%}{{- raise_exception('System role not supported') -}}"
+        "{%- endif -%}{{- m['content'] + eos_token -}}{%- endfor -%}"
+    )
+    with pytest.raises(DataFormatError, match=r"^a\.jsonl:3: the chat template rejected this row: System role not"):
+        tokenize_conversation(tokenizer, CONVERSATION, 1024, source="a.jsonl:3")
 
 
 def test_truncate_and_drop(tok):
