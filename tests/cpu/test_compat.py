@@ -1,0 +1,70 @@
+"""Every patch in moe_sft/runtime/compat.py does what its comment says (CPU machines only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_sft.runtime import compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compat is for CUDA-less machines")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    compat.apply_megatron_fixes()
+    compat.apply_cpu_compat()
+
+
+def test_cuda_device_requests_land_on_cpu():
+    assert torch.empty(3, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.ones(2, device=torch.cuda.current_device()).device.type == "cpu"
+    x = torch.arange(4)
+    assert x.to("cuda").device.type == "cpu" and x.cuda() is x
+    assert x.to(device="cuda", dtype=torch.float32).dtype == torch.float32
+
+
+def test_tensor_type_reports_cuda_names_for_megatron_asserts():
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # the converting form still works
+
+
+def test_cuda_streams_and_events_are_noops():
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        event = torch.cuda.Event()
+        event.record()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert event.query()
+
+
+def test_cuda_rng_maps_to_the_cpu_generator():
+    torch.cuda.manual_seed(123)
+    a = torch.rand(3)
+    torch.cuda.set_rng_state(torch.cuda.get_rng_state())
+    torch.cuda.manual_seed(123)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_suspended_restores_plain_torch_and_reapplies():
+    patched_empty = torch.empty
+    with compat.suspended():
+        assert torch.empty is not patched_empty
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.empty(1, device="cuda")  # real torch: no CUDA here
+    assert torch.empty is patched_empty
+
+
+def test_megatron_router_gemm_name_exists_without_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None  # None selects the torch.mm branch
+
+
+def test_fully_reshardable_load_keeps_adam_step():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert getattr(DistributedOptimizer._set_main_param_and_optimizer_states, "_moe_sft_fixed", False)
