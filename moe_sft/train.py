@@ -13,7 +13,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from moe_sft.trainer.trainer import Trainer
+    from moe_sft.trainer.trainer import USER_ERRORS, Trainer
 
     trainer = Trainer(cfg)
     try:
@@ -21,6 +21,9 @@ def main(argv: list[str]) -> int:
         trainer.train()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except USER_ERRORS as err:  # bad data, checkpoint or model files: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
         trainer.close()

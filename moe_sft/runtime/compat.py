@@ -54,7 +54,7 @@ def apply_megatron_fixes() -> list[str]:
             moe_utils.te_general_gemm = None
             applied.append("moe_utils.te_general_gemm = None (router gemm without TE)")
         _fix_fully_reshardable_step_load()
-        applied.append("DistributedOptimizer: per-parameter Adam 'step' kept on fully_reshardable load")
+        applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")
     _state["megatron_fixes"] = True
     return applied
 
@@ -82,6 +82,20 @@ def _fix_fully_reshardable_step_load() -> None:
 
     _set_main_param_and_optimizer_states._moe_sft_fixed = True
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+    # Same path, second bug: load_state_dict gives every parameter's state the *same* 'step'
+    # tensor, and torch's Adam increments it in place once per parameter, so after a resume the
+    # bias correction runs with a step count ~#params too high (the resume test caught it).
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        for param_state in self.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+        return result
+
+    DistributedOptimizer.load_state_dict = load_state_dict
 
 
 # --------------------------------------------------------------------------------------------

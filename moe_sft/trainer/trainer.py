@@ -32,6 +32,21 @@ from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    from moe_sft.conversion.hf_reader import CheckpointError
+    from moe_sft.conversion.mapping import MappingError
+    from moe_sft.data.formats import DataFormatError
+    from moe_sft.data.loader import DataPlanError
+    from moe_sft.data.packing import PackingError
+    from moe_sft.models.family import UnsupportedConfigError
+
+    return (CheckpointError, MappingError, DataFormatError, DataPlanError, PackingError,
+            UnsupportedConfigError, FileNotFoundError)
+
+
+# Errors that mean "fix your input": the entry point prints them as one line and exits 2.
+USER_ERRORS = _user_errors()
+
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 

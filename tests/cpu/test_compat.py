@@ -68,3 +68,6 @@ def test_fully_reshardable_load_keeps_adam_step():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     assert getattr(DistributedOptimizer._set_main_param_and_optimizer_states, "_moe_sft_fixed", False)
+    # the load_state_dict wrapper that un-shares the step tensors is installed (its effect is
+    # measured end to end by tests/dist/test_quickstart_e2e.py's resume equivalence)
+    assert DistributedOptimizer.load_state_dict.__module__ == compat.__name__
