@@ -13,7 +13,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from moe_sft.trainer.trainer import USER_ERRORS, Trainer
+    from moe_sft.errors import user_errors
+    from moe_sft.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
@@ -22,7 +23,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    except USER_ERRORS as err:  # bad data, checkpoint or model files: one line, no traceback
+    except user_errors() as err:  # bad data, checkpoint or model files: one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -20,19 +20,6 @@ try:
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def user_errors() -> tuple[type, ...]:
-    """The errors whose message is the whole story (they name file, tensor or field and the fix).
-
-    Plain ValueError is the registry's "unsupported model_type"; FileNotFoundError a bad path.
-    """
-    from moe_sft.conversion.hf_reader import CheckpointError
-    from moe_sft.conversion.mapping import MappingError
-    from moe_sft.models.family import UnsupportedConfigError
-
-    return CheckpointError, MappingError, UnsupportedConfigError, ValueError, FileNotFoundError
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", required=True, help="directory with config.json and *.safetensors")
@@ -74,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # megatron-core warns at import that TE/Apex are absent; the torch-native path is intended.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    from moe_sft.errors import user_errors
+
     if args.traceback:
         return run(args)
     try:
         return run(args)
-    except user_errors() as err:
+    except user_errors() as err:  # moe_sft.errors: one line, exit 2
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
 

@@ -23,18 +23,6 @@ try:
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def user_errors() -> tuple[type, ...]:
-    """The errors whose message is the whole story (they name file, tensor or field and the fix).
-
-    Plain ValueError is the registry's "unsupported model_type"; FileNotFoundError a bad path.
-    """
-    from moe_sft.conversion.hf_reader import CheckpointError
-    from moe_sft.conversion.mapping import MappingError
-    from moe_sft.models.family import UnsupportedConfigError
-
-    return CheckpointError, MappingError, UnsupportedConfigError, ValueError, FileNotFoundError
-
 # transformers' convention (PreTrainedModel.save_pretrained max_shard_size): GB = 10**9, GiB = 2**30.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -89,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # megatron-core warns at import that TE/Apex are absent; the torch-native path is intended.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    from moe_sft.errors import user_errors
+
     if args.traceback:
         return run(args)
     try:
         return run(args)
-    except user_errors() as err:
+    except user_errors() as err:  # moe_sft.errors: one line, exit 2
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moe_sft.models import qwen3_moe
-from moe_sft.models.family import Family
+from moe_sft.models.family import Family, UnsupportedConfigError
 
 FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY,)
 
@@ -16,7 +16,7 @@ def family_for_model_type(model_type: str, source: str = "config.json") -> Famil
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    raise ValueError(f"{source}: model_type={model_type!r} is not supported by moe-sft; supported: "
+    raise UnsupportedConfigError(f"{source}: model_type={model_type!r} is not supported by moe-sft; supported: "
                      f"{', '.join(supported_model_types())}.")
 
 

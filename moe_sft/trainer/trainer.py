@@ -1,7 +1,7 @@
 """The Trainer: built in documented phases, then a plain loop of `train_step`s.
 
-Phases (each a method, in order): runtime → distributed → model source → model → optimizer →
-data → resume. Everything a phase needs from the recipe is validated before any process group
+Phases (each a method, in order): runtime → distributed → model source → data → model →
+optimizer → resume. Everything a phase needs from the recipe is validated before any process group
 exists (moe_sft.config.validate), and again against the model's dimensions once the HF config
 is known.
 """
@@ -31,21 +31,6 @@ from moe_sft.models.hf_config import num_experts
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from moe_sft.conversion.hf_reader import CheckpointError
-    from moe_sft.conversion.mapping import MappingError
-    from moe_sft.data.formats import DataFormatError
-    from moe_sft.data.loader import DataPlanError
-    from moe_sft.data.packing import PackingError
-    from moe_sft.models.family import UnsupportedConfigError
-
-    return (CheckpointError, MappingError, DataFormatError, DataPlanError, PackingError,
-            UnsupportedConfigError, FileNotFoundError)
-
-
-# Errors that mean "fix your input": the entry point prints them as one line and exits 2.
-USER_ERRORS = _user_errors()
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
@@ -77,9 +62,9 @@ class Trainer:
         self._runtime()
         self._distributed()
         self._model_source()
+        self._data()  # before the model: bad data fails in seconds, not after loading weights
         self._model()
         self._optimizer()
-        self._data()
         self._resume()
         return self
 

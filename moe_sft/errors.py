@@ -1,0 +1,17 @@
+"""The errors that mean "fix your input": their message names the file, row, tensor or field and
+the fix, so entry points (train, convert, export) print them as one line and exit 2."""
+
+from __future__ import annotations
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    from moe_sft.config import ConfigError
+    from moe_sft.conversion.hf_reader import CheckpointError
+    from moe_sft.conversion.mapping import MappingError
+    from moe_sft.data.formats import DataFormatError
+    from moe_sft.data.loader import DataPlanError
+    from moe_sft.data.packing import PackingError
+    from moe_sft.models.family import UnsupportedConfigError
+
+    return (ConfigError, CheckpointError, MappingError, DataFormatError, DataPlanError,
+            PackingError, UnsupportedConfigError, FileNotFoundError)
