@@ -43,6 +43,6 @@ def export(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 *
     copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
     if "generation_config.json" not in copied:  # generate() and serving stacks read it
         GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
-    hf_cfg.torch_dtype = torch_dtype
+    hf_cfg.dtype = torch_dtype  # written to config.json as "dtype" (transformers 5)
     hf_cfg.save_pretrained(str(writer.staging_dir))
     return writer.close()
