@@ -73,7 +73,7 @@ def convert(hf_path: str | Path, out_path: str | Path) -> dict:
     family, hf_cfg = load_hf_config(hf_path)
     precision = _check_dtypes(reader)
     entries = mapping.expand(family, hf_cfg)
-    mapping.check_hf_coverage(family, entries, reader.names())
+    mapping.check_hf_coverage(family, entries, reader.names(), hf_cfg)
     model = single_rank_model(family, hf_cfg, precision)
     ctx = mapping.transform_context(family, hf_cfg)
     started = time.time()

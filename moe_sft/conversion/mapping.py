@@ -68,8 +68,12 @@ def _list(names, limit=20) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str]) -> None:
-    """Every HF tensor is consumed exactly once or deliberately dropped, and none is missing."""
+def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str], hf_cfg=None) -> None:
+    """Every HF tensor is consumed exactly once or deliberately dropped, and none is missing.
+
+    With tied embeddings an HF file may still carry `lm_head.weight`: it is the embedding, so it
+    counts as dropped for every family.
+    """
     wanted = [n for e in entries for n in e.hf]
     duplicated = {n for n in wanted if wanted.count(n) > 1}
     if duplicated:
@@ -82,7 +86,8 @@ def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str]) 
                     "tie_word_embeddings=false: re-save it with lm_head, or set tie_word_embeddings=true.")
         raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) the {family.name} mapping "
                            f"needs: {_list(missing)}.{hint}")
-    dropped = [re.compile(p) for p in family.dropped]
+    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+    dropped = [re.compile(p) for p in family.dropped + ((r"lm_head\.weight",) if tied else ())]
     unconsumed = {n for n in hf_names - set(wanted) if not any(p.fullmatch(n) for p in dropped)}
     if unconsumed:
         raise MappingError(f"HF checkpoint has {len(unconsumed)} tensor(s) the {family.name} mapping "

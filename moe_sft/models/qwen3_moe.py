@@ -8,12 +8,11 @@ top-k then softmax, `moe_router_pre_softmax=False`), load-balancing aux loss wit
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_sft.conversion import transforms as T
+from moe_sft.models import common
 from moe_sft.models.family import Family, Rule, UnsupportedConfigError
-from moe_sft.models.hf_config import num_experts, rope_theta, check_rope_default
+from moe_sft.models.hf_config import check_rope_default, num_experts
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -34,73 +33,26 @@ def check_supported(cfg) -> None:
 
 
 def transformer_config_kwargs(cfg) -> dict:
-    layers = cfg.num_hidden_layers
     return dict(
-        num_layers=layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads,
-        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        normalization="RMSNorm",
-        layernorm_epsilon=cfg.rms_norm_eps,
+        common.gqa_swiglu_config(cfg, ffn_hidden_size=cfg.intermediate_size),
         qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
         num_moe_experts=num_experts(cfg),
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_router_topk=cfg.num_experts_per_tok,
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not cfg.norm_topk_prob,
-        moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(layers)],
+        moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(cfg.num_hidden_layers)],
         moe_aux_loss_coeff=cfg.router_aux_loss_coef,
-        init_method_std=cfg.initializer_range,
-        rotary_base=rope_theta(cfg),
     )
 
 
 def rules(cfg) -> list[Rule]:
-    attn = "model.layers.{layer}.self_attn."
-    table = [
-        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), T.PAD_VOCAB),
-        Rule("decoder.layers.{layer}.input_layernorm.weight",
-             ("model.layers.{layer}.input_layernorm.weight",), layers="all"),
-        Rule("decoder.layers.{layer}.self_attention.linear_qkv.weight",
-             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-             T.QKV_INTERLEAVE, layers="all"),
-        Rule("decoder.layers.{layer}.self_attention.q_layernorm.weight", (attn + "q_norm.weight",),
-             layers="all"),
-        Rule("decoder.layers.{layer}.self_attention.k_layernorm.weight", (attn + "k_norm.weight",),
-             layers="all"),
-        Rule("decoder.layers.{layer}.self_attention.linear_proj.weight", (attn + "o_proj.weight",),
-             layers="all"),
-        Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight",
-             ("model.layers.{layer}.post_attention_layernorm.weight",), layers="all"),
-        Rule("decoder.layers.{layer}.mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",),
-             layers="moe"),
-        Rule("decoder.layers.{layer}.mlp.experts.weight1",
-             ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-              "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
-             T.EXPERTS_FC1, layers="moe"),
-        Rule("decoder.layers.{layer}.mlp.experts.weight2",
-             ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",),
-             T.EXPERTS_FC2, layers="moe"),
-        Rule("decoder.layers.{layer}.mlp.linear_fc1.weight",
-             ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
-             T.GATE_UP_FUSE, layers="dense"),
-        Rule("decoder.layers.{layer}.mlp.linear_fc2.weight",
-             ("model.layers.{layer}.mlp.down_proj.weight",), layers="dense"),
-        Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    ]
-    if getattr(cfg, "attention_bias", False):
-        table.append(Rule("decoder.layers.{layer}.self_attention.linear_qkv.bias",
-                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                          T.QKV_BIAS_INTERLEAVE, layers="all"))
-    if not cfg.tie_word_embeddings:
-        table.append(Rule("output_layer.weight", ("lm_head.weight",), T.PAD_VOCAB))
-    return table
+    return (common.embedding_and_head_rules(cfg) + common.gqa_attention_rules(cfg, qk_norm=True)
+            + common.routed_expert_rules("mlp.gate.weight",
+                                         "mlp.experts.{expert}.gate_proj.weight",
+                                         "mlp.experts.{expert}.up_proj.weight",
+                                         "mlp.experts.{expert}.down_proj.weight")
+            + common.dense_mlp_rules())
 
 
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3MoeConfig:

@@ -332,11 +332,11 @@ def test_directory_without_config_json(tmp_path):
     _convert_fails(tmp_path, bad, CheckpointError, str(bad), "no config.json")
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v99"])  # known / unknown to transformers
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v99"])  # known / unknown to transformers
 def test_unsupported_model_type_lists_supported(tmp_path, tiny, model_type):
     bad = _write_checkpoint(tmp_path / "hf", tiny.tensors, _config(tiny, model_type=model_type))
     msg = _convert_fails(tmp_path, bad, UnsupportedConfigError, str(bad / "config.json"), repr(model_type),
-                         "supported: qwen3_moe")
+                         "supported: mixtral, qwen3_moe")
     assert "not supported" in msg
 
 

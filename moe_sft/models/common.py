@@ -1,0 +1,90 @@
+"""Mapping-table pieces shared by the Llama-style families (Qwen3-MoE, Mixtral, ...).
+
+Each helper returns `Rule`s; a family file composes them into its table, so the table stays
+declarative and one place says how, e.g., GQA attention maps onto megatron's fused linear_qkv.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from moe_sft.conversion import transforms as T
+from moe_sft.models.family import Rule
+from moe_sft.models.hf_config import rope_theta
+
+LAYER = "model.layers.{layer}."
+
+
+def embedding_and_head_rules(cfg) -> list[Rule]:
+    """Embeddings, final norm and (untied) lm_head; padded vocab rows are added/removed here."""
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), T.PAD_VOCAB),
+             Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), T.PAD_VOCAB))
+    return rules
+
+
+def gqa_attention_rules(cfg, qk_norm: bool) -> list[Rule]:
+    attn = LAYER + "self_attn."
+    rules = [
+        Rule("decoder.layers.{layer}.input_layernorm.weight", (LAYER + "input_layernorm.weight",),
+             layers="all"),
+        Rule("decoder.layers.{layer}.self_attention.linear_qkv.weight",
+             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+             T.QKV_INTERLEAVE, layers="all"),
+        Rule("decoder.layers.{layer}.self_attention.linear_proj.weight", (attn + "o_proj.weight",),
+             layers="all"),
+        Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight",
+             (LAYER + "post_attention_layernorm.weight",), layers="all"),
+    ]
+    if qk_norm:
+        rules += [Rule("decoder.layers.{layer}.self_attention.q_layernorm.weight",
+                       (attn + "q_norm.weight",), layers="all"),
+                  Rule("decoder.layers.{layer}.self_attention.k_layernorm.weight",
+                       (attn + "k_norm.weight",), layers="all")]
+    if getattr(cfg, "attention_bias", False):
+        rules.append(Rule("decoder.layers.{layer}.self_attention.linear_qkv.bias",
+                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                          T.QKV_BIAS_INTERLEAVE, layers="all"))
+    return rules
+
+
+def routed_expert_rules(router: str, gate: str, up: str, down: str) -> list[Rule]:
+    """Router + experts; `gate/up/down` are HF names relative to the layer with `{expert}`."""
+    return [
+        Rule("decoder.layers.{layer}.mlp.router.weight", (LAYER + router,), layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.experts.weight1", (LAYER + gate, LAYER + up),
+             T.EXPERTS_FC1, layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.experts.weight2", (LAYER + down,), T.EXPERTS_FC2,
+             layers="moe"),
+    ]
+
+
+def dense_mlp_rules(prefix: str = "mlp.") -> list[Rule]:
+    return [
+        Rule("decoder.layers.{layer}.mlp.linear_fc1.weight",
+             (LAYER + prefix + "gate_proj.weight", LAYER + prefix + "up_proj.weight"),
+             T.GATE_UP_FUSE, layers="dense"),
+        Rule("decoder.layers.{layer}.mlp.linear_fc2.weight", (LAYER + prefix + "down_proj.weight",),
+             layers="dense"),
+    ]
+
+
+def gqa_swiglu_config(cfg, ffn_hidden_size: int) -> dict:
+    """TransformerConfig fields every Llama-style GQA + SwiGLU family shares."""
+    return dict(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        init_method_std=cfg.initializer_range,
+        rotary_base=rope_theta(cfg),
+    )

@@ -1,0 +1,78 @@
+"""Mixtral (8x7B, 8x22B): HF config → megatron TransformerConfig, weight map.
+
+Faithful to transformers' `MixtralForCausalLM`: GQA without qk-norm, SwiGLU experts with
+per-expert w1 (gate), w3 (up), w2 (down), a softmax top-k router whose top-k weights are
+renormalised (megatron: top-k then softmax, `moe_router_pre_softmax=False`), and the
+load-balancing aux loss with `router_aux_loss_coef`. Every layer is MoE.
+"""
+
+from __future__ import annotations
+
+from transformers import MixtralConfig, MixtralForCausalLM
+
+from moe_sft.models import common
+from moe_sft.models.family import Family, Rule, UnsupportedConfigError
+from moe_sft.models.hf_config import check_rope_default, num_experts
+
+
+def is_moe_layer(cfg, i: int) -> bool:
+    return True
+
+
+def check_supported(cfg) -> None:
+    if getattr(cfg, "sliding_window", None):
+        raise UnsupportedConfigError(
+            f"config.json: sliding_window={cfg.sliding_window} is not supported (Mixtral 8x7B/8x22B "
+            "use full attention); set sliding_window to null.")
+    if getattr(cfg, "router_jitter_noise", 0.0):
+        raise UnsupportedConfigError(
+            f"config.json: router_jitter_noise={cfg.router_jitter_noise} is not supported; set it to 0.")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedConfigError(f"config.json: hidden_act={cfg.hidden_act!r} is not "
+                                     "supported; Mixtral uses 'silu'.")
+    check_rope_default(cfg)
+
+
+def transformer_config_kwargs(cfg) -> dict:
+    return dict(
+        common.gqa_swiglu_config(cfg, ffn_hidden_size=cfg.intermediate_size),
+        qk_layernorm=False,
+        num_moe_experts=num_experts(cfg),
+        moe_ffn_hidden_size=cfg.intermediate_size,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,  # HF: softmax, top-k, renormalise == megatron top-k → softmax
+        moe_aux_loss_coeff=cfg.router_aux_loss_coef,
+    )
+
+
+def rules(cfg) -> list[Rule]:
+    moe = "block_sparse_moe."
+    return (common.embedding_and_head_rules(cfg) + common.gqa_attention_rules(cfg, qk_norm=False)
+            + common.routed_expert_rules(moe + "gate.weight", moe + "experts.{expert}.w1.weight",
+                                         moe + "experts.{expert}.w3.weight",
+                                         moe + "experts.{expert}.w2.weight"))
+
+
+def tiny_hf_config(vocab_size: int = 512, **overrides) -> MixtralConfig:
+    kwargs = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
+                  tie_word_embeddings=False, router_aux_loss_coef=0.02, rms_norm_eps=1e-5,
+                  sliding_window=None)
+    kwargs.update(overrides)
+    return MixtralConfig(**kwargs)
+
+
+FAMILY = Family(
+    name="mixtral",
+    model_types=("mixtral",),
+    hf_config_class=MixtralConfig,
+    hf_model_class=MixtralForCausalLM,
+    check_supported=check_supported,
+    transformer_config_kwargs=transformer_config_kwargs,
+    rules=rules,
+    is_moe_layer=is_moe_layer,
+    tiny_hf_config=tiny_hf_config,
+    training_defaults={"moe_router_load_balancing_type": "aux_loss"},
+)
