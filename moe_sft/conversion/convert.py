@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 def load_hf_config(path: Path):
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: missing; point the path at a directory holding "
-                              "config.json")
+        raise CheckpointError(f"{path}: no config.json; point the path at the directory holding "
+                              "config.json and *.safetensors")
     # Check model_type before AutoConfig: a type transformers does not know (a newer family) must
     # still get the registry's error listing the supported types, not transformers' upgrade hint.
     try:
@@ -54,6 +54,13 @@ def single_rank_model(family, hf_cfg, precision: str = "fp32"):
     return build_model_chunks(family, hf_cfg, config, opts)[0]
 
 
+def _fp8_block(hf_cfg) -> tuple[int, int]:
+    """Block shape of FP8 scales from `quantization_config.weight_block_size` (DeepSeek: 128x128)."""
+    quant = getattr(hf_cfg, "quantization_config", None) or {}
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    return tuple(quant.get("weight_block_size", (128, 128)))
+
+
 def _check_dtypes(reader: HFCheckpointReader) -> str:
     per_file = reader.dtypes()
     floats = {d for ds in per_file.values() for d in ds if d in ("F32", "BF16", "F16")}
@@ -69,8 +76,8 @@ def convert(hf_path: str | Path, out_path: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
     hf_path, out_path = Path(hf_path), Path(out_path)
-    reader = HFCheckpointReader(hf_path)
     family, hf_cfg = load_hf_config(hf_path)
+    reader = HFCheckpointReader(hf_path, fp8_block=_fp8_block(hf_cfg))
     precision = _check_dtypes(reader)
     entries = mapping.expand(family, hf_cfg)
     mapping.check_hf_coverage(family, entries, reader.names(), hf_cfg)

@@ -44,5 +44,7 @@ def export(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 *
     if "generation_config.json" not in copied:  # generate() and serving stacks read it
         GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
     hf_cfg.dtype = torch_dtype  # written to config.json as "dtype" (transformers 5)
+    if hasattr(hf_cfg, "quantization_config"):  # an FP8 source is exported dequantised
+        del hf_cfg.quantization_config
     hf_cfg.save_pretrained(str(writer.staging_dir))
     return writer.close()

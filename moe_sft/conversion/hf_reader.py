@@ -12,14 +12,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moe_sft.conversion import fp8
+
 
 class CheckpointError(ValueError):
     """The HF checkpoint on disk is unusable; the message names the file and the fix."""
 
 
 class HFCheckpointReader:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
         self.path = Path(path)
+        self.fp8_block = fp8_block
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: HF checkpoint directory does not exist")
         if not (self.path / "config.json").is_file():
@@ -62,7 +65,12 @@ class HFCheckpointReader:
         return self._handles[key]
 
     def names(self) -> set[str]:
-        return set(self._name_to_file)
+        """Tensor names as the model sees them: FP8 scales are consumed by their weights."""
+        return {n for n in self._name_to_file if not n.endswith(fp8.SCALE_SUFFIX)}
+
+    def is_fp8(self, name: str) -> bool:
+        file = self._name_to_file[name]
+        return self._open(file).get_slice(name).get_dtype() in fp8.FP8_DTYPES
 
     def file_of(self, name: str) -> Path:
         return self._name_to_file[name]
@@ -70,6 +78,19 @@ class HFCheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._name_to_file:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        tensor = self._read(name)
+        if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return tensor
+        scale = fp8.scale_name(name)
+        if scale not in self._name_to_file:
+            raise CheckpointError(f"{self._name_to_file[name]}: FP8 tensor {name!r} has no {scale!r}; "
+                                  "the checkpoint is incomplete (re-download the shard that holds the scales)")
+        try:
+            return fp8.dequantize_blocks(tensor, self._read(scale), self.fp8_block)
+        except ValueError as err:
+            raise CheckpointError(f"{self._name_to_file[scale]}: {scale}: {err}") from err
+
+    def _read(self, name: str) -> torch.Tensor:
         file = self._name_to_file[name]
         try:
             return self._open(file).get_tensor(name)
@@ -83,6 +104,8 @@ class HFCheckpointReader:
         """Floating dtypes per shard file (read from headers only)."""
         out: dict[str, set[str]] = {}
         for name, file in self._name_to_file.items():
+            if name.endswith(fp8.SCALE_SUFFIX):  # fp32 scales sit beside bf16/fp8 weights by design
+                continue
             dtype = self._open(file).get_slice(name).get_dtype()
             out.setdefault(file.name, set()).add(dtype)
         return out
