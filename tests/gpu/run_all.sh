@@ -13,3 +13,7 @@ torchrun --nproc_per_node=1 -m moe_sft.train --config-path recipes --config-name
   2>&1 | grep -v -i warn | tee "$log/quickstart_gpu.log"
 python3 tools/eval_demo.py --model /tmp/qs_gpu/tiny_hf 2>&1 | tail -1 | tee "$log/eval_before.log"
 python3 tools/eval_demo.py --model /tmp/qs_gpu/run/hf 2>&1 | tail -1 | tee "$log/eval_after.log"
+# Resume on the GPU: the same command with a larger max_steps continues from step 200.
+torchrun --nproc_per_node=1 -m moe_sft.train --config-path recipes --config-name quickstart \
+  trainer.output_dir=/tmp/qs_gpu/run model.hf_path=/tmp/qs_gpu/tiny_hf model.mcore_path=/tmp/qs_gpu/tiny_mcore \
+  trainer.max_steps=220 2>&1 | grep -v -i warn | tee "$log/resume_gpu.log"
