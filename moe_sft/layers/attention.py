@@ -76,7 +76,10 @@ class VarlenCoreAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
+        # MLA passes k_channels/v_channels (q/k head dim ≠ v head dim); the kernels read the
+        # head dims from the tensors, so only the default softmax scale needs k_channels.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("context_parallel_size > 1 needs the Transformer Engine backend "
@@ -87,7 +90,7 @@ class VarlenCoreAttention(MegatronModule):
         if dropout:
             raise ValueError("attention_dropout > 0 is not supported by the torch-native "
                              "attention; set model.attention_dropout=0.0 (SFT default).")
-        head_dim = config.kv_channels
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -11,6 +11,8 @@ from megatron.core.extensions.transformer_engine_spec_provider import TESpecProv
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention, MLASelfAttentionSubmodules)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -41,19 +43,37 @@ def _moe_spec() -> ModuleSpec:
         experts=ModuleSpec(module=TorchGroupedMLP), shared_experts=shared))
 
 
-def torch_layer_spec(config: TransformerConfig, is_moe: bool) -> ModuleSpec:
-    """One decoder layer built from torch-native modules (GQA attention, optional qk-norm)."""
+def _gqa_attention(config: TransformerConfig) -> ModuleSpec:
     qk_norm = RMSNorm if config.qk_layernorm else IdentityOp
-    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=SelfAttentionSubmodules(
+                          linear_qkv=ColumnParallelLinear, core_attention=VarlenCoreAttention,
+                          linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+
+
+def _mla_attention(config: TransformerConfig) -> ModuleSpec:
+    return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=MLASelfAttentionSubmodules(
+                          linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                          linear_q_up_proj=ColumnParallelLinear,
+                          linear_kv_down_proj=ColumnParallelLinear,
+                          linear_kv_up_proj=ColumnParallelLinear, core_attention=VarlenCoreAttention,
+                          linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm))
+
+
+def torch_layer_spec(config: TransformerConfig, is_moe: bool) -> ModuleSpec:
+    """One decoder layer built from torch-native modules (GQA or MLA attention)."""
+    mla = config.multi_latent_attention
+    if mla:  # TE fuses the MLA norms into the up projections
+        keys_map = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+    else:
+        keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if not is_moe:  # TE fuses the pre-MLP norm into linear_fc1 only for dense MLPs
         keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=RMSNorm,
-        self_attention=ModuleSpec(
-            module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=ColumnParallelLinear, core_attention=VarlenCoreAttention,
-                linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm)),
+        self_attention=_mla_attention(config) if mla else _gqa_attention(config),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=RMSNorm,
         mlp=_moe_spec() if is_moe else _dense_mlp_spec(),

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_sft.layers.spec import decoder_block_spec
 from moe_sft.models.family import Family
@@ -84,16 +84,17 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
     )
     if opts.moe_aux_loss_coeff is not None:
         kwargs["moe_aux_loss_coeff"] = opts.moe_aux_loss_coeff
-    if opts.recompute_granularity == "full":
+    if opts.recompute_granularity == "full":  # defaults; the recipe's recompute_* (extra) win
         kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(opts.extra)
-    return TransformerConfig(**kwargs)
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    return config_class(**kwargs)
 
 
 def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions,
                        vocab_size: Optional[int] = None) -> list[GPTModel]:
     """The GPTModel chunks this rank holds (one per virtual pipeline stage), on opts.device."""
-    rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]
+    rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]  # MLA: its own rope inside
     vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
     vpp = opts.virtual_pipeline_model_parallel_size or 1
     chunks = []

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from moe_sft.models import mixtral, qwen3_moe
+from moe_sft.models import deepseek_v3, mixtral, qwen3_moe
 from moe_sft.models.family import Family, UnsupportedConfigError
 
-FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, mixtral.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, mixtral.FAMILY, deepseek_v3.FAMILY)
 
 
 def supported_model_types() -> list[str]:

@@ -53,10 +53,24 @@ def apply_megatron_fixes() -> list[str]:
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
             applied.append("moe_utils.te_general_gemm = None (router gemm without TE)")
+        _fix_mla_without_te(applied)
         _fix_fully_reshardable_step_load()
         applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")
     _state["megatron_fixes"] = True
     return applied
+
+
+def _fix_mla_without_te(applied: list[str]) -> None:
+    """Without TE, megatron's TE extension module still imports (with mock classes), so
+    multi_latent_attention sets HAVE_TE=True and then calls isinstance(x, <mock>): TypeError when
+    building MLA. The flag must say what is true: TE is absent."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None and mla.HAVE_TE:
+        mla.HAVE_TE = False
+        applied.append("multi_latent_attention.HAVE_TE = False (TE absent; MLA builds)")
 
 
 def _fix_fully_reshardable_step_load() -> None:
@@ -251,6 +265,23 @@ def _patch_rng_tracker():
     mrandom._set_cuda_rng_state = _set_cuda_rng_state
 
 
+def _patch_yarn_rope():
+    """YarnRotaryEmbedding enters `with torch.device(torch.cuda.current_device())` unless told to
+    initialise on CPU, and MLA does not pass that flag: force it (a context manager is not one of
+    the factory functions we redirect)."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    cls = yarn.YarnRotaryEmbedding
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        original_init(self, *args, **kwargs)
+
+    _patch(cls, "__init__", __init__)
+
+
 def apply_cpu_compat() -> list[str]:
     """Redirect megatron-core's CUDA requests to the CPU. Only for machines without CUDA."""
     if _state["cpu_compat"]:
@@ -273,6 +304,7 @@ def apply_cpu_compat() -> list[str]:
         range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
         range=lambda *a, **k: contextlib.nullcontext()))
     _patch_rng_tracker()
+    _patch_yarn_rope()
     _state["cpu_compat"] = True
     return ["torch factories/Tensor.to/.cuda map CUDA to CPU", "torch.cuda streams/events stubbed",
             "Tensor.type() reports torch.cuda.* names", "CUDA RNG tracker uses the CPU generator"]

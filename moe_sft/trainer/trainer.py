@@ -128,7 +128,12 @@ class Trainer:
             moe_router_load_balancing_type=m.moe_router_load_balancing_type,
             moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_router_dtype=m.moe_router_dtype,
             moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-            recompute_granularity=m.recompute_granularity)
+            recompute_granularity=m.recompute_granularity,
+            extra={k: v for k, v in (("moe_router_enable_expert_bias", m.moe_router_enable_expert_bias),
+                                     ("moe_router_bias_update_rate", m.moe_router_bias_update_rate),
+                                     ("recompute_method", m.recompute_method),
+                                     ("recompute_num_layers", m.recompute_num_layers))
+                   if v is not None})
         self.tconfig = build_transformer_config(self.family, self.hf_cfg, self.opts)
         chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)
         ddp_config = DistributedDataParallelConfig(

@@ -17,7 +17,7 @@ from moe_sft.models import registry
 from moe_sft.models.forward import packed_logits
 from moe_sft.runtime import compat
 
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 VOCAB = 300
 # fp32 on CPU: measured ≤ 6e-7 for both families; asserted with margin.
 PARITY_TOL = 1e-4
@@ -27,6 +27,9 @@ def _hf_model(family, cfg, path: Path, seed=0):
     with compat.suspended():
         torch.manual_seed(seed)
         model = family.hf_model_class(cfg).eval()
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it steer routing
+                buf.copy_(torch.randn_like(buf) * 0.5)
         model.save_pretrained(str(path))
     return model
 
@@ -116,3 +119,21 @@ def test_a_few_training_steps_lower_the_loss(converted):
         losses.append((total[0] / total[1]).item())
         opt.step()
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_deepseek_v3_yarn_and_no_q_lora_variants(tmp_path):
+    """YaRN rope with mscale (as DeepSeek-V3's config) and the q_lora_rank=None (V2-Lite-style) path."""
+    family = registry.family_by_name("deepseek_v3")
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for name, overrides in {"yarn": {"rope_parameters": yarn}, "no_q_lora": {"q_lora_rank": None}}.items():
+        cfg = family.tiny_hf_config(vocab_size=VOCAB, **overrides)
+        hf = _hf_model(family, cfg, tmp_path / name / "hf")
+        convert(tmp_path / name / "hf", tmp_path / name / "mcore")
+        docs = [list(range(5, 105)), list(range(7, 40))]  # beyond original_max_position_embeddings
+        with compat.suspended(), torch.no_grad():
+            refs = [hf(torch.tensor([d])).logits[0].float() for d in docs]
+        model = load_model_from_checkpoint(tmp_path / name / "mcore").eval()
+        worst = max((r - o).abs().max().item() for r, o in zip(refs, packed_logits(model, docs, VOCAB)))
+        print(f"deepseek_v3/{name}: max abs logit diff {worst:.3e}")
+        assert worst <= PARITY_TOL, (name, worst)

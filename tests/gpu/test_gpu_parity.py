@@ -16,7 +16,7 @@ import torch
 from moe_sft.models import registry
 
 pytestmark = pytest.mark.gpu
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 VOCAB = 1000
 REPORT: dict = {}
 

@@ -1,0 +1,135 @@
+"""DeepSeek-V3 (and V3-style configs): multi-latent attention, sigmoid group-limited routing with
+the aux-loss-free `e_score_correction_bias`, shared experts, first_k_dense_replace dense layers.
+
+Faithful to transformers' `DeepseekV3ForCausalLM`. Megatron equivalents: MLA
+(`MLATransformerConfig`), `moe_router_score_function="sigmoid"`, `moe_router_enable_expert_bias`
+(the bias is megatron's `router.expert_bias` and is updated during training as DeepSeek does),
+`moe_router_num_groups`/`moe_router_group_topk`, `moe_router_topk_scaling_factor`.
+Multi-token-prediction weights are not mapped yet: a checkpoint that carries them fails the
+completeness gate with their names instead of being converted without them.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from moe_sft.conversion import transforms as T
+from moe_sft.models import common
+from moe_sft.models.family import Family, Rule, UnsupportedConfigError
+from moe_sft.models.hf_config import num_experts, rope_parameters
+
+L = common.LAYER
+
+
+def is_moe_layer(cfg, i: int) -> bool:
+    return num_experts(cfg) > 0 and i >= cfg.first_k_dense_replace  # as DeepseekV3DecoderLayer
+
+
+def check_supported(cfg) -> None:
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedConfigError(f"config.json: hidden_act={cfg.hidden_act!r} is not supported; "
+                                     "DeepSeek-V3 uses 'silu'.")
+    if getattr(cfg, "topk_method", "noaux_tc") not in ("noaux_tc", None):
+        raise UnsupportedConfigError(f"config.json: topk_method={cfg.topk_method!r} is not supported; "
+                                     "only DeepSeek-V3's 'noaux_tc'.")
+    if rope_parameters(cfg).get("rope_type", "default") not in ("default", "yarn"):
+        raise UnsupportedConfigError(f"config.json: rope type {rope_parameters(cfg)['rope_type']!r} is "
+                                     "not supported for DeepSeek-V3; use default or yarn.")
+    if not getattr(cfg, "rope_interleave", True):
+        raise UnsupportedConfigError("config.json: rope_interleave=false is not supported; DeepSeek-V3 "
+                                     "checkpoints use the interleaved rope layout.")
+
+
+def _rope_kwargs(cfg) -> dict:
+    rope = rope_parameters(cfg)
+    if rope.get("rope_type", "default") != "yarn":
+        return dict(rope_type="rope", rotary_base=float(rope["rope_theta"]))
+    return dict(rope_type="yarn", rotary_base=float(rope["rope_theta"]),
+                rotary_scaling_factor=float(rope["factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
+                mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+
+
+def transformer_config_kwargs(cfg) -> dict:
+    layers = cfg.num_hidden_layers
+    return dict(
+        multi_latent_attention=True,
+        num_layers=layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_attention_heads,
+        kv_channels=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, qk_layernorm=True,
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=(cfg.n_shared_experts or 0) * cfg.moe_intermediate_size or None,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=cfg.n_group, moe_router_group_topk=cfg.topk_group,
+        moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+        moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(layers)],
+        init_method_std=cfg.initializer_range,
+        **_rope_kwargs(cfg),
+    )
+
+
+def rules(cfg) -> list[Rule]:
+    attn = L + "self_attn."
+    sa = "decoder.layers.{layer}.self_attention."
+    if cfg.q_lora_rank:
+        q_rules = [Rule(sa + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), layers="all"),
+                   Rule(sa + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), layers="all"),
+                   Rule(sa + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), layers="all")]
+    else:
+        q_rules = [Rule(sa + "linear_q_proj.weight", (attn + "q_proj.weight",), layers="all")]
+    return (common.embedding_and_head_rules(cfg) + q_rules + [
+        Rule("decoder.layers.{layer}.input_layernorm.weight", (L + "input_layernorm.weight",), layers="all"),
+        Rule(sa + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), layers="all"),
+        Rule(sa + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), layers="all"),
+        Rule(sa + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), layers="all"),
+        Rule(sa + "linear_proj.weight", (attn + "o_proj.weight",), layers="all"),
+        Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight",
+             (L + "post_attention_layernorm.weight",), layers="all"),
+        Rule("decoder.layers.{layer}.mlp.router.expert_bias", (L + "mlp.gate.e_score_correction_bias",),
+             layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight",
+             (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"),
+             T.GATE_UP_FUSE, layers="moe"),
+        Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight",
+             (L + "mlp.shared_experts.down_proj.weight",), layers="moe"),
+    ] + common.routed_expert_rules("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
+                                   "mlp.experts.{expert}.up_proj.weight",
+                                   "mlp.experts.{expert}.down_proj.weight")
+        + common.dense_mlp_rules())
+
+
+def tiny_hf_config(vocab_size: int = 512, **overrides) -> DeepseekV3Config:
+    kwargs = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+                  moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                  q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                  v_head_dim=32, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  max_position_embeddings=2048, tie_word_embeddings=False,
+                  num_nextn_predict_layers=0)
+    kwargs.update(overrides)
+    return DeepseekV3Config(**kwargs)
+
+
+FAMILY = Family(
+    name="deepseek_v3",
+    model_types=("deepseek_v3",),
+    hf_config_class=DeepseekV3Config,
+    hf_model_class=DeepseekV3ForCausalLM,
+    check_supported=check_supported,
+    transformer_config_kwargs=transformer_config_kwargs,
+    rules=rules,
+    is_moe_layer=is_moe_layer,
+    tiny_hf_config=tiny_hf_config,
+    training_defaults={"moe_router_load_balancing_type": "seq_aux_loss"},
+)
