@@ -62,6 +62,12 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
 
 
 def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):
+    v_dim = v.shape[-1]
+    if v_dim != q.shape[-1]:
+        # MLA: v head dim (128) < q/k head dim (192), which the flash kernels refuse. Zero-padding
+        # v gives softmax(qkᵀ)·[v, 0] = [out, 0]; the slice keeps exact values and gradients.
+        v = F.pad(v, (0, q.shape[-1] - v_dim))
+        return _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)[..., :v_dim]
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                       softmax_scale=scale, causal=True)
