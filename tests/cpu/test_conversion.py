@@ -36,6 +36,7 @@ from moe_sft.conversion.export import export, load_model_from_checkpoint  # noqa
 from moe_sft.conversion.hf_reader import CheckpointError  # noqa: E402
 from moe_sft.conversion.mapping import MappingError  # noqa: E402
 from moe_sft.models import qwen3_moe  # noqa: E402
+from moe_sft.models import registry  # noqa: E402
 from moe_sft.models.family import UnsupportedConfigError  # noqa: E402
 from moe_sft.models.forward import packed_logits  # noqa: E402
 from moe_sft.runtime import compat, distributed  # noqa: E402
@@ -336,7 +337,8 @@ def test_directory_without_config_json(tmp_path):
 def test_unsupported_model_type_lists_supported(tmp_path, tiny, model_type):
     bad = _write_checkpoint(tmp_path / "hf", tiny.tensors, _config(tiny, model_type=model_type))
     msg = _convert_fails(tmp_path, bad, UnsupportedConfigError, str(bad / "config.json"), repr(model_type),
-                         "supported: mixtral, qwen3_moe")
+                         "supported: " + ", ".join(registry.supported_model_types()))
+    assert "qwen3_moe" in msg and "deepseek_v3" in msg and "mixtral" in msg
     assert "not supported" in msg
 
 
