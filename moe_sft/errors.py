@@ -15,3 +15,19 @@ def user_errors() -> tuple[type[Exception], ...]:
 
     return (ConfigError, CheckpointError, MappingError, DataFormatError, DataPlanError,
             PackingError, UnsupportedConfigError, FileNotFoundError)
+
+
+def run_reporting_user_errors(run, args) -> int:
+    """Run a CLI body: user errors become one `error:` line and exit 2 (--traceback shows all)."""
+    import sys
+    import warnings
+
+    # megatron-core warns at import that TE/Apex are absent; the torch-native path is intended.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    if getattr(args, "traceback", False):
+        return run(args)
+    try:
+        return run(args)
+    except user_errors() as err:
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
+        return 2

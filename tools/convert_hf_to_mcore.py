@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 try:
@@ -59,17 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.hf_path).is_dir():
         print(f"error: {args.hf_path}: HF checkpoint directory does not exist", file=sys.stderr)
         return 2
-    # megatron-core warns at import that TE/Apex are absent; the torch-native path is intended.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
-    from moe_sft.errors import user_errors
+    from moe_sft.errors import run_reporting_user_errors
 
-    if args.traceback:
-        return run(args)
-    try:
-        return run(args)
-    except user_errors() as err:  # moe_sft.errors: one line, exit 2
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
+    return run_reporting_user_errors(run, args)
 
 
 if __name__ == "__main__":  # required: dist_checkpointing.save starts a multiprocessing manager

@@ -15,7 +15,6 @@ import json
 import re
 import sys
 import time
-import warnings
 from pathlib import Path
 
 try:
@@ -75,17 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.mcore_path}: moe-sft checkpoint directory does not exist",
               file=sys.stderr)
         return 2
-    # megatron-core warns at import that TE/Apex are absent; the torch-native path is intended.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
-    from moe_sft.errors import user_errors
+    from moe_sft.errors import run_reporting_user_errors
 
-    if args.traceback:
-        return run(args)
-    try:
-        return run(args)
-    except user_errors() as err:  # moe_sft.errors: one line, exit 2
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
+    return run_reporting_user_errors(run, args)
 
 
 if __name__ == "__main__":  # required: dist_checkpointing.load may start a multiprocessing manager
