@@ -32,6 +32,10 @@ from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
 
+# The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
+# tiny model is built for it when the recipe names no other tokenizer.
+DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "tokenizer"
+
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -101,7 +105,7 @@ class Trainer:
         if m.create_tiny_if_missing and not (mcore / mcore_io.META_FILE).is_file():
             if dist.get_rank() == 0:
                 _say(f"creating the tiny demo model at {m.hf_path} and converting it to {mcore}")
-                tokenizer = self.cfg.data.tokenizer_path or "recipes/demo/tokenizer"
+                tokenizer = self.cfg.data.tokenizer_path or str(DEMO_TOKENIZER)
                 run_single_process(["-m", "moe_sft.quickstart_model", "--hf-path", m.hf_path,
                                     "--mcore-path", str(mcore), "--tokenizer", tokenizer])
             dist.barrier()
