@@ -183,7 +183,13 @@ class Trainer:
         docs, stats = tokenize_files(self.tokenizer, d.train_files, d.max_seq_len, d.overlong)
         _say(f"data: {stats.as_dict()}")
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
-        if p.pipeline_model_parallel_size > 1:  # pipeline p2p needs one shape for every micro-batch
+        # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
+        # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
+        dispatcher = self.cfg.model.moe_token_dispatcher_type
+        allgather = dispatcher == "allgather" or (dispatcher == "auto" and self.rt.device == "cpu")
+        expert_group = p.expert_model_parallel_size * (p.expert_tensor_parallel_size
+                                                       or p.tensor_model_parallel_size)
+        if p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1):
             pad_to = d.pack_length
         self.seq_length = d.pack_length
         self.plan = PackedBatchPlan(docs, d.pack_length, self.cfg.trainer.global_batch_size,
