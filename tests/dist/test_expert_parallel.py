@@ -2,8 +2,10 @@
 first steps match one rank: the forward pass and the first Adam update are layout-independent.
 
 Full layout equivalence (every step, grad norms) is issue 4's; measured today: steps 1-2 equal to
-4 digits, step 3 6.226 (EP2) vs 6.216 (1 rank) — padding tokens reach the router under the
-allgather padding, and the reported grad norm differs (7.50 vs 6.56)."""
+4 digits, step 3 6.226 (EP2) vs 6.216 (1 rank). The cause is the padding, not the layout: the
+allgather dispatcher needs equal shapes, so micro-batches are padded to pack_length, and padding
+tokens reach the router's aux loss (one rank padded the same way has EP2's grad norm, 7.504 vs
+6.558 unpadded)."""
 
 from __future__ import annotations
 
