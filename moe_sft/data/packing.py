@@ -30,6 +30,7 @@ class PackedMicroBatch:
     cu_seqlens: torch.Tensor  # [n_segments + 1] int32; 0, end of doc 0, ..., T (padding is its own segment)
     max_seqlen: int  # longest segment, padding included (varlen attention kernels need a bound)
     num_loss_tokens: int  # loss_mask.sum()
+    num_padding: int = 0  # trailing padding tokens (the last segment); kept out of MoE routing
 
 
 class PackingError(ValueError):
@@ -132,4 +133,5 @@ def build_micro_batch(docs: Sequence[Doc], pad_to: int = 1, pad_token_id: int = 
         cu_seqlens=cu_seqlens,
         max_seqlen=max(seqlens),
         num_loss_tokens=int(sum(loss_mask)),
+        num_padding=n_pad,
     )

@@ -22,9 +22,13 @@ from moe_sft.models.forward import packed_seq_params
 
 
 def _to_device(mb: PackedMicroBatch, device: str) -> dict:
+    padding = None
+    if mb.num_padding:  # padding tokens must not be routed nor counted in the router's aux loss
+        padding = torch.zeros(1, len(mb.tokens), dtype=torch.bool, device=device)
+        padding[:, len(mb.tokens) - mb.num_padding:] = True
     return dict(tokens=mb.tokens[None].to(device), labels=mb.labels[None].to(device),
                 loss_mask=mb.loss_mask[None].to(device), position_ids=mb.position_ids[None].to(device),
-                params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen))
+                params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen), padding=padding)
 
 
 def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -55,7 +59,8 @@ def make_forward_step(device: str, scale: float, vocab_size: int):
     def forward_step(data_iterator, model):
         batch = _to_device(next(data_iterator), device)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None, packed_seq_params=batch["params"])
+                       attention_mask=None, packed_seq_params=batch["params"],
+                       padding_mask=batch["padding"])
         return output, partial(_loss_func, batch, scale, vocab_size)
 
     return forward_step

@@ -87,3 +87,23 @@ def test_padded_vocab_columns_take_no_probability(model_and_batches):
     ours = masked_token_losses(logits, labels, vocab_size=300)
     expected = torch.nn.functional.cross_entropy(logits[0, :, :300], labels[0], reduction="none")
     assert torch.allclose(ours[0], expected, atol=1e-5)
+
+
+def test_padding_is_kept_out_of_routing_and_aux_loss(model_and_batches):
+    """Padding a micro-batch (PP / allgather EP need one shape) must not change any gradient:
+    without megatron's padding_mask the padding tokens were routed and moved the aux loss."""
+    from moe_sft.trainer.step import run_forward_backward
+
+    model, hf_cfg, _ = model_and_batches
+    model.config.moe_aux_loss_coeff = 0.01  # the aux loss is what padding used to disturb
+    g = torch.Generator().manual_seed(2)
+    docs = [_Doc(torch.randint(0, 300, (n,), generator=g).tolist(), [i >= 3 for i in range(n)])
+            for n in (40, 23)]
+    grads = []
+    for pad_to in (1, 128):
+        batch = build_micro_batch(docs, pad_to=pad_to)
+        assert batch.num_padding == (0 if pad_to == 1 else 128 - 63)
+        model.zero_grad(set_to_none=True)
+        run_forward_backward([model], [batch], batch.num_loss_tokens, "cpu", hf_cfg.vocab_size, seq_length=0)
+        grads.append(_grads(model).clone())
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
