@@ -85,6 +85,10 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = _f(
         None, "with full recompute: layers per recompute unit (uniform) or recomputed per stage (block)"
     )
+    mtp_loss_weight: float = _f(
+        0.1, "multi-token-prediction loss weight (DeepSeek-V3: 0.3 early, 0.1 late); 0 = MTP layers not run"
+    )
+    freeze_mtp: bool = _f(False, "keep MTP layers frozen: loaded, not run, not updated, exported unchanged")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     hidden_dropout: float = _f(0.0, "dropout on the residual-branch outputs")
 

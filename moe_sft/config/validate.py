@@ -244,6 +244,8 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 or null")
     if m.moe_router_bias_update_rate is not None and m.moe_router_bias_update_rate < 0:
         errors.append(f"model.moe_router_bias_update_rate={m.moe_router_bias_update_rate} must be >= 0 or null")
+    if m.mtp_loss_weight < 0:
+        errors.append(f"model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0 (0 = MTP layers not run)")
     if m.moe_expert_capacity_factor is not None:
         if m.moe_expert_capacity_factor <= 0:
             errors.append(f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0, "

@@ -14,9 +14,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from moe_sft.conversion.transforms import Transform
+from moe_sft.conversion.transforms import CopiesDifferError, Transform
 from moe_sft.models.builder import padded_vocab_size
-from moe_sft.models.family import Family
+from moe_sft.models.family import Family, Rule
 from moe_sft.models.hf_config import num_experts
 
 
@@ -35,30 +35,49 @@ def transform_context(family: Family, hf_cfg) -> dict:
     kw = family.transformer_config_kwargs(hf_cfg)
     ctx = dict(num_query_groups=kw["num_query_groups"], head_dim=kw["kv_channels"],
                num_experts=num_experts(hf_cfg), vocab_size=hf_cfg.vocab_size,
-               padded_vocab_size=padded_vocab_size(hf_cfg.vocab_size))
+               padded_vocab_size=padded_vocab_size(hf_cfg.vocab_size),
+               num_mtp_layers=family.num_mtp_layers(hf_cfg))
     if family.transform_context is not None:
         ctx.update(family.transform_context(hf_cfg))
     return ctx
+
+
+DECODER_LAYER = "decoder.layers.{layer}."
+MTP_LAYER = "mtp.layers.{mtp}."
+
+
+def _layer_ids(family: Family, hf_cfg, rule: Rule) -> list[dict]:
+    """The placeholder values a rule expands over: decoder layers, then MTP layers.
+
+    HF numbers MTP layers after the decoder (`model.layers.{N + k}`); megatron keeps them in
+    `mtp.layers.{k}`, whose `transformer_layer` is a full decoder layer mapped by the same rules.
+    """
+    n = hf_cfg.num_hidden_layers
+    mtp = range(family.num_mtp_layers(hf_cfg))
+    if rule.layers == "none":
+        return [{}]
+    if rule.layers == "mtp":
+        return [{"mtp": k, "layer": n + k} for k in mtp]
+    wanted = lambda i: rule.layers == "all" or family.is_moe_layer(hf_cfg, i) == (rule.layers == "moe")  # noqa: E731
+    return ([{"layer": i} for i in range(n) if wanted(i)]
+            + [{"mtp": k, "layer": n + k} for k in mtp if wanted(n + k)])
 
 
 def expand(family: Family, hf_cfg) -> list[Entry]:
     experts = range(num_experts(hf_cfg))
     entries = []
     for rule in family.rules(hf_cfg):
-        if rule.layers == "none":
-            layer_ids = [None]
-        else:
-            layer_ids = [i for i in range(hf_cfg.num_hidden_layers)
-                         if rule.layers == "all" or family.is_moe_layer(hf_cfg, i) == (rule.layers == "moe")]
-        for layer in layer_ids:
-            fmt = {} if layer is None else {"layer": layer}
+        for fmt in _layer_ids(family, hf_cfg, rule):
+            mcore = rule.mcore
+            if "mtp" in fmt and rule.layers != "mtp":  # a decoder rule applied to an MTP layer
+                mcore = mcore.replace(DECODER_LAYER, MTP_LAYER + "transformer_layer.")
             hf_names = []
             if any("{expert}" in n for n in rule.hf):
                 for e in experts:
                     hf_names += [n.format(expert=e, **fmt) for n in rule.hf]
             else:
                 hf_names = [n.format(**fmt) for n in rule.hf]
-            entries.append(Entry(rule.mcore.format(**fmt), tuple(hf_names), rule.transform))
+            entries.append(Entry(mcore.format(**fmt), tuple(hf_names), rule.transform))
     return entries
 
 
@@ -106,7 +125,12 @@ def load_hf_into_state(entries: list[Entry], get_hf: Callable[[str], torch.Tenso
     for entry in entries:
         if entry.mcore not in target:
             raise MappingError(f"mapping produces {entry.mcore!r}, which the megatron model lacks")
-        value = entry.transform.from_hf([get_hf(n) for n in entry.hf], ctx)
+        try:
+            value = entry.transform.from_hf([get_hf(n) for n in entry.hf], ctx)
+        except CopiesDifferError as err:
+            raise MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)} should be copies of one "
+                               f"tensor but are not ({err}); moe-sft keeps one, so converting would "
+                               "lose the others") from err
         dest = target[entry.mcore]
         if tuple(value.shape) != tuple(dest.shape):
             raise MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)[:3]} give shape "

@@ -136,5 +136,31 @@ def _pad_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
 
 PAD_VOCAB = Transform("pad_vocab", _pad_vocab_from, _pad_vocab_to)
 
+
+class CopiesDifferError(ValueError):
+    """HF tensors that must be copies of one megatron tensor are not equal."""
+
+
+def _shared_vocab_from(ts: Tensors, ctx: dict) -> torch.Tensor:
+    """The main embedding (or head) + its copies in each MTP layer → one padded megatron tensor.
+
+    DeepSeek-V3 stores `model.layers.{N}.embed_tokens` / `shared_head.head` as copies of the main
+    embedding / lm_head; megatron's MTP uses the main ones. Copies that differ would be lost, so
+    they are refused rather than silently dropped.
+    """
+    differing = [i for i, t in enumerate(ts[1:], 1) if not torch.equal(t, ts[0])]
+    if differing:
+        raise CopiesDifferError(f"copies at positions {differing} differ from the first tensor")
+    return _pad_vocab_from(ts[:1], ctx)
+
+
+def _shared_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+    main = _pad_vocab_to(t, ctx)[0]
+    return [main] + [main.clone() for _ in range(ctx["num_mtp_layers"])]
+
+
+# Vocab padding + one copy per MTP layer (the official checkpoint carries them).
+PAD_VOCAB_MTP_SHARED = Transform("pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to)
+
 ALL_TRANSFORMS = (IDENTITY, QKV_INTERLEAVE, QKV_BIAS_INTERLEAVE, GATE_UP_FUSE, EXPERTS_FC1,
-                  EXPERTS_FC2, PAD_VOCAB)
+                  EXPERTS_FC2, PAD_VOCAB, PAD_VOCAB_MTP_SHARED)

@@ -18,6 +18,9 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules, get_mtp_num_layers_to_build)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules, get_num_layers_to_build)
@@ -100,3 +103,23 @@ def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, p
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=RMSNorm)
+
+
+def mtp_block_spec(config: TransformerConfig, backend: str, vp_stage=None):
+    """The multi-token-prediction block for this stage, or None (MTP lives on the last stage).
+
+    As megatron's own builder, each MTP layer's transformer layer has the spec of the last
+    decoder layer (for DeepSeek-V3: an MoE layer).
+    """
+    if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage) == 0:
+        return None
+    if backend == "te":
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage)
+        return gpt_layer_specs.get_gpt_mtp_block_spec(config, block, use_transformer_engine=True,
+                                                      vp_stage=vp_stage)
+    layer = torch_layer_spec(config, _is_moe_layer(config, config.num_layers - 1))
+    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, transformer_layer=layer,
+        layer_norm=RMSNorm))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * config.mtp_num_layers)

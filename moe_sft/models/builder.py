@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from moe_sft.layers.spec import decoder_block_spec
+from moe_sft.layers.spec import decoder_block_spec, mtp_block_spec
 from moe_sft.models.family import Family
+from moe_sft.models.mtp import SFTGPTModel
 
 VOCAB_DIVISOR = 128  # Megatron convention: the padded vocab splits evenly for TP in {1,2,4,8,...}
 
@@ -92,7 +92,7 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
 
 
 def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions,
-                       vocab_size: Optional[int] = None) -> list[GPTModel]:
+                       vocab_size: Optional[int] = None) -> list[SFTGPTModel]:
     """The GPTModel chunks this rank holds (one per virtual pipeline stage), on opts.device."""
     rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]  # MLA: its own rope inside
     vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
@@ -100,9 +100,10 @@ def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: 
     chunks = []
     for vp_stage in range(vpp):
         vp = vp_stage if opts.virtual_pipeline_model_parallel_size else None
-        model = GPTModel(
+        model = SFTGPTModel(
             config=config,
             transformer_layer_spec=decoder_block_spec(config, opts.backend, vp_stage=vp),
+            mtp_block_spec=mtp_block_spec(config, opts.backend, vp_stage=vp),
             vocab_size=vocab,
             max_sequence_length=hf_cfg.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

@@ -5,8 +5,12 @@ Faithful to transformers' `DeepseekV3ForCausalLM`. Megatron equivalents: MLA
 (`MLATransformerConfig`), `moe_router_score_function="sigmoid"`, `moe_router_enable_expert_bias`
 (the bias is megatron's `router.expert_bias` and is updated during training as DeepSeek does),
 `moe_router_num_groups`/`moe_router_group_topk`, `moe_router_topk_scaling_factor`.
-Multi-token-prediction weights are not mapped yet: a checkpoint that carries them fails the
-completeness gate with their names instead of being converted without them.
+
+Multi-token prediction (`num_nextn_predict_layers`): HF stores MTP layer k as
+`model.layers.{N + k}` (enorm, hnorm, eh_proj, shared_head.norm, a full decoder layer, and copies
+of the embedding and lm_head); megatron holds it as `mtp.layers.{k}` and reuses the main
+embedding and output layer. transformers does not run these layers, so parity is checked against
+a reference written from the DeepSeek-V3 report in the tests.
 """
 
 from __future__ import annotations
@@ -36,9 +40,16 @@ def check_supported(cfg) -> None:
     if rope_parameters(cfg).get("rope_type", "default") not in ("default", "yarn"):
         raise UnsupportedConfigError(f"config.json: rope type {rope_parameters(cfg)['rope_type']!r} is "
                                      "not supported for DeepSeek-V3; use default or yarn.")
+    if cfg.tie_word_embeddings and num_mtp_layers(cfg):
+        raise UnsupportedConfigError("config.json: tie_word_embeddings=true with num_nextn_predict_layers>0 "
+                                     "is not supported (DeepSeek-V3 unties them)")
     if not getattr(cfg, "rope_interleave", True):
         raise UnsupportedConfigError("config.json: rope_interleave=false is not supported; DeepSeek-V3 "
                                      "checkpoints use the interleaved rope layout.")
+
+
+def num_mtp_layers(cfg) -> int:
+    return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
 
 
 def _rope_kwargs(cfg) -> dict:
@@ -74,8 +85,26 @@ def transformer_config_kwargs(cfg) -> dict:
         moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(layers)],
         init_method_std=cfg.initializer_range,
+        mtp_num_layers=num_mtp_layers(cfg) or None,
         **_rope_kwargs(cfg),
     )
+
+
+def _embedding_and_head_rules(cfg) -> list[Rule]:
+    """As every family, plus the MTP layers' embedding / head copies and their own modules."""
+    mtp = [f"model.layers.{cfg.num_hidden_layers + k}." for k in range(num_mtp_layers(cfg))]
+    if not mtp:
+        return common.embedding_and_head_rules(cfg)
+    embed = ("model.embed_tokens.weight",) + tuple(m + "embed_tokens.weight" for m in mtp)
+    head = ("lm_head.weight",) + tuple(m + "shared_head.head.weight" for m in mtp)
+    return [Rule("embedding.word_embeddings.weight", embed, T.PAD_VOCAB_MTP_SHARED),
+            Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+            Rule("output_layer.weight", head, T.PAD_VOCAB_MTP_SHARED),
+            Rule("mtp.layers.{mtp}.enorm.weight", (L + "enorm.weight",), layers="mtp"),
+            Rule("mtp.layers.{mtp}.hnorm.weight", (L + "hnorm.weight",), layers="mtp"),
+            Rule("mtp.layers.{mtp}.eh_proj.weight", (L + "eh_proj.weight",), layers="mtp"),
+            Rule("mtp.layers.{mtp}.final_layernorm.weight", (L + "shared_head.norm.weight",),
+                 layers="mtp")]
 
 
 def rules(cfg) -> list[Rule]:
@@ -87,7 +116,7 @@ def rules(cfg) -> list[Rule]:
                    Rule(sa + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), layers="all")]
     else:
         q_rules = [Rule(sa + "linear_q_proj.weight", (attn + "q_proj.weight",), layers="all")]
-    return (common.embedding_and_head_rules(cfg) + q_rules + [
+    return (_embedding_and_head_rules(cfg) + q_rules + [
         Rule("decoder.layers.{layer}.input_layernorm.weight", (L + "input_layernorm.weight",), layers="all"),
         Rule(sa + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), layers="all"),
         Rule(sa + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), layers="all"),
@@ -132,4 +161,5 @@ FAMILY = Family(
     is_moe_layer=is_moe_layer,
     tiny_hf_config=tiny_hf_config,
     training_defaults={"moe_router_load_balancing_type": "seq_aux_loss"},
+    num_mtp_layers=num_mtp_layers,
 )

@@ -20,7 +20,7 @@ class Rule:
     mcore: str                     # megatron state_dict name (TP=PP=EP=1 module layout)
     hf: tuple[str, ...]            # HF names; with "{expert}", repeated for every expert in order
     transform: Transform = IDENTITY
-    layers: str = "none"           # none (global tensor) | all | dense | moe
+    layers: str = "none"           # none (global tensor) | all | dense | moe | mtp
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class Family:
     dropped: tuple[str, ...] = ()                  # regexes of HF tensors deliberately not loaded
     training_defaults: dict = field(default_factory=dict)
     transform_context: Optional[Callable[[object], dict]] = None
+    # Multi-token-prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers).
+    # Each one holds a full decoder layer: the family's per-layer rules are reused for it.
+    num_mtp_layers: Callable[[object], int] = lambda cfg: 0
 
 
 class UnsupportedConfigError(ValueError):

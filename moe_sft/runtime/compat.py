@@ -2,8 +2,9 @@
 
 Two groups:
 
-* `apply_megatron_fixes()` — always applied. Bugs of megatron-core 0.16.1 that bite without
-  Transformer Engine (the fast path on GPUs without TE, and every CPU run).
+* `apply_megatron_fixes()` — always applied. Bugs of megatron-core 0.16.1 on the paths we use:
+  without Transformer Engine (the fast path on GPUs without TE, and every CPU run), and the
+  expert bias with padded micro-batches.
 * `apply_cpu_compat()` — applied only when CUDA is absent (CI, laptops, the quickstart on CPU).
   megatron-core assumes CUDA in ~260 places (`device="cuda"`, `torch.cuda.current_device()`,
   streams, events, `Tensor.type()` asserts in the distributed optimizer and grad clipping).
@@ -56,6 +57,8 @@ def apply_megatron_fixes() -> list[str]:
         _fix_mla_without_te(applied)
         _fix_fully_reshardable_step_load()
         applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")
+        _fix_expert_bias_padding_mask()
+        applied.append("TopKRouter: expert-bias token counts exclude padding (mask broadcast per expert)")
     _state["megatron_fixes"] = True
     return applied
 
@@ -110,6 +113,23 @@ def _fix_fully_reshardable_step_load() -> None:
         return result
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _fix_expert_bias_padding_mask() -> None:
+    """`TopKRouter._apply_expert_bias` masks the [tokens, experts] routing map with the [tokens]
+    padding mask (`routing_map & ~padding_mask`), which broadcasts over the wrong dimension: any
+    expert-bias model (DeepSeek-V3) with padded micro-batches (pipeline parallel, the allgather
+    dispatcher) crashes. Padding rows must simply not count towards the bias update."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 # --------------------------------------------------------------------------------------------

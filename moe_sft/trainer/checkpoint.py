@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
@@ -45,11 +45,21 @@ def unwrap(model_chunks) -> list:
     return [getattr(c, "module", c) for c in model_chunks]
 
 
+def sharded_metadata() -> dict:
+    """What megatron's sharded_state_dict needs to know about the layout (as Megatron-LM passes it).
+
+    The data-parallel group decides which replica of a tied tensor is saved: the MTP stage's copy
+    of the embedding, for one.
+    """
+    return {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+            "distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def model_sharded_state(model_chunks) -> dict:
-    model_chunks = unwrap(model_chunks)
+    model_chunks, meta = unwrap(model_chunks), sharded_metadata()
     if len(model_chunks) == 1:
-        return {"model": model_chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+        return {"model": model_chunks[0].sharded_state_dict(metadata=meta)}
+    return {f"model{i}": chunk.sharded_state_dict(metadata=meta) for i, chunk in enumerate(model_chunks)}
 
 
 def _rng_object() -> ShardedObject:
@@ -77,7 +87,7 @@ def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loadi
     # 'fully_reshardable': optimizer state in the canonical per-parameter form, so a resume may
     # change TP/PP/EP/DP (the default format relies on flattened ranges torch_dist rejects).
     state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        state, is_loading=is_loading, metadata=sharded_metadata())
     state["scheduler"] = scheduler.state_dict()
     state["rng_state"] = _rng_object()
     state["world_size"] = dist.get_world_size()

@@ -6,6 +6,10 @@ schedule divides each micro-batch loss by `num_microbatches` and DDP averages gr
 data-parallel group, so each micro-batch returns `local_sum / global_tokens * num_mb * dp` —
 after both reductions the gradient is exactly that of the global per-token mean (not a mean
 of per-micro-batch means, which overweights short micro-batches).
+
+Multi-token prediction (DeepSeek-V3): with D MTP depths the model returns D + 1 logit blocks;
+depth k is scored against the labels k tokens further ahead within each document, and the loss
+adds `mtp_loss_weight / D * Σ_k` of those sums under the same global normaliser.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
 
 from moe_sft.data.packing import PackedMicroBatch
 from moe_sft.models.forward import packed_seq_params
+from moe_sft.models.mtp import shift_targets
 
 
 def _to_device(mb: PackedMicroBatch, device: str) -> dict:
@@ -48,48 +54,66 @@ def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: 
     return losses.transpose(0, 1)
 
 
-def _loss_func(batch: dict, scale: float, vocab_size: int, output: torch.Tensor):
-    losses = masked_token_losses(output, batch["labels"], vocab_size)
-    local_sum = (losses * batch["loss_mask"]).sum()
-    reported = torch.stack([local_sum.detach(), batch["loss_mask"].sum().detach()])
-    return local_sum * scale, {"lm_loss": reported}
+def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_weight: float,
+               output: torch.Tensor):
+    blocks = output.chunk(1 + mtp_depths, dim=1)  # [b, s, V/tp] per depth
+    labels, mask = batch["labels"], batch["loss_mask"]
+    local_sum = (masked_token_losses(blocks[0], labels, vocab_size) * mask).sum()
+    count = mask.sum().detach()
+    mtp_sum = torch.zeros_like(local_sum)
+    for depth in range(1, mtp_depths + 1):
+        labels, mask = shift_targets(labels, mask, batch["params"])
+        mtp_sum = mtp_sum + (masked_token_losses(blocks[depth], labels, vocab_size) * mask).sum()
+    total = local_sum
+    if mtp_depths:
+        mtp_sum = mtp_sum / mtp_depths
+        total = local_sum + mtp_weight * mtp_sum
+    reported = torch.stack([local_sum.detach(), count, mtp_sum.detach()])
+    return total * scale, {"lm_loss": reported}
 
 
-def make_forward_step(device: str, scale: float, vocab_size: int):
+def make_forward_step(device: str, scale: float, vocab_size: int, mtp_depths: int = 0,
+                      mtp_weight: float = 0.0):
     def forward_step(data_iterator, model):
         batch = _to_device(next(data_iterator), device)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=None, packed_seq_params=batch["params"],
                        padding_mask=batch["padding"])
-        return output, partial(_loss_func, batch, scale, vocab_size)
+        return output, partial(_loss_func, batch, scale, vocab_size, mtp_depths, mtp_weight)
 
     return forward_step
 
 
 def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, device: str,
-                         vocab_size: int, seq_length: int, forward_only: bool = False):
-    """Forward+backward over this rank's micro-batches; returns (loss_sum, loss_tokens) local."""
+                         vocab_size: int, seq_length: int, forward_only: bool = False,
+                         mtp_weight: float = 0.0):
+    """Forward+backward over this rank's micro-batches.
+
+    Returns the local [loss sum, loss tokens, MTP loss sum (mean over depths)].
+    """
     num_mb = len(micro_batches)
     dp = parallel_state.get_data_parallel_world_size()
     scale = num_mb * dp / max(global_loss_tokens, 1)
+    mtp_depths = get_attr_wrapped_model(model_chunks[-1], "mtp_depths")()
     iterators = [iter(micro_batches) for _ in model_chunks]
     fb = get_forward_backward_func()
-    outputs = fb(forward_step_func=make_forward_step(device, scale, vocab_size),
+    outputs = fb(forward_step_func=make_forward_step(device, scale, vocab_size, mtp_depths, mtp_weight),
                  data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
                  model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
                  num_microbatches=num_mb, seq_length=seq_length, micro_batch_size=1,
                  forward_only=forward_only)
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(3, dtype=torch.float64, device=device)
     for out in outputs or []:
         total += out["lm_loss"].to(total)
     return total
 
 
-def global_loss(local_total: torch.Tensor) -> float:
-    """Σ loss / Σ tokens over the data-parallel replicas of the last pipeline stage."""
+def global_loss(local_total: torch.Tensor) -> tuple[float, float]:
+    """(loss, MTP loss): Σ / Σ tokens over the data-parallel replicas of the last pipeline stage."""
     counted = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                and parallel_state.get_tensor_model_parallel_rank() == 0
                and parallel_state.get_context_parallel_rank() == 0)
     total = local_total if counted else torch.zeros_like(local_total)
     dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item()
+    tokens = total[1].clamp(min=1)
+    return (total[0] / tokens).item(), (total[2] / tokens).item()

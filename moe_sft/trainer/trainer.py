@@ -25,7 +25,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from moe_sft.config import TrainConfig, save_resolved_config, validate_against_model, validate_config
 from moe_sft.conversion import mcore_io
 from moe_sft.layers.attention import attention_kernel_name
-from moe_sft.models import registry
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
 from moe_sft.runtime import device as rdevice, distributed
@@ -140,6 +139,7 @@ class Trainer:
                    if v is not None})
         self.tconfig = build_transformer_config(self.family, self.hf_cfg, self.opts)
         chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)
+        self._setup_mtp(chunks)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=p.use_distributed_optimizer)
@@ -148,6 +148,20 @@ class Trainer:
         params = sum(x.numel() for c in chunks for x in c.parameters())
         _say(f"model {self.family.name}: {params / 1e6:.2f}M parameters on rank 0's shard, "
              f"{self.tconfig.num_layers} layers, {self.tconfig.num_moe_experts} experts")
+
+    def _setup_mtp(self, chunks) -> None:
+        """MTP layers train with the recipe's loss weight, or stay frozen (before DDP sees them)."""
+        depths = self.tconfig.mtp_num_layers or 0
+        m = self.cfg.model
+        self.train_mtp = train_mtp = bool(depths) and not m.freeze_mtp and m.mtp_loss_weight > 0
+        if not depths:
+            return
+        for chunk in chunks:
+            chunk.run_mtp = train_mtp
+            for param in (chunk.mtp.parameters() if chunk.mtp_process and not train_mtp else ()):
+                param.requires_grad_(False)
+        _say(f"multi-token prediction: {depths} layer(s), " + (
+            f"trained with loss weight {m.mtp_loss_weight}" if train_mtp else "frozen (exported unchanged)"))
 
     def _optimizer(self) -> None:
         o = self.cfg.optimizer
@@ -232,17 +246,21 @@ class Trainer:
         timer = Throughput()
         timer.start()
         local = train_step.run_forward_backward(self.model, batches, global_tokens, self.rt.device,
-                                                self.hf_cfg.vocab_size, self.seq_length)
+                                                self.hf_cfg.vocab_size, self.seq_length,
+                                                mtp_weight=self.cfg.model.mtp_loss_weight)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         tokens = torch.tensor([sum(len(b.tokens) for b in batches)], device=self.rt.device)
         dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
         tokens_per_s, seconds = timer.stop(int(tokens.item()))
-        metrics = {"train/loss": train_step.global_loss(local), "train/lr": self.scheduler.get_lr(
+        loss, mtp_loss = train_step.global_loss(local)
+        metrics = {"train/loss": loss, "train/lr": self.scheduler.get_lr(
             self.optimizer.param_groups[0]), "train/grad_norm": float(grad_norm or 0.0),
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
             "train/loss_tokens": float(global_tokens)}
-        metrics.update(moe_aux_losses(len(batches)))
+        metrics.update(moe_aux_losses(self.tconfig, len(batches)))
+        if self.train_mtp:
+            metrics["train/mtp_loss"] = mtp_loss
         if not ok:
             metrics["train/skipped"] = 1.0
         return metrics

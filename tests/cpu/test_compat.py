@@ -71,3 +71,13 @@ def test_fully_reshardable_load_keeps_adam_step():
     # the load_state_dict wrapper that un-shares the step tensors is installed (its effect is
     # measured end to end by tests/dist/test_quickstart_e2e.py's resume equivalence)
     assert DistributedOptimizer.load_state_dict.__module__ == compat.__name__
+
+
+def test_expert_bias_counts_skip_padding_tokens():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    router = type("R", (), {"enable_expert_bias": True, "local_tokens_per_expert": torch.zeros(3)})()
+    routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    padding = torch.tensor([False, False, True, True])  # the last two tokens are padding
+    TopKRouter._apply_expert_bias(router, routing_map, padding_mask=padding)
+    assert router.local_tokens_per_expert.tolist() == [1.0, 1.0, 2.0]

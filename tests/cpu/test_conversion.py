@@ -189,7 +189,8 @@ def test_exported_dir_loads_in_transformers_with_same_logits(tiny):
 # ------------------------------------------------------------------------------------------------
 
 # G=2 query groups, R=3 query heads per group, D=4 head dim, H=8 hidden, E=3 experts, F=5 ffn.
-CTX = dict(num_query_groups=2, head_dim=4, num_experts=3, vocab_size=10, padded_vocab_size=16)
+CTX = dict(num_query_groups=2, head_dim=4, num_experts=3, vocab_size=10, padded_vocab_size=16,
+           num_mtp_layers=2)
 G, R, D, H, E, F = 2, 3, 4, 8, 3, 5
 
 
@@ -203,7 +204,14 @@ def _hf_inputs(name: str, g: torch.Generator) -> list[torch.Tensor]:
         "experts_gate_up_stack": lambda: [r(F, H) for _ in range(2 * E)],
         "experts_down_stack": lambda: [r(H, F) for _ in range(E)],
         "pad_vocab": lambda: [r(10, H)],
+        "pad_vocab_mtp_shared": lambda: [r(10, H).repeat(3, 1, 1)[i] for i in range(3)],
     }[name]()
+
+
+def test_mtp_copies_that_differ_are_refused():
+    main = torch.randn(10, H)
+    with pytest.raises(T.CopiesDifferError, match=r"positions \[2\]"):
+        T.PAD_VOCAB_MTP_SHARED.from_hf([main, main.clone(), main + 1], CTX)
 
 
 @pytest.mark.parametrize("transform", T.ALL_TRANSFORMS, ids=lambda t: t.name)

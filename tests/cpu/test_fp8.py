@@ -7,7 +7,6 @@ block-quantised (128x128 blocks, e4m3) with `*_scale_inv` tensors beside them.""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

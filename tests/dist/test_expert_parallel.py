@@ -8,26 +8,16 @@ from 6.216 to 6.226."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.dist.test_quickstart_e2e import REPO, losses  # noqa: F401  (shared helpers)
+from tests.dist.launch import losses, torchrun
 
 
 def _run(tmp, nproc, extra=()):
-    import os
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", "quickstart",
-           "trainer.max_steps=3", "trainer.log_interval=1", "trainer.export_hf_at_end=false",
-           f"trainer.output_dir={tmp / f'run{nproc}'}", f"model.hf_path={tmp / 'hf'}",
-           f"model.mcore_path={tmp / 'mcore'}", *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return losses(proc.stdout)
+    return losses(torchrun(nproc, [
+        "trainer.max_steps=3", "trainer.log_interval=1", "trainer.export_hf_at_end=false",
+        f"trainer.output_dir={tmp / f'run{nproc}'}", f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}", *extra]).stdout)
 
 
 def test_ep2_dp2_losses_match_one_rank(tmp_path):

@@ -4,35 +4,18 @@ resume → export → load with plain transformers. Also resume equivalence:
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss=([0-9.eE+-]+) ")
+from tests.dist.launch import losses, torchrun
 
 
 def run_train(tmp: Path, run_name: str, max_steps: int, extra=()) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", "quickstart",
-           f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "checkpoint.save_interval=2",
-           f"trainer.output_dir={tmp / run_name}", f"model.hf_path={tmp / 'tiny_hf'}",
-           f"model.mcore_path={tmp / 'tiny_mcore'}", *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
-
-
-def losses(stdout: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(3)) for line in stdout.splitlines()
-            if (m := STEP_LINE.match(line))}
+    return torchrun(1, [f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "checkpoint.save_interval=2",
+                        f"trainer.output_dir={tmp / run_name}", f"model.hf_path={tmp / 'tiny_hf'}",
+                        f"model.mcore_path={tmp / 'tiny_mcore'}", *extra]).stdout
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.dist.launch import REPO, clean_env
 
 
 def _train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = clean_env()
     cmd = [sys.executable, "-m", "moe_sft.train", "--config-path", "recipes", "--config-name",
            "quickstart", f"trainer.output_dir={tmp / 'run'}", f"model.hf_path={tmp / 'hf'}",
            f"model.mcore_path={tmp / 'mcore'}", *overrides]

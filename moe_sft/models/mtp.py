@@ -1,0 +1,66 @@
+"""Multi-token prediction (DeepSeek-V3 MTP) on top of megatron-core's `MultiTokenPredictionBlock`.
+
+megatron's GPTModel computes the MTP loss inside the model, normalised per micro-batch and over
+the padded vocabulary. We want every loss term normalised like the main loss (by the global
+assistant-token count, padded vocab rows masked: trainer/step.py), so `SFTGPTModel` returns the
+logits of every depth instead, and the loss function does the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+
+class SFTGPTModel(GPTModel):
+    """GPTModel whose output with MTP is the logits of every depth, concatenated along the sequence.
+
+    `run_mtp` (set by the trainer) decides whether the MTP layers run: False for eval, for
+    frozen MTP layers and for verification against HF, so the output is the main logits only.
+    Output shape [b, (1 + depths) * s, V/tp]; depth k predicts the token k + 1 places further.
+    """
+
+    run_mtp: bool = False
+
+    def mtp_depths(self) -> int:
+        return self.config.mtp_num_layers if self.config.mtp_num_layers and self.run_mtp else 0
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
+                     rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
+                     decoder_input=None, attention_mask=None, inference_params=None,
+                     packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None,
+                     extra_block_kwargs=None, inference_context=None):
+        if not self.config.mtp_num_layers or labels is not None or inference_context is not None:
+            return super()._postprocess(
+                hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask,
+                decoder_input=decoder_input, attention_mask=attention_mask,
+                inference_params=inference_params, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset, runtime_gather_output=runtime_gather_output,
+                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
+        depths = self.mtp_depths()
+        if mtp_in_postprocess and depths:
+            hidden_states = self.mtp(
+                input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                attention_mask=attention_mask, inference_params=inference_params,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset, embedding=self.embedding,
+                **(extra_block_kwargs or {}))
+        if not self.post_process:
+            return hidden_states
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits = [self.output_layer(h, weight=weight, runtime_gather_output=runtime_gather_output)[0]
+                  for h in torch.chunk(hidden_states, 1 + depths, dim=0)]
+        return torch.cat(logits, dim=0).transpose(0, 1).contiguous()
+
+
+def shift_targets(labels: torch.Tensor, loss_mask: torch.Tensor, packed_seq_params):
+    """Labels and loss mask one more token ahead, within each packed document (megatron's roll).
+
+    The last position of every document gets label 0 and mask 0: no next-next token there.
+    """
+    labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
+    loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
+    return labels, loss_mask

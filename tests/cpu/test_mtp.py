@@ -1,0 +1,146 @@
+"""DeepSeek-V3 multi-token prediction: converted, run, trained and exported with nothing lost.
+
+fp32 CPU, tiny config with one MTP layer. The reference MTP forward is built from HF's own
+DeepseekV3 decoder-layer and norm modules (tests/deepseek_mtp.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_sft.conversion import mapping
+from moe_sft.conversion.convert import convert
+from moe_sft.conversion.export import export, load_model_from_checkpoint
+from moe_sft.models import registry
+from moe_sft.models.forward import pack_documents
+from tests.cpu.test_families import PARITY_TOL, _all_tensors
+from tests.deepseek_mtp import reference_logits, write_tiny_deepseek_with_mtp
+
+VOCAB = 300
+DOC_LENGTHS = (19, 40, 7)
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp")
+    hf, ref = write_tiny_deepseek_with_mtp(tmp / "hf", VOCAB)
+    convert(tmp / "hf", tmp / "mcore")
+    return hf, ref, tmp
+
+
+def _docs():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in DOC_LENGTHS]
+
+
+def _packed_outputs(model, docs):
+    """Per document: (main logits [T, V], MTP logits [T - 1, V]) from one packed forward."""
+    tokens, positions, params = pack_documents(docs)
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
+    out = out[0, :, :VOCAB].float()
+    total = tokens.shape[1]
+    lengths = [len(d) for d in docs]
+    main = torch.split(out[:total], lengths)
+    mtp = torch.split(out[total:], lengths)
+    return [(m, t[:-1]) for m, t in zip(main, mtp)]  # the last position has no t_{i+2}
+
+
+def test_mtp_tensors_are_mapped_and_round_trip_bit_exactly(mtp_ckpt):
+    hf, _, tmp = mtp_ckpt
+    family = registry.family_by_name("deepseek_v3")
+    on_disk = _all_tensors(tmp / "hf")
+    names = [n for e in mapping.expand(family, hf.config) for n in e.hf]
+    assert sorted(names) == sorted(on_disk)
+    assert sum(n.startswith("model.layers.2.") for n in names) > 20  # the MTP layer is mapped
+    export(tmp / "mcore", tmp / "out", dtype="fp32")
+    after = _all_tensors(tmp / "out")
+    assert set(after) == set(on_disk)
+    assert all(torch.equal(on_disk[k], after[k]) for k in on_disk)
+
+
+def test_mtp_logits_match_the_reference_with_packed_documents(mtp_ckpt):
+    hf, ref, tmp = mtp_ckpt
+    model = load_model_from_checkpoint(tmp / "mcore").eval()
+    model.run_mtp = True
+    docs = _docs()
+    with torch.no_grad():
+        ours = _packed_outputs(model, docs)
+    refs = [reference_logits(hf, ref, d) for d in docs]
+    main_diff = max((r[0] - o[0]).abs().max().item() for r, o in zip(refs, ours))
+    mtp_diff = max((r[1] - o[1]).abs().max().item() for r, o in zip(refs, ours))
+    print(f"deepseek_v3 MTP: main {main_diff:.3e}, mtp {mtp_diff:.3e} max abs logit diff")
+    assert main_diff <= PARITY_TOL and mtp_diff <= PARITY_TOL, (main_diff, mtp_diff)
+    model.run_mtp = False  # eval / verify: the main logits only
+    with torch.no_grad():
+        tokens, positions, params = pack_documents(docs)
+        plain = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
+    assert plain.shape[1] == tokens.shape[1]
+
+
+class _Doc:
+    def __init__(self, ids, prompt=4):
+        self.input_ids, self.assistant_mask = ids, [i >= prompt for i in range(len(ids))]
+
+
+def test_mtp_loss_term_is_weighted_and_normalised_like_the_main_loss(mtp_ckpt):
+    """The reported losses equal CE of the reference logits under the global token count."""
+    from moe_sft.data.packing import build_micro_batch
+    from moe_sft.trainer.step import run_forward_backward
+
+    hf, ref, tmp = mtp_ckpt
+    docs = _docs()
+    batch = build_micro_batch([_Doc(d) for d in docs])
+    tokens = int(batch.loss_mask.sum())
+    model = load_model_from_checkpoint(tmp / "mcore").eval()
+    model.run_mtp = True
+    total = run_forward_backward([model], [batch], tokens, "cpu", VOCAB, seq_length=0, forward_only=True,
+                                 mtp_weight=0.3)
+    main_sum = mtp_sum = 0.0
+    for d in docs:
+        main, mtp = reference_logits(hf, ref, d)
+        assistant = torch.tensor([i >= 4 for i in range(len(d))])
+        # main: position i predicts t_{i+1}, counted when t_{i+1} is an assistant token
+        main_sum += (F.cross_entropy(main[:-1], torch.tensor(d[1:]), reduction="none") * assistant[1:]).sum().item()
+        # MTP: position i predicts t_{i+2}, counted when t_{i+2} is an assistant token
+        mtp_sum += (F.cross_entropy(mtp[:-1], torch.tensor(d[2:]), reduction="none") * assistant[2:]).sum().item()
+    assert total[1].item() == tokens
+    assert total[0].item() == pytest.approx(main_sum, rel=1e-5)
+    assert total[2].item() == pytest.approx(mtp_sum, rel=1e-5)
+
+
+def test_training_with_mtp_lowers_both_losses_and_updates_the_mtp_layer(mtp_ckpt):
+    from moe_sft.data.packing import build_micro_batch
+    from moe_sft.trainer.step import run_forward_backward
+
+    _, _, tmp = mtp_ckpt
+    model = load_model_from_checkpoint(tmp / "mcore").train()
+    model.run_mtp = True
+    g = torch.Generator().manual_seed(5)
+    batch = [build_micro_batch([_Doc(torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in (24, 31)])]
+    tokens = int(batch[0].loss_mask.sum())
+    before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("mtp.") and torch.is_tensor(v)}
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    main, mtp = [], []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        total = run_forward_backward([model], batch, tokens, "cpu", VOCAB, seq_length=0, mtp_weight=0.3)
+        main.append((total[0] / total[1]).item())
+        mtp.append((total[2] / total[1]).item())
+        assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
+        opt.step()
+    assert main[-1] < main[0] - 0.5 and mtp[-1] < mtp[0] - 0.5, (main, mtp)
+    after = model.state_dict()
+    assert not torch.equal(before["mtp.layers.0.eh_proj.weight"], after["mtp.layers.0.eh_proj.weight"])
+
+
+def test_mtp_copies_that_differ_name_the_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf, _ = write_tiny_deepseek_with_mtp(tmp_path / "hf", VOCAB)
+    extra = load_file(str(tmp_path / "hf" / "mtp.safetensors"))
+    extra["model.layers.2.embed_tokens.weight"] += 1.0
+    save_file(extra, str(tmp_path / "hf" / "mtp.safetensors"))
+    with pytest.raises(mapping.MappingError, match=r"model\.layers\.2\.embed_tokens\.weight.*copies"):
+        convert(tmp_path / "hf", tmp_path / "mcore")

@@ -1,0 +1,43 @@
+"""Launch `moe_sft.train` under torchrun (gloo on CPU) from a test, and read its console log."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) (.*)$")
+# torchrun sets these for its children; a test itself launched under torchrun must not leak them
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+
+
+def torchrun(nproc: int, overrides, recipe: str = "quickstart", check: bool = True,
+             timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", recipe, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def step_metrics(stdout: str) -> dict[int, dict[str, float]]:
+    """{step: {metric: value}} from the rank-0 console lines `step N/M loss=... lr=...`."""
+    out = {}
+    for line in stdout.splitlines():
+        if m := STEP_LINE.match(line):
+            out[int(m.group(1))] = {k: float(v) for k, v in (kv.split("=", 1) for kv in m.group(3).split())}
+    return out
+
+
+def losses(stdout: str) -> dict[int, float]:
+    return {step: metrics["loss"] for step, metrics in step_metrics(stdout).items()}

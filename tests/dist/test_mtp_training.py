@@ -1,0 +1,72 @@
+"""DeepSeek-V3 with a multi-token-prediction layer through the trainer (torchrun, gloo, CPU):
+trained MTP gives the same losses on one rank and on two pipeline stages (MTP sits on the last
+stage with its own tied copy of the embedding), a frozen MTP layer is exported unchanged, and the
+export always carries the MTP tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from moe_sft.conversion.convert import convert
+from tests.cpu.test_families import _all_tensors
+from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
+from tests.dist.launch import REPO, step_metrics, torchrun
+
+MTP_PREFIX = "model.layers.2."  # the tiny config has 2 decoder layers, then the MTP layer
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_train")
+    vocab = len(AutoTokenizer.from_pretrained(str(REPO / "recipes/demo/tokenizer")))
+    write_tiny_deepseek_with_mtp(tmp / "hf", vocab)
+    convert(tmp / "hf", tmp / "mcore")
+    return tmp
+
+
+def _train(tmp, name, nproc, *extra):
+    proc = torchrun(nproc, [
+        "trainer.max_steps=3", "trainer.log_interval=1", f"trainer.output_dir={tmp / name}",
+        f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}",
+        "model.create_tiny_if_missing=false", "model.mtp_loss_weight=0.3", *extra])
+    return step_metrics(proc.stdout), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(source):
+    one = _train(source, "one_rank", 1)
+    pp2 = _train(source, "pp2", 2, "parallel.pipeline_model_parallel_size=2", "trainer.export_hf_at_end=false")
+    return one, pp2
+
+
+def test_mtp_trains_and_pipeline_parallel_matches_one_rank(trained):
+    (one, log), (pp2, _) = trained
+    assert "multi-token prediction: 1 layer(s), trained with loss weight 0.3" in log
+    assert sorted(one) == sorted(pp2) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert "mtp_loss" in one[step] and "mtp_loss" in pp2[step]
+        for key in ("loss", "mtp_loss", "grad_norm"):  # printed to 4 significant digits
+            assert pp2[step][key] == pytest.approx(one[step][key], rel=2e-3), (key, one, pp2)
+    assert one[3]["mtp_loss"] < one[1]["mtp_loss"]
+
+
+def test_trained_mtp_layer_is_exported_with_its_updates(source, trained):
+    before, after = _all_tensors(source / "hf"), _all_tensors(source / "one_rank" / "hf")
+    assert set(after) == set(before)
+    assert not torch.equal(before[MTP_PREFIX + "eh_proj.weight"], after[MTP_PREFIX + "eh_proj.weight"])
+    # the MTP layer's embedding / head copies follow the (trained) main ones
+    assert torch.equal(after[MTP_PREFIX + "embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert torch.equal(after[MTP_PREFIX + "shared_head.head.weight"], after["lm_head.weight"])
+
+
+def test_frozen_mtp_layer_is_exported_unchanged(source):
+    metrics, log = _train(source, "frozen", 1, "model.freeze_mtp=true")
+    assert "frozen (exported unchanged)" in log and "mtp_loss" not in metrics[1]
+    before, after = _all_tensors(source / "hf"), _all_tensors(source / "frozen" / "hf")
+    assert set(after) == set(before)
+    copies = (MTP_PREFIX + "embed_tokens.weight", MTP_PREFIX + "shared_head.head.weight")
+    mtp = [k for k in before if k.startswith(MTP_PREFIX) and k not in copies]
+    assert len(mtp) > 20 and all(torch.equal(before[k], after[k].to(before[k].dtype)) for k in mtp)
+    assert not torch.equal(before["lm_head.weight"], after["lm_head.weight"])  # the rest trained
