@@ -48,7 +48,8 @@ def test_bf16_mtp_parity(mtp_ckpt):
     ours = [m[:-1] for m in mtp]
     report = {"ours_bf16_vs_ref_fp32": max((o - r).abs().max().item() for o, r in zip(ours, refs[torch.float32])),
               "ref_bf16_vs_ref_fp32": max((b - r).abs().max().item()
-                                          for b, r in zip(refs[torch.bfloat16], refs[torch.float32]))}
+                                          for b, r in zip(refs[torch.bfloat16], refs[torch.float32])),
+              "ours_bf16_vs_ref_bf16": max((o - b).abs().max().item() for o, b in zip(ours, refs[torch.bfloat16]))}
     REPORT["deepseek_v3/mtp_parity"] = report
     _write_report()
     print("GPU_MTP_PARITY", json.dumps(report))
