@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 
-def create_tiny_hf(hf_path: Path, tokenizer_dir: Path, seed: int = 0) -> None:
+def create_tiny_hf(hf_path: Path, tokenizer_dir: Path, seed: int = 0, **config_overrides) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     from moe_sft.models import qwen3_moe
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = qwen3_moe.tiny_hf_config(vocab_size=len(tokenizer))
+    cfg = qwen3_moe.tiny_hf_config(vocab_size=len(tokenizer), **config_overrides)
     cfg.bos_token_id = None
     cfg.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     cfg.pad_token_id = tokenizer.pad_token_id
@@ -41,10 +41,11 @@ def main() -> None:
     parser.add_argument("--hf-path", required=True, type=Path)
     parser.add_argument("--mcore-path", required=True, type=Path)
     parser.add_argument("--tokenizer", required=True, type=Path)
+    parser.add_argument("--num-layers", type=int, default=2, help="decoder layers of the tiny model")
     args = parser.parse_args()
     if not (args.hf_path / "config.json").is_file():
         args.hf_path.parent.mkdir(parents=True, exist_ok=True)
-        create_tiny_hf(args.hf_path, args.tokenizer)
+        create_tiny_hf(args.hf_path, args.tokenizer, num_hidden_layers=args.num_layers)
         print(f"created tiny Qwen3-MoE at {args.hf_path}")
     if not (args.mcore_path / "moe_sft_meta.json").is_file():
         from moe_sft.conversion.convert import convert

@@ -276,13 +276,19 @@ def _cuda_stubs() -> dict:
 
 
 def _patch_rng_tracker():
-    """megatron's `_set_cuda_rng_state` reaches into torch.cuda.default_generators."""
+    """megatron's RNG tracker reads and writes the CUDA generator (`torch.cuda.random.*`,
+    `torch.cuda.default_generators`): the CPU generator stands in. The tracker forks it around
+    sequence-parallel regions (TP>1)."""
     from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
 
     def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+    _patch(mrandom, "_get_cuda_rng_state", _get_cuda_rng_state)
+    _patch(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state)
 
 
 def _patch_yarn_rope():

@@ -49,10 +49,12 @@ def sharded_metadata() -> dict:
     """What megatron's sharded_state_dict needs to know about the layout (as Megatron-LM passes it).
 
     The data-parallel group decides which replica of a tied tensor is saved: the MTP stage's copy
-    of the embedding, for one.
+    of the embedding, for one. Optimizer state is saved per parameter ('fully_reshardable') and
+    without the `chained_i.` prefix megatron adds when EP splits the optimizer in two (dense +
+    expert): a checkpoint saved without EP then resumes with EP and back.
     """
     return {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
-            "distrib_optim_sharding_type": "fully_reshardable"}
+            "distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def model_sharded_state(model_chunks) -> dict:
@@ -142,6 +144,11 @@ def load_full(path: Path, model_chunks, optimizer, scheduler, extra_template: di
     sharded = full_sharded_state(model_chunks, optimizer, scheduler, extra_template, is_loading=True)
     if not load_optimizer:
         sharded.pop("optimizer")
+    # RNG states are per rank: with another world size (a layout change) they do not map onto
+    # the new ranks, so they are not loaded (they only seed dropout; model, optimizer, schedule
+    # and data position all reshard).
+    if dist_checkpointing.load_common_state_dict(str(path)).get("world_size") != dist.get_world_size():
+        sharded.pop("rng_state")
     state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
     for key, chunk in zip(model_sharded_state(model_chunks), unwrap(model_chunks)):
         chunk.load_state_dict(state[key])

@@ -56,7 +56,10 @@ def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: 
 
 def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_weight: float,
                output: torch.Tensor):
-    blocks = output.chunk(1 + mtp_depths, dim=1)  # [b, s, V/tp] per depth
+    # [b, s, V/tp] per depth. narrow, not chunk: megatron's cross entropy works in place on its
+    # input, which autograd forbids on the views of a multi-output op like chunk.
+    seq = output.shape[1] // (1 + mtp_depths)
+    blocks = [output.narrow(1, depth * seq, seq) for depth in range(1 + mtp_depths)]
     labels, mask = batch["labels"], batch["loss_mask"]
     local_sum = (masked_token_losses(blocks[0], labels, vocab_size) * mask).sum()
     count = mask.sum().detach()
@@ -72,10 +75,25 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
     return total * scale, {"lm_loss": reported}
 
 
+def _sequence_parallel_slice(padding: torch.Tensor, model) -> torch.Tensor:
+    """This rank's sequence-parallel share of a [1, s] padding mask.
+
+    megatron 0.16.1 scatters the padding mask for sequence parallelism only on the first pipeline
+    stage (with the embedding); later stages see [s/tp] hidden states, so the mask is cut here.
+    """
+    if not get_attr_wrapped_model(model, "config").sequence_parallel:
+        return padding
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    share = padding.shape[1] // tp
+    return padding[:, rank * share:(rank + 1) * share]
+
+
 def make_forward_step(device: str, scale: float, vocab_size: int, mtp_depths: int = 0,
                       mtp_weight: float = 0.0):
     def forward_step(data_iterator, model):
         batch = _to_device(next(data_iterator), device)
+        if batch["padding"] is not None and not get_attr_wrapped_model(model, "pre_process"):
+            batch["padding"] = _sequence_parallel_slice(batch["padding"], model)
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                        attention_mask=None, packed_seq_params=batch["params"],
                        padding_mask=batch["padding"])

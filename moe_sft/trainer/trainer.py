@@ -135,7 +135,9 @@ class Trainer:
             extra={k: v for k, v in (("moe_router_enable_expert_bias", m.moe_router_enable_expert_bias),
                                      ("moe_router_bias_update_rate", m.moe_router_bias_update_rate),
                                      ("recompute_method", m.recompute_method),
-                                     ("recompute_num_layers", m.recompute_num_layers))
+                                     ("recompute_num_layers", m.recompute_num_layers),
+                                     ("num_layers_in_first_pipeline_stage", p.num_layers_in_first_pipeline_stage),
+                                     ("num_layers_in_last_pipeline_stage", p.num_layers_in_last_pipeline_stage))
                    if v is not None})
         self.tconfig = build_transformer_config(self.family, self.hf_cfg, self.opts)
         chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)

@@ -204,7 +204,7 @@ def _hf_inputs(name: str, g: torch.Generator) -> list[torch.Tensor]:
         "experts_gate_up_stack": lambda: [r(F, H) for _ in range(2 * E)],
         "experts_down_stack": lambda: [r(H, F) for _ in range(E)],
         "pad_vocab": lambda: [r(10, H)],
-        "pad_vocab_mtp_shared": lambda: [r(10, H).repeat(3, 1, 1)[i] for i in range(3)],
+        "pad_vocab_mtp_shared": lambda: (lambda t: [t, t.clone(), t.clone()])(r(10, H)),  # main + 2 MTP copies
     }[name]()
 
 

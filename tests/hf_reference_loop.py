@@ -1,0 +1,187 @@
+"""The field's reference SFT loop: a plain `transformers` model trained by a plain torch loop.
+
+It mirrors what `moe_sft`'s trainer does for one data-parallel rank, from the trainer's own
+resolved `config.yaml`, but with nothing of megatron in the training path:
+
+* data: the same `PackedBatchPlan` (tokenizer, files, max_seq_len, pack_length,
+  global_batch_size, seed, shuffle, pad_to as `Trainer._data` computes them for one rank);
+  each DOCUMENT of each packed micro-batch (split at `cu_seqlens`) is its own causal sequence,
+  one row of a right-padded batch (the same as one forward per document: see `as_padded_rows`),
+  so attention never crosses documents;
+* loss: Σ over the global batch of assistant-token CE / the global assistant-token count;
+* optimizer: `torch.optim.AdamW` with megatron's param groups (weight decay off for 1-D params
+  and biases: megatron-core 0.16 `get_standard_config_overrides`, `apply_wd_to_qk_layernorm` off),
+  `clip_grad_norm_` (the same `max_norm / (norm + 1e-6)` coefficient as megatron's
+  `clip_grad_by_total_norm_fp32`);
+* LR: megatron's `OptimizerParamScheduler.get_lr` re-implemented below; the optimizer step of
+  0-based step s runs with `get_lr(num_steps=s)` (the scheduler's constructor calls `step(0)` and
+  the trainer calls `scheduler.step(1)` only after `optimizer.step()`), so with warmup the first
+  step runs with lr = init_lr = 0 (Adam's moments and step count still advance).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def megatron_lr(num_steps: int, *, init_lr: float, max_lr: float, min_lr: float, warmup: int,
+                decay_steps: int, style: str) -> float:
+    """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.get_lr (0.16.1), for
+    the styles the schema allows (cosine | linear | constant)."""
+    if warmup > 0 and num_steps <= warmup:
+        return init_lr + (max_lr - init_lr) * float(num_steps) / float(warmup)
+    if style == "constant":
+        return max_lr
+    if num_steps > decay_steps:
+        return min_lr
+    ratio = float(num_steps - warmup) / float(decay_steps - warmup)
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:
+        raise ValueError(f"lr_decay_style={style!r}")
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def trainer_lr_schedule(cfg: dict, shift: int = 0) -> list[float]:
+    """The lr each optimizer step of the run uses, as `Trainer._optimizer` builds the scheduler.
+
+    `shift=1` is the plausible off-by-one (step s using the lr of s + 1); only for negative
+    controls.
+    """
+    o, steps = cfg["optimizer"], cfg["trainer"]["max_steps"]
+    warmup = o["lr_warmup_steps"]
+    kwargs = dict(init_lr=0.0 if warmup else o["lr"], max_lr=o["lr"], min_lr=o["min_lr"], warmup=warmup,
+                  decay_steps=max(steps, warmup + 1), style=o["lr_decay_style"])
+    return [megatron_lr(s + shift, **kwargs) for s in range(steps)]
+
+
+def trainer_plan(cfg: dict):
+    """The `PackedBatchPlan` and tokenizer `Trainer._data` builds for a one-rank run of `cfg`."""
+    from transformers import AutoTokenizer
+
+    from moe_sft.data.chat import tokenize_files
+    from moe_sft.data.loader import PackedBatchPlan
+
+    d, p = cfg["data"], cfg["parallel"]
+    assert p["tensor_model_parallel_size"] == p["pipeline_model_parallel_size"] == 1, p
+    assert p["expert_model_parallel_size"] == p["context_parallel_size"] == 1, p
+    tokenizer = AutoTokenizer.from_pretrained(d["tokenizer_path"] or str(Path(cfg["model"]["mcore_path"]) / "hf"))
+    files = [str(REPO / f) for f in d["train_files"]]  # the trainer runs with cwd = the repo
+    docs, _ = tokenize_files(tokenizer, files, d["max_seq_len"], d["overlong"])
+    plan = PackedBatchPlan(docs, d["pack_length"], cfg["trainer"]["global_batch_size"], seed=d["seed"],
+                           shuffle=d["shuffle"], pad_to=1, pad_token_id=tokenizer.pad_token_id or 0)
+    return plan, tokenizer
+
+
+def documents(mb):
+    """(tokens, labels, loss_mask) of each segment of a packed micro-batch that has loss tokens
+    (a segment without any — e.g. trailing padding — adds nothing to the loss or the gradients)."""
+    cu = mb.cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        mask = mb.loss_mask[start:end]
+        if mask.any():
+            yield mb.tokens[start:end], mb.labels[start:end], mask
+
+
+def megatron_param_groups(model, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """megatron's default weight-decay rule: wd_mult 0 for 1-D params and biases.
+
+    `decay_all=True` decays every parameter (the naive AdamW setup); only for negative controls.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            skip = (param.ndim == 1 or name.endswith(".bias")) and not decay_all
+            (no_decay if skip else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def as_padded_rows(rows, pad_id: int):
+    """Documents as the rows of one right-padded batch.
+
+    Equivalent to one forward per document: attention is causal, so a row's real tokens never
+    see its trailing padding, and MoE routing is per token (dropless, no aux loss here), so
+    padding tokens change no real token's output. Padded positions have mask 0.
+    """
+    width = max(len(t) for t, _, _ in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (t, l, m) in enumerate(rows):
+        tokens[i, :len(t)], labels[i, :len(t)], mask[i, :len(t)] = t, l, m
+    return tokens, labels, mask
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    loss_tokens: int
+
+
+def load_hf_model(hf_path):
+    """The HF checkpoint in fp32, training mode, router aux loss off (megatron's differs)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_sft.runtime import compat
+
+    with compat.suspended():  # a no-op unless megatron's CPU patches are active in this process
+        model = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=torch.float32)
+    model.config.output_router_logits = False
+    model.config.use_cache = False
+    return model.train()
+
+
+def train_reference(hf_path, cfg: dict, steps: int | None = None, plan=None, *, lr_shift: int = 0,
+                    decay_all: bool = False) -> list[StepResult]:
+    """Train the HF model at `hf_path` for `steps` steps of `cfg` (the trainer's resolved
+    config.yaml as a dict); per step: the loss before the update, the pre-clip global grad L2
+    norm, and the lr the update used. `lr_shift` / `decay_all`: see `trainer_lr_schedule` /
+    `megatron_param_groups` (negative controls only)."""
+    from moe_sft.runtime import compat
+
+    o = cfg["optimizer"]
+    steps = cfg["trainer"]["max_steps"] if steps is None else steps
+    if plan is None:
+        plan, _ = trainer_plan(cfg)
+    lrs = trainer_lr_schedule(cfg, shift=lr_shift)
+    model = load_hf_model(hf_path)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(megatron_param_groups(model, o["weight_decay"], decay_all), lr=0.0,
+                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"])
+    results = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 1M-parameter model: one thread is as fast, and immune to oversubscription
+    try:
+        with compat.suspended():  # a no-op unless megatron's CPU patches are active in this process
+            for step in range(steps):
+                batches, global_tokens = plan.batches_for_step(step, 0, 1)
+                optimizer.zero_grad(set_to_none=True)
+                tokens, labels, mask = as_padded_rows([doc for mb in batches for doc in documents(mb)],
+                                                     plan.pad_token_id)
+                logits = model(input_ids=tokens, use_cache=False, output_router_logits=False).logits
+                keep = mask.bool()  # assistant-token positions only (row padding never enters the loss)
+                total = F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
+                (total / global_tokens).backward()
+                assert int(keep.sum()) == global_tokens, (int(keep.sum()), global_tokens)
+                if o["clip_grad"] > 0:  # returns the pre-clip norm; coefficient max_norm / (norm + 1e-6)
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o["clip_grad"]))
+                else:
+                    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+                for group in optimizer.param_groups:
+                    group["lr"] = lrs[step]
+                optimizer.step()
+                results.append(StepResult(total.item() / global_tokens, grad_norm, lrs[step], global_tokens))
+    finally:
+        torch.set_num_threads(threads)
+    return results
