@@ -61,6 +61,11 @@ def write_tiny_deepseek_with_mtp(path: Path, vocab_size: int, seed: int = 0, **o
         hf = family.hf_model_class(cfg).eval()
         mtp = ReferenceMTP(hf.config, cfg.num_hidden_layers).eval()
         with torch.no_grad():
+            # HF initialises weights in the PreTrainedModel's post_init, not in submodule
+            # constructors: a bare decoder layer holds torch.empty memory (NaN now and then).
+            for param in mtp.parameters():
+                if param.dim() >= 2:
+                    torch.nn.init.normal_(param, std=cfg.initializer_range)
             for name, tensor in list(hf.named_buffers()) + list(mtp.named_buffers()):
                 if name.endswith("e_score_correction_bias"):  # zeros at init: make it steer routing
                     tensor.copy_(torch.randn_like(tensor) * 0.5)
