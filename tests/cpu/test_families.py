@@ -16,6 +16,7 @@ from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.models import registry
 from moe_sft.models.forward import packed_logits
 from moe_sft.runtime import compat
+from tests.train_steps import adam_steps, random_batches
 
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 VOCAB = 300
@@ -98,26 +99,9 @@ def test_tied_embeddings_convert_and_export(tmp_path, family_name):
 
 def test_a_few_training_steps_lower_the_loss(converted):
     """Five Adam steps on one packed batch through megatron's schedule: the loss must fall."""
-    from moe_sft.data.packing import build_micro_batch
-    from moe_sft.trainer.step import run_forward_backward
-
     family, hf, tmp = converted
     model = load_model_from_checkpoint(tmp / "mcore").train()
-
-    class Doc:
-        def __init__(self, ids):
-            self.input_ids, self.assistant_mask = ids, [i >= 4 for i in range(len(ids))]
-
-    g = torch.Generator().manual_seed(5)
-    batch = [build_micro_batch([Doc(torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in (24, 31)])]
-    tokens = int(batch[0].loss_mask.sum())
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(5):
-        opt.zero_grad(set_to_none=True)
-        total = run_forward_backward([model], batch, tokens, "cpu", VOCAB, seq_length=0)
-        losses.append((total[0] / total[1]).item())
-        opt.step()
+    losses, _ = adam_steps(model, random_batches(VOCAB, (24, 31)), VOCAB, "cpu", steps=5, lr=3e-3)
     assert losses[-1] < losses[0] - 0.5, losses
 
 

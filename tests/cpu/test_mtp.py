@@ -16,6 +16,7 @@ from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.models import registry
 from moe_sft.models.forward import pack_documents
 from tests.cpu.test_families import PARITY_TOL, _all_tensors
+from tests.train_steps import PromptedDoc, adam_steps, random_batches
 from tests.deepseek_mtp import reference_logits, write_tiny_deepseek_with_mtp
 
 VOCAB = 300
@@ -79,11 +80,6 @@ def test_mtp_logits_match_the_reference_with_packed_documents(mtp_ckpt):
     assert plain.shape[1] == tokens.shape[1]
 
 
-class _Doc:
-    def __init__(self, ids, prompt=4):
-        self.input_ids, self.assistant_mask = ids, [i >= prompt for i in range(len(ids))]
-
-
 def test_mtp_loss_term_is_weighted_and_normalised_like_the_main_loss(mtp_ckpt):
     """The reported losses equal CE of the reference logits under the global token count."""
     from moe_sft.data.packing import build_micro_batch
@@ -91,7 +87,7 @@ def test_mtp_loss_term_is_weighted_and_normalised_like_the_main_loss(mtp_ckpt):
 
     hf, ref, tmp = mtp_ckpt
     docs = _docs()
-    batch = build_micro_batch([_Doc(d) for d in docs])
+    batch = build_micro_batch([PromptedDoc(d) for d in docs])
     tokens = int(batch.loss_mask.sum())
     model = load_model_from_checkpoint(tmp / "mcore").eval()
     model.run_mtp = True
@@ -111,25 +107,16 @@ def test_mtp_loss_term_is_weighted_and_normalised_like_the_main_loss(mtp_ckpt):
 
 
 def test_training_with_mtp_lowers_both_losses_and_updates_the_mtp_layer(mtp_ckpt):
-    from moe_sft.data.packing import build_micro_batch
-    from moe_sft.trainer.step import run_forward_backward
-
     _, _, tmp = mtp_ckpt
     model = load_model_from_checkpoint(tmp / "mcore").train()
     model.run_mtp = True
-    g = torch.Generator().manual_seed(5)
-    batch = [build_micro_batch([_Doc(torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in (24, 31)])]
-    tokens = int(batch[0].loss_mask.sum())
     before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("mtp.") and torch.is_tensor(v)}
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    main, mtp = [], []
-    for _ in range(5):
-        opt.zero_grad(set_to_none=True)
-        total = run_forward_backward([model], batch, tokens, "cpu", VOCAB, seq_length=0, mtp_weight=0.3)
-        main.append((total[0] / total[1]).item())
-        mtp.append((total[2] / total[1]).item())
-        assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
-        opt.step()
+
+    def mtp_layer_gets_gradient(m):
+        assert m.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
+
+    main, mtp = adam_steps(model, random_batches(VOCAB, (24, 31)), VOCAB, "cpu", steps=5, lr=3e-3,
+                           mtp_weight=0.3, after_backward=mtp_layer_gets_gradient)
     assert main[-1] < main[0] - 0.5 and mtp[-1] < mtp[0] - 0.5, (main, mtp)
     after = model.state_dict()
     assert not torch.equal(before["mtp.layers.0.eh_proj.weight"], after["mtp.layers.0.eh_proj.weight"])

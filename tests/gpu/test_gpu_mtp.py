@@ -57,29 +57,13 @@ def test_bf16_mtp_parity(mtp_ckpt):
 
 
 def test_bf16_training_with_mtp_lowers_both_losses(mtp_ckpt):
-    from moe_sft.data.packing import build_micro_batch
-    from moe_sft.trainer.step import run_forward_backward
+    from tests.train_steps import adam_steps, random_batches
 
     _, _, tmp = mtp_ckpt
     model = _our_bf16_model(tmp / "mcore").train()
     model.run_mtp = True
-
-    class Doc:
-        def __init__(self, ids):
-            self.input_ids, self.assistant_mask = ids, [i >= 8 for i in range(len(ids))]
-
-    g = torch.Generator().manual_seed(5)
-    batches = [build_micro_batch([Doc(torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in (200, 311, 90)])
-               for _ in range(2)]
-    tokens = sum(int(b.loss_mask.sum()) for b in batches)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    main, mtp = [], []
-    for _ in range(20):
-        opt.zero_grad(set_to_none=True)
-        total = run_forward_backward([model], batches, tokens, "cuda", VOCAB, seq_length=0, mtp_weight=0.3)
-        main.append((total[0] / total[1]).item())
-        mtp.append((total[2] / total[1]).item())
-        opt.step()
+    batches = random_batches(VOCAB, (200, 311, 90), micro_batches=2, prompt=8)
+    main, mtp = adam_steps(model, batches, VOCAB, "cuda", steps=20, lr=2e-3, mtp_weight=0.3)
     REPORT["deepseek_v3/mtp_train"] = {"loss": [round(main[0], 4), round(main[-1], 4)],
                                        "mtp_loss": [round(mtp[0], 4), round(mtp[-1], 4)]}
     _write_report()

@@ -78,27 +78,12 @@ def test_bf16_packed_parity_with_hf(converted):
 
 def test_bf16_training_steps_lower_the_loss(converted):
     """20 Adam steps on packed batches through megatron's schedule, bf16 on the GPU."""
-    from moe_sft.data.packing import build_micro_batch
-    from moe_sft.trainer.step import run_forward_backward
+    from tests.train_steps import adam_steps, random_batches
 
     family, tmp = converted
     model = _our_bf16_model(tmp / "mcore").train()
-
-    class Doc:
-        def __init__(self, ids):
-            self.input_ids, self.assistant_mask = ids, [i >= 8 for i in range(len(ids))]
-
-    g = torch.Generator().manual_seed(5)
-    batches = [build_micro_batch([Doc(torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in (200, 311, 90)])
-               for _ in range(2)]
-    tokens = sum(int(b.loss_mask.sum()) for b in batches)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    losses = []
-    for _ in range(20):
-        opt.zero_grad(set_to_none=True)
-        total = run_forward_backward([model], batches, tokens, "cuda", VOCAB, seq_length=0)
-        losses.append((total[0] / total[1]).item())
-        opt.step()
+    batches = random_batches(VOCAB, (200, 311, 90), micro_batches=2, prompt=8)
+    losses, _ = adam_steps(model, batches, VOCAB, "cuda", steps=20, lr=2e-3)
     REPORT[f"{family.name}/train_losses"] = [round(x, 4) for x in losses[::4]] + [round(losses[-1], 4)]
     _write_report()
     print("GPU_TRAIN", family.name, losses[0], losses[-1])
