@@ -1,6 +1,12 @@
 """Convert an HF checkpoint into a moe-sft (megatron-core dist checkpoint) directory.
 
-    python tools/convert_hf_to_mcore.py --hf-path HF_DIR --output MCORE_DIR [--verify] [--tolerance 1e-3]
+    python tools/convert_hf_to_mcore.py --hf-path HF_DIR --output MCORE_DIR [--workers N]
+        [--chunk-size 256MiB] [--verify] [--tolerance 1e-3]
+
+The conversion streams: the megatron model exists only on the meta device and every tensor chunk
+is made from the HF tensors it needs just before it is written, so memory stays at about the
+imports (~0.5 GB) plus a few chunks, whatever the model size (docs/conversion_at_scale.md).
+--workers N writes with N processes, each its own share of the chunks.
 
 Exit status: 0 converted (and, with --verify, logits within tolerance); 1 --verify found a logit
 difference above --tolerance; 2 the input is unusable (the `error:` line names the file/tensor/field).
@@ -10,6 +16,7 @@ The work happens in moe_sft.conversion.convert; this file only parses arguments 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,12 +26,32 @@ try:
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'256MiB' → 268_435_456, '1GB' → 1_000_000_000, '4096' → 4096 bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if unit not in _UNITS or int(float(match.group(1)) * _UNITS[unit]) <= 0:
+        raise argparse.ArgumentTypeError(f"--chunk-size {text!r}: expected a positive number with an "
+                                         "optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", required=True, help="directory with config.json and *.safetensors")
     parser.add_argument("--output", required=True, help="moe-sft checkpoint directory to write")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes writing disjoint shares of the checkpoint (default 1)")
+    parser.add_argument("--chunk-size", type=parse_size, default="256MiB",
+                        help="largest tensor chunk written at once; memory is a few of these "
+                             "(default 256MiB)")
     parser.add_argument("--verify", action="store_true",
-                        help="compare logits with transformers' model (fp32, CPU) after converting")
+                        help="compare logits with transformers' model (fp32, CPU) after converting; "
+                             "unlike the conversion this loads both whole models into memory")
     parser.add_argument("--tolerance", type=float, default=1e-3,
                         help="max abs logit difference accepted by --verify (default 1e-3)")
     parser.add_argument("--traceback", action="store_true",
@@ -37,10 +64,21 @@ def run(args: argparse.Namespace) -> int:
     # `--help` and a mistyped path should not wait for.
     from moe_sft.conversion.convert import convert, verify
 
+    if args.workers < 1:
+        print(f"error: --workers {args.workers}: use 1 or more processes", file=sys.stderr)
+        return 2
     started = time.time()
-    meta = convert(args.hf_path, args.output)
+    meta = convert(args.hf_path, args.output, workers=args.workers, max_chunk_bytes=args.chunk_size,
+                   progress=_Progress())
+    size = meta["written_bytes"]
+    size = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    print(f"wrote {size} of tensors in {meta['seconds']:.1f}s "
+          f"({meta['written_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.0f} MB/s, "
+          f"{args.workers} worker process(es))")
     status = 0
     if args.verify:
+        print("verifying: loads transformers' model and the converted one whole (fp32) into memory",
+              file=sys.stderr)
         diff = verify(args.hf_path, args.output, tolerance=args.tolerance)
         print(f"max abs logit difference: {diff:.3e} (tolerance {args.tolerance:g})")
         if diff > args.tolerance:
@@ -51,6 +89,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"converted {meta['hf_tensors']} HF tensors ({meta['family']}, {meta['params_dtype']}) "
           f"in {time.time() - started:.1f}s -> {Path(args.output).resolve()}")
     return status
+
+
+class _Progress:
+    """One stderr line every 30 s while converting (none for small checkpoints)."""
+
+    def __init__(self, every_s: float = 30.0):
+        self.started = self.last = time.time()
+        self.every_s = every_s
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.time()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = done / 1e6 / max(now - self.started, 1e-9)
+            print(f"  {done / 1e9:.1f}/{total / 1e9:.1f} GB of this process's share "
+                  f"({100 * done / max(total, 1):.0f}%), {rate:.0f} MB/s", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,25 @@
-"""HF checkpoint → moe-sft dist checkpoint, streaming one HF tensor at a time."""
+"""HF checkpoint → moe-sft dist checkpoint, streaming: peak memory is a few chunks, not the model.
+
+The megatron model is built on the meta device (shapes, no storage); its sharded state dict tells
+megatron's own `dist_checkpointing.save` what to write, and each tensor chunk is produced from
+the HF tensors it needs just before it is written (streaming.py). Several processes can write
+disjoint shares (`workers`). docs/conversion_at_scale.md has the measurements.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from moe_sft.conversion import mapping, mcore_io
+from moe_sft.conversion import mapping, mcore_io, streaming
 from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
+from moe_sft.conversion.streaming_reader import StreamingHFReader
 from moe_sft.models import registry
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.runtime import compat, device as rdevice, distributed
@@ -40,8 +48,8 @@ def load_hf_config(path: Path):
     return family, cfg
 
 
-def single_rank_model(family, hf_cfg, precision: str = "fp32"):
-    """A TP=PP=EP=1 GPTModel on CPU in this process (the converter's and exporter's view)."""
+def init_single_rank(precision: str = "fp32") -> None:
+    """Runtime patches, a process group of one and megatron's parallel state (TP=PP=EP=1)."""
     choice = rdevice.RuntimeChoice("cpu", precision, "torch", ("offline tool",))
     if not torch.cuda.is_available():
         rdevice.prepare_runtime(choice)
@@ -49,9 +57,19 @@ def single_rank_model(family, hf_cfg, precision: str = "fp32"):
         rdevice.prepare_runtime(rdevice.RuntimeChoice("cuda", precision, "torch", ()))
     distributed.init_process_group("cpu" if not torch.cuda.is_available() else "cuda")
     distributed.init_model_parallel()
+
+
+def build_single_rank_model(family, hf_cfg, precision: str = "fp32"):
+    """The GPTModel of `single_rank_model`, in an already initialised single-rank runtime."""
     opts = ModelOptions(precision=precision, backend="torch", device="cpu")
     config = build_transformer_config(family, hf_cfg, opts)
     return build_model_chunks(family, hf_cfg, config, opts)[0]
+
+
+def single_rank_model(family, hf_cfg, precision: str = "fp32"):
+    """A TP=PP=EP=1 GPTModel on CPU in this process (the exporter's and --verify's view)."""
+    init_single_rank(precision)
+    return build_single_rank_model(family, hf_cfg, precision)
 
 
 def _fp8_block(hf_cfg) -> tuple[int, int]:
@@ -71,31 +89,67 @@ def _check_dtypes(reader: HFCheckpointReader) -> str:
     return "bf16" if floats == {"BF16"} else "fp32"
 
 
-def convert(hf_path: str | Path, out_path: str | Path) -> dict:
-    """Write the dist checkpoint + meta + HF side files; returns the meta dict."""
-    from megatron.core import dist_checkpointing
+@dataclass
+class Job:
+    """What a conversion needs to know about the HF checkpoint, checked before anything is built."""
 
-    hf_path, out_path = Path(hf_path), Path(out_path)
-    family, hf_cfg = load_hf_config(hf_path)
-    reader = HFCheckpointReader(hf_path, fp8_block=_fp8_block(hf_cfg))
+    family: object
+    hf_cfg: object
+    reader: StreamingHFReader
+    precision: str
+    entries: list
+    ctx: dict
+
+
+def prepare(hf_path: str | Path) -> Job:
+    """Read config + shard headers; the completeness gate for HF tensors runs here."""
+    family, hf_cfg = load_hf_config(Path(hf_path))
+    reader = StreamingHFReader(hf_path, fp8_block=_fp8_block(hf_cfg))
     precision = _check_dtypes(reader)
     entries = mapping.expand(family, hf_cfg)
     mapping.check_hf_coverage(family, entries, reader.names(), hf_cfg)
-    model = single_rank_model(family, hf_cfg, precision)
-    ctx = mapping.transform_context(family, hf_cfg)
+    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg))
+
+
+def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
+            max_chunk_bytes: int = streaming.DEFAULT_MAX_CHUNK_BYTES, progress=None) -> dict:
+    """Write the dist checkpoint + meta + HF side files; returns the meta dict (plus the bytes
+    written and the seconds taken, which are not stored).
+
+    Memory stays at a few chunks of `max_chunk_bytes`, or the largest tensor that must be made
+    whole (fused QKV, a dense MLP's gate/up, an FP8-quantised weight), whatever the model size.
+    `workers` processes write disjoint shares; `progress(done, total)` follows this process's.
+    """
+    hf_path, out_path = Path(hf_path), Path(out_path)
+    if workers < 1:
+        raise ValueError(f"workers={workers}: use 1 or more processes")
+    job = prepare(hf_path)
+    model = streaming.meta_model(job.family, job.hf_cfg, job.precision)
+    streaming.check_produced(job.entries, model.state_dict(keep_vars=True))  # before any write
     started = time.time()
-    mapping.load_hf_into_state(entries, reader.get, ctx, model.state_dict())
     tmp = mcore_io.staging_dir(out_path)
     tmp.mkdir(parents=True)
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
-    mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR)
-    meta = dict(family=family.name, model_type=hf_cfg.model_type, vocab_size=hf_cfg.vocab_size,
-                padded_vocab_size=ctx["padded_vocab_size"], source=str(hf_path.resolve()),
-                step=0, params_dtype=precision, hf_tensors=len(reader.names()))
-    mcore_io.write_meta(tmp, meta)
-    mcore_io.commit_dir(tmp, out_path)
-    log.info("converted %d HF tensors into %d megatron tensors in %.1fs", len(reader.names()),
-             len(entries), time.time() - started)
+    try:
+        spec = streaming.WorkerSpec(count=workers, index=0, hf_path=str(hf_path))
+        written = streaming.save_streaming(model, job.entries, job.reader, job.ctx, tmp, spec,
+                                           max_chunk_bytes, progress)
+        mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR)
+        meta = dict(family=job.family.name, model_type=job.hf_cfg.model_type,
+                    vocab_size=job.hf_cfg.vocab_size, padded_vocab_size=job.ctx["padded_vocab_size"],
+                    source=str(hf_path.resolve()), step=0, params_dtype=job.precision,
+                    hf_tensors=len(job.reader.names()))
+        mcore_io.write_meta(tmp, meta)
+        mcore_io.commit_dir(tmp, out_path)
+    except BaseException:
+        mcore_io.discard_staging(tmp)  # never leave a half checkpoint behind
+        raise
+    finally:
+        job.reader.close()
+    seconds = time.time() - started
+    log.info("converted %d HF tensors into %d megatron tensors: %.2f GB in %.1fs (%.0f MB/s)",
+             len(job.reader.names()), len(job.entries), written / 1e9, seconds,
+             written / 1e6 / max(seconds, 1e-9))
+    meta["written_bytes"], meta["seconds"] = written, seconds
     return meta
 
 

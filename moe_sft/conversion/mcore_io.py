@@ -6,7 +6,8 @@ Layout of a converted (or trained) checkpoint directory:
     <dir>/moe_sft_meta.json     family, vocab sizes, what wrote it
     <dir>/hf/                   config.json, generation_config.json, tokenizer files (copied)
 
-Directories are written to `<dir>.tmp` and renamed, so a crash never leaves a half checkpoint.
+Directories are written to `<dir>.tmp` and renamed, so a crash never leaves a half checkpoint; a
+conversion that fails removes its `<dir>.tmp` (with the files of all its worker processes).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def staging_dir(final: Path) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     return tmp
+
+
+def discard_staging(tmp: Path) -> None:
+    """A failed write leaves nothing behind (the previous `final`, if any, is untouched)."""
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def commit_dir(tmp: Path, final: Path) -> None:

@@ -318,6 +318,10 @@ def apply_cpu_compat() -> list[str]:
     if not version.startswith(TESTED_MCORE_VERSIONS):
         log.warning("CPU compat was written for megatron-core %s, found %s", TESTED_MCORE_VERSIONS,
                     version)
+    # torch.device("meta") as a context looks factories up in an lru_cached set built from the
+    # torch namespace on first use: build it now, while it still names the unwrapped functions
+    # (the wrappers call those, so `with torch.device("meta")` keeps working afterwards).
+    torch.utils._device._device_constructors()
     for name in _FACTORIES:
         _patch(torch, name, _wrap_factory(getattr(torch, name)))
     _patch(torch.Tensor, "to", _patched_to(torch.Tensor.to))

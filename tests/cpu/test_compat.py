@@ -25,6 +25,13 @@ def test_cuda_device_requests_land_on_cpu():
     assert x.to(device="cuda", dtype=torch.float32).dtype == torch.float32
 
 
+def test_meta_device_context_still_works_under_the_factory_wrappers():
+    # transformers' from_pretrained and the streaming converter build models under it
+    with torch.device("meta"):
+        assert torch.empty(3).is_meta and torch.zeros(2, 2).is_meta
+        assert torch.nn.Linear(4, 4).weight.is_meta
+
+
 def test_tensor_type_reports_cuda_names_for_megatron_asserts():
     assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
