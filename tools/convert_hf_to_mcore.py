@@ -2,11 +2,14 @@
 
     python tools/convert_hf_to_mcore.py --hf-path HF_DIR --output MCORE_DIR [--workers N]
         [--chunk-size 256MiB] [--verify] [--tolerance 1e-3]
+        [--nodes M --node-rank R --run-id ID]   # one launch per node, e.g. under srun
 
 The conversion streams: the megatron model exists only on the meta device and every tensor chunk
 is made from the HF tensors it needs just before it is written, so memory stays at about the
 imports (~0.5 GB) plus a few chunks, whatever the model size (docs/conversion_at_scale.md).
---workers N writes with N processes, each its own share of the chunks.
+--workers N writes with N processes, each its own share of the chunks; --nodes M spreads the
+work over M nodes (N processes each) writing into the same directory on shared storage: launch
+this command once per node with its --node-rank; node 0 publishes the checkpoint when all are done.
 
 Exit status: 0 converted (and, with --verify, logits within tolerance); 1 --verify found a logit
 difference above --tolerance; 2 the input is unusable (the `error:` line names the file/tensor/field).
@@ -16,6 +19,7 @@ The work happens in moe_sft.conversion.convert; this file only parses arguments 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -40,6 +44,11 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def _slurm_attempt() -> str | None:
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{job}.{os.environ.get('SLURM_RESTART_COUNT', 0)}" if job else None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", required=True, help="directory with config.json and *.safetensors")
@@ -49,6 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=parse_size, default="256MiB",
                         help="largest tensor chunk written at once; memory is a few of these "
                              "(default 256MiB)")
+    parser.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_NNODES", 1)),
+                        help="nodes sharing the conversion (default $SLURM_NNODES or 1)")
+    parser.add_argument("--node-rank", type=int, default=int(os.environ.get("SLURM_NODEID", 0)),
+                        help="this node's rank in [0, nodes) (default $SLURM_NODEID or 0)")
+    parser.add_argument("--run-id", default=_slurm_attempt(),
+                        help="the same on every node and new for every attempt (default "
+                             "$SLURM_JOB_ID.$SLURM_RESTART_COUNT); required with --nodes > 1")
+    parser.add_argument("--node-timeout", type=float, default=24 * 3600,
+                        help="seconds node 0 waits for the other nodes (default 86400)")
     parser.add_argument("--verify", action="store_true",
                         help="compare logits with transformers' model (fp32, CPU) after converting; "
                              "unlike the conversion this loads both whole models into memory")
@@ -64,17 +82,18 @@ def run(args: argparse.Namespace) -> int:
     # `--help` and a mistyped path should not wait for.
     from moe_sft.conversion.convert import convert, verify
 
-    if args.workers < 1:
-        print(f"error: --workers {args.workers}: use 1 or more processes", file=sys.stderr)
-        return 2
     started = time.time()
     meta = convert(args.hf_path, args.output, workers=args.workers, max_chunk_bytes=args.chunk_size,
-                   progress=_Progress())
+                   progress=_Progress(), nodes=args.nodes, node_rank=args.node_rank,
+                   run_id=args.run_id or "local", node_timeout_s=args.node_timeout)
     size = meta["written_bytes"]
     size = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
-    print(f"wrote {size} of tensors in {meta['seconds']:.1f}s "
+    whose = f"node {args.node_rank}'s share: " if args.nodes > 1 and args.node_rank else ""
+    print(f"{whose}wrote {size} of tensors in {meta['seconds']:.1f}s "
           f"({meta['written_bytes'] / 1e6 / max(meta['seconds'], 1e-9):.0f} MB/s, "
-          f"{args.workers} worker process(es))")
+          f"{args.workers} worker process(es) per node, {args.nodes} node(s))")
+    if args.node_rank > 0:
+        return 0  # node 0 publishes (and verifies) the checkpoint
     status = 0
     if args.verify:
         print("verifying: loads transformers' model and the converted one whole (fp32) into memory",
@@ -107,8 +126,23 @@ class _Progress:
                   f"({100 * done / max(total, 1):.0f}%), {rate:.0f} MB/s", file=sys.stderr, flush=True)
 
 
+def _check_layout(args: argparse.Namespace) -> str | None:
+    if args.workers < 1:
+        return f"--workers {args.workers}: use 1 or more processes"
+    if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
+        return f"--nodes {args.nodes} --node-rank {args.node_rank}: the rank must be in [0, nodes)"
+    if args.nodes > 1 and not args.run_id:
+        return ("--nodes > 1 needs --run-id: a value shared by all nodes of this attempt and new "
+                "for the next (under slurm it defaults to $SLURM_JOB_ID.$SLURM_RESTART_COUNT)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bad = _check_layout(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     if not Path(args.hf_path).is_dir():
         print(f"error: {args.hf_path}: HF checkpoint directory does not exist", file=sys.stderr)
         return 2

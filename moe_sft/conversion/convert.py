@@ -18,6 +18,8 @@ import torch
 from transformers import AutoConfig
 
 from moe_sft.conversion import mapping, mcore_io, streaming
+from moe_sft.conversion import workers as conversion_workers
+from moe_sft.conversion.meta_model import meta_model
 from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
 from moe_sft.conversion.streaming_reader import StreamingHFReader
 from moe_sft.models import registry
@@ -112,39 +114,54 @@ def prepare(hf_path: str | Path) -> Job:
 
 
 def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
-            max_chunk_bytes: int = streaming.DEFAULT_MAX_CHUNK_BYTES, progress=None) -> dict:
+            max_chunk_bytes: int = streaming.DEFAULT_MAX_CHUNK_BYTES, progress=None,
+            nodes: int = 1, node_rank: int = 0, run_id: str = "local",
+            node_timeout_s: float = 24 * 3600) -> dict:
     """Write the dist checkpoint + meta + HF side files; returns the meta dict (plus the bytes
     written and the seconds taken, which are not stored).
 
     Memory stays at a few chunks of `max_chunk_bytes`, or the largest tensor that must be made
     whole (fused QKV, a dense MLP's gate/up, an FP8-quantised weight), whatever the model size.
-    `workers` processes write disjoint shares; `progress(done, total)` follows this process's.
+    `workers` processes per node write disjoint shares; `progress(done, total)` follows this
+    process's. With `nodes` > 1 this call is one node's part (workers.py): node 0 publishes the
+    checkpoint once all nodes have written; the others return after writing their share.
     """
     hf_path, out_path = Path(hf_path), Path(out_path)
-    if workers < 1:
-        raise ValueError(f"workers={workers}: use 1 or more processes")
-    job = prepare(hf_path)
-    model = streaming.meta_model(job.family, job.hf_cfg, job.precision)
-    streaming.check_produced(job.entries, model.state_dict(keep_vars=True))  # before any write
+    if workers < 1 or not 0 <= node_rank < nodes:
+        raise ValueError(f"workers={workers}, node_rank={node_rank}, nodes={nodes}: use 1 or more "
+                         "workers and a node rank in [0, nodes)")
+    spec = conversion_workers.WorkerSpec(count=workers * nodes, index=node_rank * workers,
+                                         hf_path=str(hf_path), nodes=nodes, run_id=run_id,
+                                         node_timeout_s=node_timeout_s)
     started = time.time()
-    tmp = mcore_io.staging_dir(out_path)
-    tmp.mkdir(parents=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    conversion_workers.prepare_staging(tmp, spec)  # first: other nodes report failures in there
+    job = None
     try:
-        spec = streaming.WorkerSpec(count=workers, index=0, hf_path=str(hf_path))
+        job = prepare(hf_path)
+        model = meta_model(job.family, job.hf_cfg, job.precision)
+        streaming.check_produced(job.entries, model.state_dict(keep_vars=True))  # before any write
         written = streaming.save_streaming(model, job.entries, job.reader, job.ctx, tmp, spec,
                                            max_chunk_bytes, progress)
+        if spec.index > 0:  # another node's part: node 0 publishes
+            return dict(written_bytes=written, seconds=time.time() - started, node_rank=node_rank)
         mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR)
         meta = dict(family=job.family.name, model_type=job.hf_cfg.model_type,
                     vocab_size=job.hf_cfg.vocab_size, padded_vocab_size=job.ctx["padded_vocab_size"],
                     source=str(hf_path.resolve()), step=0, params_dtype=job.precision,
                     hf_tensors=len(job.reader.names()))
         mcore_io.write_meta(tmp, meta)
+        (tmp / conversion_workers.RUN_STAMP).unlink()
         mcore_io.commit_dir(tmp, out_path)
     except BaseException:
-        mcore_io.discard_staging(tmp)  # never leave a half checkpoint behind
+        if spec.index == 0:
+            mcore_io.discard_staging(tmp)  # never leave a half checkpoint behind
+        else:
+            conversion_workers.report_failure(tmp, spec)  # node 0 raises it and cleans up
         raise
     finally:
-        job.reader.close()
+        if job is not None:
+            job.reader.close()
     seconds = time.time() - started
     log.info("converted %d HF tensors into %d megatron tensors: %.2f GB in %.1fs (%.0f MB/s)",
              len(job.reader.names()), len(job.entries), written / 1e9, seconds,

@@ -17,22 +17,18 @@ Megatron's own `dist_checkpointing.save` runs unchanged (factories, validation, 
    serialised exactly as DCP's FileSystemWriter does (`torch.save` per item, same `_StorageInfo`),
    and dropped before the next. `.metadata` is DCP's own Metadata from the planner.
 
-Several processes (`workers`) can write disjoint shares of the chunks; each re-plans the same way
-(the plan is deterministic and checked by digest), writes its own `__{worker}_{n}.distcp` files and
-returns its write results; the coordinator writes `.metadata` from all of them.
+Several processes, on one node or several, can write disjoint shares of the chunks; each re-plans
+the same way (the plan is deterministic and checked by digest), writes its own
+`__{worker}_{n}.distcp` files and hands back its write results; the coordinator writes `.metadata`
+from all of them (workers.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import logging
 import os
-import pickle
-import subprocess
-import sys
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Optional
@@ -45,15 +41,15 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
                                                   WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
 
-from moe_sft.conversion.meta_model import MetaViewsStayViews, View, meta_model, view_of
+from moe_sft.conversion import workers
+from moe_sft.conversion.meta_model import MetaViewsStayViews, View, view_of
 from moe_sft.conversion.tensor_source import TensorSource
+from moe_sft.conversion.workers import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
 MAX_FILE_BYTES = 16 * 2**30  # a worker starts a new .distcp file past this size
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                 "MASTER_ADDR", "MASTER_PORT")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,16 +217,6 @@ def _digest(items: list[WriteItem]) -> str:
 # The save strategy megatron calls
 # ------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class WorkerSpec:
-    """How a conversion is split over processes: `count` workers; this process is `index`."""
-
-    count: int = 1
-    index: int = 0
-    hf_path: Optional[str] = None  # workers > 0 re-read the same checkpoint
-    digest: Optional[str] = None   # the coordinator's plan digest, checked by the workers
-
-
 def _strategy_class():
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 
@@ -245,7 +231,7 @@ def _strategy_class():
             self._max, self._workers = max_chunk_bytes, workers or WorkerSpec()
             self._progress = progress
             self.written_bytes, self._share_bytes = 0, 0
-            self._helpers: list[subprocess.Popen] = []
+            self._helpers: dict = {}
             self._dir = None
 
         @property
@@ -253,32 +239,29 @@ def _strategy_class():
             return True
 
         def save(self, sharded_state_dict, checkpoint_dir):
-            self._dir = checkpoint_dir
+            spec, self._dir = self._workers, checkpoint_dir
             planner, writer, plan, metadata = self._plan(sharded_state_dict, checkpoint_dir)
             digest = _digest(plan.items)
-            shares = _shares(plan.items, lambda i: self._sort_key(planner.view(i)), self._workers.count)
-            self._share_bytes = sum(_item_bytes(i) for i in shares[self._workers.index])
-            if self._workers.index > 0:  # a helper process: write its share, hand back results
-                if digest != self._workers.digest:
-                    raise RuntimeError(f"worker {self._workers.index} planned {digest}, the "
-                                       f"coordinator {self._workers.digest}: different code or input")
-                results = writer.write_items(shares[self._workers.index], planner)
-                _results_file(checkpoint_dir, self._workers.index).write_bytes(pickle.dumps(results))
-                return
-            threads = _threads_per_worker(self._workers.count)
-            self._helpers = _start_helpers(checkpoint_dir, self._workers, digest, self._max, threads)
+            if spec.digest is not None and digest != spec.digest:
+                raise RuntimeError(f"worker {spec.index} planned {digest}, the process that started "
+                                   f"it {spec.digest}: different code or input")
+            shares = _shares(plan.items, lambda i: self._sort_key(planner.view(i)), spec.count)
+            self._share_bytes = sum(_item_bytes(i) for i in shares[spec.index])
+            threads = workers.threads_per_worker(spec) if spec.leads_node else None
+            self._helpers = workers.start_local_helpers(checkpoint_dir, spec, digest, self._max, threads)
             own_threads = torch.get_num_threads()
             try:
                 torch.set_num_threads(threads or own_threads)
-                results = [writer.write_items(shares[0], planner)]
+                own = writer.write_items(shares[spec.index], planner)
                 self._source.release()
-                results += _collect_helpers(self._helpers, checkpoint_dir)
+                if spec.index > 0:  # hand the results to the coordinator once this node is done
+                    workers.wait_local_helpers(checkpoint_dir, self._helpers)
+                    workers.hand_back(checkpoint_dir, spec, digest, own)
+                    return
+                results = [own] + workers.collect_results(checkpoint_dir, spec, digest, self._helpers)
             finally:
                 torch.set_num_threads(own_threads)
-                for proc in self._helpers:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
+                workers.stop(self._helpers)
             self.written_bytes = sum(r.size_in_bytes for rs in results for r in rs)
             writer.finish(metadata, results)  # .metadata, written last
 
@@ -317,65 +300,9 @@ def _strategy_class():
             self.written_bytes += nbytes
             if self._progress is not None:
                 self._progress(self.written_bytes, self._share_bytes)
-            for index, proc in enumerate(self._helpers, start=1):  # fail fast, not at the end
-                if proc.poll() not in (None, 0):
-                    raise _helper_failed(self._dir, index, proc.returncode)
+            workers.check_helpers(self._dir, self._helpers)  # fail fast, not at the end
 
     return StreamingSaveStrategy
-
-
-def _results_file(checkpoint_dir, worker: int) -> Path:
-    return Path(checkpoint_dir) / f".moe_sft_worker_{worker}.results"
-
-
-def _threads_per_worker(workers: int) -> Optional[int]:
-    """torch threads for each of several workers: the cores shared out, unless OMP_NUM_THREADS
-    says otherwise (processes parallelise reading, transposing and writing better than torch's
-    intra-op threads: docs/conversion_at_scale.md)."""
-    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
-        return None
-    return max(1, (os.cpu_count() or 1) // workers)
-
-
-def _start_helpers(checkpoint_dir, workers: WorkerSpec, digest: str, max_chunk_bytes: int,
-                   threads: Optional[int] = None) -> list[subprocess.Popen]:
-    """Worker processes 1..count-1 (this process is worker 0)."""
-    if workers.count <= 1:
-        return []
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    repo = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
-    procs = []
-    for index in range(1, workers.count):
-        cmd = [sys.executable, "-m", "moe_sft.conversion.convert_worker", "--hf-path", workers.hf_path,
-               "--staging", str(checkpoint_dir), "--worker", str(index), "--workers",
-               str(workers.count), "--digest", digest, "--max-chunk-bytes", str(max_chunk_bytes)]
-        log_file = open(Path(checkpoint_dir) / f".moe_sft_worker_{index}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT))
-        log_file.close()
-    return procs
-
-
-def _helper_failed(checkpoint_dir, index: int, rc: int) -> RuntimeError:
-    """The helper's own output goes into the message: its log is removed with the staging dir."""
-    log_path = Path(checkpoint_dir) / f".moe_sft_worker_{index}.log"
-    tail = log_path.read_text()[-3000:] if log_path.exists() else ""
-    return RuntimeError(f"conversion worker {index} failed (exit {rc}):\n{tail}")
-
-
-def _collect_helpers(procs: list[subprocess.Popen], checkpoint_dir) -> list[list[WriteResult]]:
-    results = []
-    for index, proc in enumerate(procs, start=1):
-        rc = proc.wait()
-        if rc != 0:
-            raise _helper_failed(checkpoint_dir, index, rc)
-        file = _results_file(checkpoint_dir, index)
-        results.append(pickle.loads(file.read_bytes()))
-        file.unlink()
-        (Path(checkpoint_dir) / f".moe_sft_worker_{index}.log").unlink(missing_ok=True)
-    return results
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,25 +352,3 @@ def save_streaming(model, entries, reader, ctx: dict, out_dir,
         dist_checkpointing.save(sharded, str(out_dir), sharded_strategy=strategy)
     source.release()
     return strategy.written_bytes
-
-
-def worker_main(argv: list[str] | None = None) -> int:
-    """A helper process of a multi-process conversion (started by the coordinator)."""
-    from moe_sft.conversion.convert import prepare
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-path", required=True)
-    parser.add_argument("--staging", required=True)
-    parser.add_argument("--worker", type=int, required=True)
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--digest", required=True)
-    parser.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
-    args = parser.parse_args(argv)
-    started = time.time()
-    job = prepare(args.hf_path)
-    model = meta_model(job.family, job.hf_cfg, job.precision)
-    spec = WorkerSpec(args.workers, args.worker, args.hf_path, args.digest)
-    written = save_streaming(model, job.entries, job.reader, job.ctx, args.staging, spec,
-                             args.max_chunk_bytes)
-    print(f"worker {args.worker}: wrote {written / 1e9:.2f} GB in {time.time() - started:.1f}s")
-    return 0

@@ -25,7 +25,7 @@ BLOCK_ELEMENTS = 1 << 22
 
 def hf_tensor_specs(family, hf_cfg, precision: str = "bf16") -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor an HF checkpoint of `hf_cfg` holds, in mapping order."""
-    from moe_sft.conversion.streaming import meta_model
+    from moe_sft.conversion.meta_model import meta_model
 
     model = meta_model(family, hf_cfg, precision)
     state = model.state_dict(keep_vars=True)

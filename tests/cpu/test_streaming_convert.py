@@ -35,10 +35,10 @@ from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader  # 
 from moe_sft.conversion.streaming_reader import StreamingHFReader  # noqa: E402
 from moe_sft.models import registry  # noqa: E402
 from moe_sft.runtime import compat  # noqa: E402
+from tests.dist.launch import clean_env  # noqa: E402
 
 VOCAB = 300
 TINY_CHUNK = 2048  # bytes: splits every tensor above 512 fp32 values into several chunks
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _in_memory_convert(hf: Path, out: Path) -> None:
@@ -191,6 +191,63 @@ def test_two_worker_processes_write_one_checkpoint(converted, tmp_path):
                if isinstance(v, torch.Tensor))
 
 
+def _convert_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), *args],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.mark.parametrize("converted", ["qwen3_moe"], indirect=True)
+def test_two_nodes_write_one_checkpoint_into_shared_storage(converted, tmp_path):
+    """Node 1 (a separate launch, as srun would start it) starts first and waits for node 0's
+    stamp; node 0 publishes the checkpoint once node 1's share has arrived."""
+    out = tmp_path / "nodes"
+    node1 = _convert_cli("--hf-path", str(converted / "hf"), "--output", str(out), "--nodes", "2",
+                         "--node-rank", "1", "--run-id", "job7.0", "--chunk-size", str(TINY_CHUNK))
+    try:
+        convert(converted / "hf", out, max_chunk_bytes=TINY_CHUNK, nodes=2, node_rank=0,
+                run_id="job7.0", node_timeout_s=300)
+        assert node1.wait(timeout=300) == 0, node1.stdout.read()
+    finally:
+        node1.kill()
+    assert "node 1's share: wrote" in node1.stdout.read()
+    assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not list(out.glob(".moe_sft_*")) and not (tmp_path / "nodes.tmp").exists()
+    reference = load_model_from_checkpoint(converted / "reference").state_dict()
+    streamed = load_model_from_checkpoint(out).state_dict()
+    assert all(torch.equal(_bits(v), _bits(streamed[k])) for k, v in reference.items()
+               if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("converted", ["qwen3_moe"], indirect=True)
+def test_a_failed_node_fails_node_0_with_its_error(converted, tmp_path):
+    """Node 1 reads a different (truncated) checkpoint copy: node 0 reports node 1's error, not a
+    timeout, and leaves nothing behind."""
+    import shutil
+
+    broken = tmp_path / "hf_copy"
+    shutil.copytree(converted / "hf", broken)
+    shard = next(broken.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = tmp_path / "nodes"
+    node1 = _convert_cli("--hf-path", str(broken), "--output", str(out), "--nodes", "2",
+                         "--node-rank", "1", "--run-id", "job8.0")
+    try:
+        with pytest.raises(RuntimeError, match=r"worker 1 failed[\s\S]*truncated"):
+            convert(converted / "hf", out, nodes=2, node_rank=0, run_id="job8.0", node_timeout_s=120)
+        assert node1.wait(timeout=300) != 0
+    finally:
+        node1.kill()
+    assert not out.exists() and not (tmp_path / "nodes.tmp").exists()
+
+
+def test_multi_node_cli_refuses_a_missing_run_id(tmp_path):
+    proc = _convert_cli("--hf-path", str(tmp_path), "--output", str(tmp_path / "o"), "--nodes", "2",
+                        "--node-rank", "1")
+    assert proc.wait(timeout=120) == 2
+    assert "--nodes > 1 needs --run-id" in proc.stdout.read()
+
+
 RESHARD_SCRIPT = """
 import sys, torch
 from moe_sft.conversion.convert import load_hf_config
@@ -224,7 +281,7 @@ def test_split_chunks_reshard_at_tp2_ep2(converted, tmp_path):
     """megatron's loader reads the split chunks at another layout (torchrun, 2 ranks, gloo)."""
     script = tmp_path / "reshard.py"
     script.write_text(textwrap.dedent(RESHARD_SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith("TORCHELASTIC")}
+    env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), str(converted / "reference"), str(converted / "streamed")],
@@ -272,7 +329,7 @@ def test_peak_memory_is_bounded_by_chunks_not_the_model(tmp_path):
     chunk = 64 * 2**20
     script = tmp_path / "measure.py"
     script.write_text(MEMORY_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), str(tmp_path / "mcore"),
                            str(chunk)], env=env, capture_output=True, text=True, timeout=300)
