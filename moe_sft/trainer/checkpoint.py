@@ -82,6 +82,46 @@ def _materialise_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def _optimizer_parts(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_part_count(saved: dict) -> int:
+    """1 for a single distributed optimizer's state ({'optimizer': ..., 'param_state': ...}), N for
+    a ChainedOptimizer's ({0: ..., 1: ...}: dense + expert when EP > 1)."""
+    return 1 if "optimizer" in saved else len(saved)
+
+
+def _saved_adam_step(saved: dict) -> int:
+    parts = [saved] if "optimizer" in saved else list(saved.values())
+    steps = {g["step"] for part in parts for g in part["optimizer"]["param_groups"] if "step" in g}
+    if len(steps) != 1:
+        raise RuntimeError(f"checkpoint optimizer groups disagree on the Adam step: {sorted(steps)}")
+    return steps.pop()
+
+
+def _restructure_optimizer_state(loaded: dict, optimizer, step: int):
+    """The optimizer state of a checkpoint saved with another split (EP=1: one optimizer; EP>1:
+    dense + expert) in the structure of this run's optimizer.
+
+    Per-parameter tensors are layout-free (fully_reshardable, no chained prefix), so megatron's
+    loader already put them where this run's sharded state dict asked. Only the non-tensor part
+    ('param_groups': hyper-parameters and the Adam step) is structured per sub-optimizer; it is
+    rebuilt from this run's optimizer, whose groups come from the same recipe (lr and weight decay
+    are set by the scheduler every step), with the saved step.
+    """
+    parts = _optimizer_parts(optimizer)
+    states = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
+    rebuilt = []
+    for part, state in zip(parts, states):
+        live = part.state_dict()
+        for group in live["optimizer"]["param_groups"]:
+            group["step"] = step
+        rebuilt.append(dict(live, param_state=state["param_state"],
+                            param_state_sharding_type="fully_reshardable"))
+    return rebuilt[0] if len(parts) == 1 else dict(enumerate(rebuilt))
+
+
 def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loading=False) -> dict:
     if is_loading:
         _materialise_optimizer_state(optimizer)
@@ -147,12 +187,17 @@ def load_full(path: Path, model_chunks, optimizer, scheduler, extra_template: di
     # RNG states are per rank: with another world size (a layout change) they do not map onto
     # the new ranks, so they are not loaded (they only seed dropout; model, optimizer, schedule
     # and data position all reshard).
-    if dist_checkpointing.load_common_state_dict(str(path)).get("world_size") != dist.get_world_size():
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    if common.get("world_size") != dist.get_world_size():
         sharded.pop("rng_state")
     state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
     for key, chunk in zip(model_sharded_state(model_chunks), unwrap(model_chunks)):
         chunk.load_state_dict(state[key])
     if load_optimizer:
+        saved_parts = _optimizer_part_count(common["optimizer"])
+        if saved_parts != len(_optimizer_parts(optimizer)):
+            state["optimizer"] = _restructure_optimizer_state(state["optimizer"], optimizer,
+                                                              _saved_adam_step(common["optimizer"]))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     if state.get("world_size") == dist.get_world_size():

@@ -5,8 +5,8 @@ micro-batches at each layout; the printed loss and grad norm (4 significant digi
 must equal the one-rank run's within 2e-3 relative. Steps 2 and 3 also check that the optimizer
 updates were the same. The router aux loss stays on: its gradient crosses the layouts too.
 
-Then resharding: a checkpoint saved at one layout resumes at another with the losses of the
-straight one-rank run.
+Then resharding: a checkpoint saved at one layout resumes at another, also across the EP boundary
+(one optimizer ↔ dense + expert optimizers), with the losses of the straight one-rank run.
 """
 
 from __future__ import annotations
@@ -75,15 +75,23 @@ def test_layout_matches_one_rank(model_dirs, one_rank, layout):
     _assert_same(one_rank, metrics, range(1, STEPS + 1))
 
 
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_dp2(model_dirs, one_rank):
-    """Save after 2 steps on 4 ranks (TP2·PP2), resume on 2 ranks (DP2) for steps 3-4.
-
-    Not yet across the EP boundary: with EP>1 megatron splits the optimizer in two (dense +
-    expert) and 0.16.1's ChainedOptimizer refuses the single optimizer's saved common state.
-    """
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2(model_dirs, one_rank):
+    """Save after 2 steps on 4 ranks (TP2·PP2, one optimizer), resume on 2 ranks with EP2 (megatron
+    splits the optimizer into dense + expert) for steps 3-4: another world size, another TP/PP and
+    across the EP boundary."""
     first = _train(model_dirs, "reshard", 4, TP2_PP2, max_steps=2, extra=["checkpoint.save_interval=2"])
-    second = _train(model_dirs, "reshard", 2, [], max_steps=STEPS + 1)
+    second = _train(model_dirs, "reshard", 2, ["parallel.expert_model_parallel_size=2"],
+                    max_steps=STEPS + 1)
     print("reshard", first, second)
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
     _assert_same(one_rank, first, [1, 2])
+    _assert_same(one_rank, second, [3, 4])
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_tp2(model_dirs, one_rank):
+    """The other direction across the EP boundary: dense + expert optimizers saved, one loaded."""
+    first = _train(model_dirs, "reshard_ep", 2, ["parallel.expert_model_parallel_size=2"],
+                   max_steps=2, extra=["checkpoint.save_interval=2"])
+    second = _train(model_dirs, "reshard_ep", 2, LAYOUTS["tp2_sp"][1], max_steps=STEPS + 1)
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
     _assert_same(one_rank, second, [3, 4])
