@@ -85,6 +85,14 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = _f(
         None, "with full recompute: layers per recompute unit (uniform) or recomputed per stage (block)"
     )
+    recompute_modules: Optional[list[str]] = _f(
+        None, "with selective recompute: core_attn | mlp | moe | moe_act | layernorm | mla_up_proj | "
+        "shared_experts; null = megatron's default [core_attn]"
+    )
+    activation_offload_modules: list[str] = _f(
+        [], "inputs of these modules go to CPU memory until backward (megatron fine-grained activation "
+        "offload; CUDA): attn_norm | qkv_linear | core_attn | attn_proj | mlp_norm | expert_fc1 | moe_act"
+    )
     mtp_loss_weight: float = _f(
         0.1, "multi-token-prediction loss weight (DeepSeek-V3: 0.3 early, 0.1 late); 0 = MTP layers not run"
     )
@@ -128,6 +136,11 @@ class ParallelConfig:
     context_parallel_size: int = _f(1, "context parallel size (CP)")
     sequence_parallel: bool = _f(False, "sequence parallelism; must be true when TP>1 with MoE")
     use_distributed_optimizer: bool = _f(True, "shard optimizer state across data-parallel ranks")
+    overlap_grad_reduce: bool = _f(False, "reduce(-scatter) gradient buckets during backward")
+    overlap_param_gather: bool = _f(
+        False, "all-gather updated parameters during the next forward (needs the distributed optimizer "
+        "and overlap_grad_reduce)"
+    )
 
 
 @dataclass(kw_only=True)
@@ -147,6 +160,10 @@ class OptimizerConfig:
     optimizer_cpu_offload: bool = _f(
         False, "keep optimizer state and step on the CPU (needs the distributed optimizer)"
     )
+    optimizer_offload_fraction: float = _f(
+        1.0, "with optimizer_cpu_offload: fraction of the parameters whose optimizer state and step "
+        "live on the CPU (the rest stays on the GPU)"
+    )
 
 
 @dataclass(kw_only=True)
@@ -162,6 +179,10 @@ class TrainerConfig:
     log_interval: int = _f(1, "log metrics every N steps")
     export_hf_at_end: bool = _f(
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
+    )
+    offload_between_steps: bool = _f(
+        False, "move parameters, gradients and optimizer state to CPU memory after every step and back "
+        "before the next: the GPU is free between steps for a co-located job (CUDA; costs the copies)"
     )
     eval_interval: int = _f(0, "evaluate every N steps; 0 = never (needs data.eval_files)")
 

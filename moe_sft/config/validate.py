@@ -211,6 +211,17 @@ def check_optimizer(cfg: TrainConfig, world_size: int) -> list[str]:
     if o.optimizer_cpu_offload and not cfg.parallel.use_distributed_optimizer:
         errors.append("optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
                       "enable it or turn the offload off")
+    if cfg.trainer.offload_between_steps and not cfg.parallel.use_distributed_optimizer:
+        errors.append("trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true "
+                      "(megatron keeps the parameters in its offloadable buffers only then)")
+    if not 0 < o.optimizer_offload_fraction <= 1:
+        errors.append(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} must be in "
+                      "(0, 1]; turn the offload off with optimizer.optimizer_cpu_offload=false")
+    p = cfg.parallel
+    if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
+        errors.append("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
+                      f"and parallel.overlap_grad_reduce=true (got {p.use_distributed_optimizer}, "
+                      f"{p.overlap_grad_reduce}); set both or turn the param-gather overlap off")
     return errors
 
 
@@ -255,6 +266,28 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
                           "'sinkhorn'; megatron-core allows capacity only with aux_loss, seq_aux_loss, "
                           "global_aux_loss or none")
     errors.extend(_recompute_errors(cfg))
+    errors.extend(_activation_offload_errors(cfg))
+    return errors
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_proj", "shared_experts")
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+
+
+def _activation_offload_errors(cfg: TrainConfig) -> list[str]:
+    m, errors = cfg.model, []
+    unknown = sorted(set(m.activation_offload_modules) - set(OFFLOAD_MODULES))
+    if unknown:
+        errors.append(f"model.activation_offload_modules has {unknown}; choose from {list(OFFLOAD_MODULES)}")
+    if m.activation_offload_modules and cfg.trainer.device == "cpu":
+        errors.append("model.activation_offload_modules moves activations from the GPU to the CPU; with "
+                      "trainer.device=cpu set it to []")
+    if "attn_proj" in m.activation_offload_modules and "core_attn" not in m.activation_offload_modules:
+        errors.append("model.activation_offload_modules: attn_proj needs core_attn too (attn_proj's input "
+                      "is core_attn's output, which core_attn's backward needs)")
+    if "moe_act" in m.activation_offload_modules and m.recompute_granularity == "selective" \
+            and "moe_act" in (m.recompute_modules or []):
+        errors.append("model: moe_act is both recomputed and offloaded; choose one")
     return errors
 
 
@@ -270,6 +303,13 @@ def _recompute_errors(cfg: TrainConfig) -> list[str]:
                 f"recompute_granularity='selective'"]
     if m.recompute_num_layers is not None and m.recompute_num_layers < 1:
         return [f"model.recompute_num_layers={m.recompute_num_layers} must be >= 1"]
+    if m.recompute_modules is not None:
+        if m.recompute_granularity != "selective":
+            return [f"model.recompute_modules={m.recompute_modules} needs "
+                    f"model.recompute_granularity=selective (got {m.recompute_granularity!r})"]
+        unknown = sorted(set(m.recompute_modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            return [f"model.recompute_modules has {unknown}; choose from {list(RECOMPUTE_MODULES)}"]
     return []
 
 

@@ -59,8 +59,32 @@ def apply_megatron_fixes() -> list[str]:
         applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")
         _fix_expert_bias_padding_mask()
         applied.append("TopKRouter: expert-bias token counts exclude padding (mask broadcast per expert)")
+        if _fix_output_discarding_checkpoint_without_te():
+            applied.append("CheckpointWithoutOutput: no FP8 query without TE (layernorm/moe_act recompute)")
     _state["megatron_fixes"] = True
     return applied
+
+
+def _fix_output_discarding_checkpoint_without_te() -> bool:
+    """`CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None`, i.e. True, and its
+    forward then asks TE's FP8GlobalStateManager, a NameError without TE: selective recompute of
+    `layernorm` or `moe_act` crashed. Without TE there is no FP8, so the flag is False."""
+    import importlib.util
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return False
+    cls = mrandom.CheckpointWithoutOutput
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    return True
 
 
 def _fix_mla_without_te(applied: list[str]) -> None:

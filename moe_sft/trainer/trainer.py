@@ -28,7 +28,7 @@ from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import checkpoint, step as train_step
+from moe_sft.trainer import checkpoint, offload, overlap, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
@@ -136,6 +136,10 @@ class Trainer:
                                      ("moe_router_bias_update_rate", m.moe_router_bias_update_rate),
                                      ("recompute_method", m.recompute_method),
                                      ("recompute_num_layers", m.recompute_num_layers),
+                                     ("recompute_modules", m.recompute_modules),
+                                     ("fine_grained_activation_offloading",
+                                      bool(m.activation_offload_modules) or None),
+                                     ("offload_modules", list(m.activation_offload_modules) or None),
                                      ("num_layers_in_first_pipeline_stage", p.num_layers_in_first_pipeline_stage),
                                      ("num_layers_in_last_pipeline_stage", p.num_layers_in_last_pipeline_stage))
                    if v is not None})
@@ -143,10 +147,14 @@ class Trainer:
         chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)
         self._setup_mtp(chunks)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather,
             use_distributed_optimizer=p.use_distributed_optimizer)
+        # Only the first VPP chunk's buffers are bucketed (as Megatron-LM does): its grads are the
+        # last to be ready, so their reduction is what overlap can hide.
         self.model = [DDP(config=self.tconfig, ddp_config=ddp_config, module=c,
                           disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        overlap.install_sync_funcs(self.tconfig, self.model, ddp_config)
         params = sum(x.numel() for c in chunks for x in c.parameters())
         _say(f"model {self.family.name}: {params / 1e6:.2f}M parameters on rank 0's shard, "
              f"{self.tconfig.num_layers} layers, {self.tconfig.num_moe_experts} experts")
@@ -173,7 +181,8 @@ class Trainer:
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
             clip_grad=o.clip_grad, bf16=bf16, params_dtype=self.tconfig.params_dtype,
             use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
-            optimizer_cpu_offload=o.optimizer_cpu_offload)
+            optimizer_cpu_offload=o.optimizer_cpu_offload,
+            optimizer_offload_fraction=o.optimizer_offload_fraction)
         self.optimizer = get_megatron_optimizer(oc, self.model)
         # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
         steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
@@ -223,10 +232,12 @@ class Trainer:
             self.plan.load_state_dict(state["data_state"])
             self.start_step = int(state["step"])
             _say(f"resumed from {path} at step {self.start_step}")
+            if self.cfg.checkpoint.load_optimizer:
+                return  # the fp32 main params came with the optimizer state: keep their precision
         else:
             checkpoint.load_model_weights(Path(self.cfg.model.mcore_path), self.model)
             _say(f"loaded weights from {self.cfg.model.mcore_path}")
-        self.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
+        self.optimizer.reload_model_params()  # fp32 main params follow the loaded (bf16) weights
 
     # ---------------------------------------------------------------- loop
     def _extra_state(self) -> dict:
@@ -234,8 +245,10 @@ class Trainer:
 
     def _save(self, step: int) -> Path:
         meta = dict(self.meta, step=step)
-        path = checkpoint.save(self.ckpt_root, step, self.model, self.optimizer, self.scheduler,
-                               self._extra_state(), meta, self.hf_side, self.cfg.checkpoint.keep_last)
+        with overlap.params_synced(self.model):
+            path = checkpoint.save(self.ckpt_root, step, self.model, self.optimizer, self.scheduler,
+                                   self._extra_state(), meta, self.hf_side,
+                                   self.cfg.checkpoint.keep_last)
         _say(f"saved checkpoint {path}")
         return path
 
@@ -272,13 +285,18 @@ class Trainer:
         logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
         last_saved = self.start_step if self.start_step else None
         for step in range(self.start_step, t.max_steps):
+            if t.offload_between_steps and step > self.start_step:
+                offload.reload_to_gpu(self.model, self.optimizer)
             metrics = self.train_one_step(step)
             self.plan.next_step = step + 1
-            if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
-                logger.log(step + 1, t.max_steps, metrics)
             if c.save_interval and (step + 1) % c.save_interval == 0:
                 self._save(step + 1)
                 last_saved = step + 1
+            if t.offload_between_steps and step + 1 < t.max_steps:
+                metrics["memory/gpu_allocated_offloaded_gib"] = offload.offload_to_cpu(
+                    self.model, self.optimizer)
+            if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
+                logger.log(step + 1, t.max_steps, metrics)
         logger.close()
         final = max(t.max_steps, self.start_step)
         if last_saved != final:

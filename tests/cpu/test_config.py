@@ -259,6 +259,9 @@ TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_paralle
     ({"parallel__pipeline_model_parallel_size": 2, "parallel__virtual_pipeline_model_parallel_size": 2,
       "trainer__global_batch_size": 4}, 4),
     ({"parallel__context_parallel_size": 2, "data__pack_length": 4096}, 2),
+    ({"parallel__overlap_grad_reduce": True, "parallel__overlap_param_gather": True,
+      "model__recompute_granularity": "selective", "model__recompute_modules": ["core_attn", "moe"],
+      "optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 0.5}, 2),
 ])
 def test_good_configs_pass(good, changes, world_size):
     validate_config(_with(good, **changes), world_size)
@@ -309,6 +312,23 @@ def test_good_configs_pass(good, changes, world_size):
     ({"model__backend": "te", "trainer__device": "cpu"}, 1, "[model] model.backend='te' needs CUDA"),
     ({"model__recompute_granularity": "full"}, 1,
      "model.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"),
+    ({"model__recompute_modules": ["moe"]}, 1,
+     "model.recompute_modules=['moe'] needs model.recompute_granularity=selective (got None)"),
+    ({"model__recompute_granularity": "selective", "model__recompute_modules": ["attention"]}, 1,
+     "model.recompute_modules has ['attention']; choose from ['core_attn'"),
+    ({"model__activation_offload_modules": ["attn_proj"], "trainer__device": "cuda"}, 1,
+     "attn_proj needs core_attn too"),
+    ({"model__activation_offload_modules": ["core_attn"], "trainer__device": "cpu"}, 1,
+     "with trainer.device=cpu set it to []"),
+    ({"model__activation_offload_modules": ["experts"]}, 1,
+     "model.activation_offload_modules has ['experts']; choose from"),
+    ({"parallel__overlap_param_gather": True}, 1,
+     "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true and "
+     "parallel.overlap_grad_reduce=true (got True, False)"),
+    ({"optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 1.5}, 1,
+     "optimizer.optimizer_offload_fraction=1.5 must be in (0, 1]"),
+    ({"trainer__offload_between_steps": True, "parallel__use_distributed_optimizer": False}, 1,
+     "trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true"),
     ({"model__mcore_path": None}, 1, "[model_paths] model.mcore_path is null"),
     ({"model__mcore_path": "/nonexistent/mcore"}, 1, "model.mcore_path='/nonexistent/mcore' does not exist"),
 ])

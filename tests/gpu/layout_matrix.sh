@@ -15,7 +15,7 @@ run_one() {  # name nproc overrides...
     checkpoint.save_interval=0 trainer.output_dir=$work/$name model.hf_path=$work/hf \
     model.mcore_path=$work/mcore model.create_tiny_if_missing=false data.pack_length=4096 \
     data.max_seq_len=1024 "$@" > "$log/$name.log" 2>&1
-  echo "$name rc=$?"
+  echo "$name rc=$?"; echo "$n" > "$log/$name.gpus"
 }
 SP="parallel.sequence_parallel=true"
 only=${LAYOUTS:-}  # space-separated subset to (re)run; the table covers every log in LOG_DIR
@@ -31,6 +31,14 @@ run ep2 2 parallel.expert_model_parallel_size=2
 run pp2 2 parallel.pipeline_model_parallel_size=2
 run pp2_vpp2 2 parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2
 run tp2_ep2_etp1 2 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 parallel.expert_tensor_parallel_size=1
+# Options that must not change the math (same table): overlap + selective recompute, full
+# recompute, activation offload, fractional optimizer offload, offload between steps.
+run opt_overlap_recompute 2 parallel.overlap_grad_reduce=true parallel.overlap_param_gather=true \
+  model.recompute_granularity=selective "model.recompute_modules=[core_attn,moe,layernorm]"
+run opt_full_recompute 1 model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1
+run opt_activation_offload 1 "model.activation_offload_modules=[attn_norm,core_attn,mlp_norm]"
+run opt_optimizer_offload_half 1 optimizer.optimizer_cpu_offload=true optimizer.optimizer_offload_fraction=0.5
+run opt_offload_between_steps 1 trainer.offload_between_steps=true
 if [ "$gpus" -ge 4 ]; then
   run tp2_pp2 4 parallel.tensor_model_parallel_size=2 $SP parallel.pipeline_model_parallel_size=2
   run ep4 4 parallel.expert_model_parallel_size=4
@@ -49,7 +57,7 @@ def metrics(name):
             out[int(m.group(1))] = {k: float(v) for k, v in (kv.split("=", 1) for kv in m.group(2).split())}
     return out
 ref = metrics("one")
-rows = ["| layout | GPUs | max rel loss diff | max rel grad-norm diff | tokens/s (steps 2-5, median) |", "|---|---|---|---|---|"]
+rows = ["| layout | GPUs | max rel loss diff | max rel grad-norm diff | tokens/s (steps 2-5, median) | GiB allocated while offloaded |", "|---|---|---|---|---|---|"]
 for f in sorted(log.glob("*.log")):
     name = f.stem
     if name in ("create",) or not (m := metrics(name)) or set(m) != set(ref):
@@ -58,8 +66,11 @@ for f in sorted(log.glob("*.log")):
     dl = max(abs(m[s]["loss"] - ref[s]["loss"]) / ref[s]["loss"] for s in ref)
     dg = max(abs(m[s]["grad_norm"] - ref[s]["grad_norm"]) / ref[s]["grad_norm"] for s in ref)
     tps = statistics.median(m[s]["tokens_per_s"] for s in ref if s > 1)
-    n = "4" if name in ("tp2_pp2", "ep4", "tp2_ep2_pp2_vpp2", "tp2_etp2_ep2") else ("1" if name == "one" else "2")
-    rows.append(f"| {name} | {n} | {dl:.2e} | {dg:.2e} | {tps:,.0f} |")
+    gpus_file = log / f"{name}.gpus"
+    n = gpus_file.read_text().strip() if gpus_file.exists() else "?"
+    off = [m[s]["gpu_allocated_offloaded_gib"] for s in ref if "gpu_allocated_offloaded_gib" in m[s]]
+    off = f"{max(off):.3f}" if off else ""
+    rows.append(f"| {name} | {n} | {dl:.2e} | {dg:.2e} | {tps:,.0f} | {off} |")
 (log / "layout_table.md").write_text("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
