@@ -20,28 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 try:
-    import moe_sft  # noqa: F401
+    from moe_sft.conversion.sizes import parse_size
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """'256MiB' → 268_435_456, '1GB' → 1_000_000_000, '4096' → 4096 bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if unit not in _UNITS or int(float(match.group(1)) * _UNITS[unit]) <= 0:
-        raise argparse.ArgumentTypeError(f"--chunk-size {text!r}: expected a positive number with an "
-                                         "optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    from moe_sft.conversion.sizes import parse_size
 
 
 def _slurm_attempt() -> str | None:

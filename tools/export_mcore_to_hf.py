@@ -1,43 +1,31 @@
 """Export a moe-sft checkpoint (converted or trained, any parallel layout) to an HF directory.
 
     python tools/export_mcore_to_hf.py --mcore-path CKPT_DIR --output HF_DIR [--dtype bf16|fp32]
-                                       [--max-shard-size 5GB]
+                                       [--max-shard-size 5GB] [--read-size 256MiB]
 
 Writes sharded safetensors + model.safetensors.index.json + config.json + generation_config.json
-+ the tokenizer files kept in CKPT_DIR/hf/. Exit status: 0 written; 2 the input is unusable (the
-`error:` line names the file/tensor and the fix). The work happens in moe_sft.conversion.export.
++ the tokenizer files kept in CKPT_DIR/hf/. The export streams: the model is never gathered, each
+megatron tensor is read from the checkpoint an expert or a range of rows at a time (at most
+--read-size, or one stored chunk if larger) and each HF tensor is written into its shard as soon
+as it is made, so memory stays at the imports (~0.5 GB) plus a few --read-size units, whatever the
+model size (docs/conversion_at_scale.md, "Export"). Exit status: 0 written; 2 the input is
+unusable (the `error:` line names the file/tensor and the fix). The work happens in
+moe_sft.conversion.export.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 try:
-    import moe_sft  # noqa: F401
+    from moe_sft.conversion.sizes import parse_size
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# transformers' convention (PreTrainedModel.save_pretrained max_shard_size): GB = 10**9, GiB = 2**30.
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' → 5_000_000_000, '512MiB' → 536_870_912, '1000' → 1000 bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: expected a number with an "
-                                         "optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: must be positive")
-    return size
+    from moe_sft.conversion.sizes import parse_size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="dtype of the written tensors (default bf16)")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
-                        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+                        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB); "
+                             "shards are written in place, so this does not change the memory")
+    parser.add_argument("--read-size", type=parse_size, default=parse_size("256MiB"),
+                        help="most bytes of a megatron tensor read at once (experts, rows); memory "
+                             "is a few of these (default 256MiB)")
     parser.add_argument("--traceback", action="store_true",
                         help="show the full traceback instead of the one-line error")
     return parser.parse_args(argv)
@@ -56,16 +48,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: megatron-core + transformers take ~10 s to import, which
     # `--help` and a mistyped path should not wait for.
-    from moe_sft.conversion.export import export
+    from moe_sft.conversion.export import export_with_stats
 
     started = time.time()
-    out = export(args.mcore_path, args.output, max_shard_bytes=args.max_shard_size, dtype=args.dtype)
+    out, stats = export_with_stats(args.mcore_path, args.output, max_shard_bytes=args.max_shard_size,
+                                   dtype=args.dtype, read_bytes=args.read_size, progress=_Progress())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
     print(f"exported {len(index['weight_map'])} tensors ({args.dtype}, {shards} shard(s), "
           f"{index['metadata']['total_size'] / 1e6:.1f} MB) in {time.time() - started:.1f}s "
-          f"-> {out.resolve()}")
+          f"({stats.written_bytes / 1e6 / max(stats.seconds, 1e-9):.0f} MB/s) -> {out.resolve()}")
     return 0
+
+
+class _Progress:
+    """One stderr line every 30 s while exporting (none for small models)."""
+
+    def __init__(self, every_s: float = 30.0):
+        self.started = self.last = time.time()
+        self.every_s = every_s
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.time()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = done / 1e6 / max(now - self.started, 1e-9)
+            print(f"  {done / 1e9:.1f}/{total / 1e9:.1f} GB written ({100 * done / max(total, 1):.0f}%), "
+                  f"{rate:.0f} MB/s", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,18 +1,42 @@
-"""moe-sft dist checkpoint → HF directory (sharded safetensors, index, config, tokenizer)."""
+"""moe-sft dist checkpoint → HF directory (sharded safetensors, index, config, tokenizer), streaming.
+
+The model is never gathered: the megatron model exists on the meta device only (export_plan.py
+says which checkpoint boxes make each parameter), each parameter is read from the torch_dist
+checkpoint a unit at a time (one expert's block, a range of rows, or the whole of a small tensor,
+dcp_reader.py), turned into its HF tensors by the family's transform, and each HF tensor is written
+straight into its place in its safetensors shard (hf_writer.py). Peak memory is the imports plus
+about two units (`read_bytes`, default 256 MiB, or the checkpoint's largest stored chunk if larger)
+and the HF tensors of one unit, whatever the model size. docs/conversion_at_scale.md ("Export").
+
+`load_model_from_checkpoint` (the whole single-rank model, for --verify and tests) lives here too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from transformers import GenerationConfig
 
-from moe_sft.conversion import mapping, mcore_io
-from moe_sft.conversion.hf_writer import ShardedSafetensorsWriter
+from moe_sft.conversion import export_plan, mcore_io
+from moe_sft.conversion.dcp_reader import DistCheckpointReader
+from moe_sft.conversion.export_plan import ParamPlan
+from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
+from moe_sft.conversion.meta_model import View
+
+log = logging.getLogger(__name__)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def load_model_from_checkpoint(ckpt_dir: str | Path, precision: str = "fp32"):
-    """Load any moe-sft checkpoint (converted or trained, any layout) into a single-rank model."""
+    """Load any moe-sft checkpoint (converted or trained, any layout) into a single-rank model.
+
+    The whole model in memory: for --verify and tests; `export` does not use it.
+    """
     from megatron.core import dist_checkpointing
     from moe_sft.conversion.convert import load_hf_config, single_rank_model
 
@@ -27,24 +51,141 @@ def load_model_from_checkpoint(ckpt_dir: str | Path, precision: str = "fp32"):
     return model
 
 
+def _box_axes(view: View, offset: int, shape: tuple[int, ...]):
+    """(unit axis walked by each view axis or None, unit coordinates of the view's first element)
+    when the view is a box of the unit tensor (`shape`, contiguous), else None."""
+    strides = torch.empty(shape, device="meta").stride()
+    axes = []
+    for n, stride in zip(view.shape, view.stride):
+        match = [d for d in range(len(shape)) if shape[d] > 1 and strides[d] == stride and n <= shape[d]]
+        if n > 1 and len(match) != 1:
+            return None
+        axes.append(match[0] if n > 1 else None)
+    coords = [(offset // st) % n for st, n in zip(strides, shape)]
+    walked = [a for a in axes if a is not None]
+    if len(set(walked)) != len(walked) or sum(c * st for c, st in zip(coords, strides)) != offset \
+            or any(coords[a] + n > shape[a] for a, n in zip(axes, view.shape) if a is not None):
+        return None
+    return axes, coords
+
+
+def _read_unit(reader: DistCheckpointReader, param: ParamPlan, first: int, stop: int) -> torch.Tensor:
+    """Slices [first, stop) of the parameter (shape `param.unit_shape`), read box by box.
+
+    The memory is laid out as the checkpoint stores the largest box (GroupedMLP stores experts
+    transposed, in HF's layout) and the result is a strided view of it in the parameter's
+    coordinates: reading is a plain copy and the transform back to HF's layout copies nothing.
+    """
+    lo, shape = first * param.slice_elems, param.unit_shape(first, stop)
+    parts = [(piece.key,) + part for piece in param.pieces
+             if (part := piece.restrict(first, stop)) is not None]
+    boxes = [_box_axes(view, view.offset - lo, shape) for _, _, view in parts]
+    order = list(range(len(shape)))
+    if parts and all(b is not None for b in boxes):
+        largest = max(range(len(parts)), key=lambda i: torch.Size(parts[i][2].shape).numel())
+        inner = [a for a in boxes[largest][0] if a is not None]
+        order = [a for a in order if a not in inner] + inner
+    temp = torch.empty([shape[a] for a in order], dtype=param.dtype)
+    unit = temp.permute([order.index(a) for a in range(len(shape))])
+    filled = 0
+    for (key, offsets, view), box in zip(parts, boxes):
+        if box is None:  # the unit as the parameter's contiguous storage
+            dest = temp.view(-1).as_strided(view.shape, view.stride, view.offset - lo)
+        else:
+            axes, coords = box
+            dest = temp.as_strided(view.shape, [unit.stride(a) if a is not None else 0 for a in axes],
+                                   sum(c * unit.stride(a) for a, c in enumerate(coords)))
+        reader.read_into(key, offsets, dest)
+        filled += dest.numel()
+    if filled != unit.numel():  # the boxes of one parameter never overlap (megatron validates them)
+        raise RuntimeError(f"{param.entry.mcore}: the checkpoint boxes fill {filled} of the "
+                           f"{unit.numel()} elements of slices {first}:{stop}")
+    return unit
+
+
+def _write_unit(writer: StreamingSafetensorsWriter, param: ParamPlan, first: int, stop: int,
+                unit: torch.Tensor, ctx: dict) -> None:
+    """The HF tensors (or rows of them) that slices [first, stop) of the parameter give."""
+    entry = param.entry
+    if param.kind == "whole":
+        for (name, _), tensor in zip(param.hf, entry.transform.to_hf(unit, ctx)):
+            writer.write(name, tensor)
+    elif param.kind == "experts":  # expert e's block alone gives its HF tensors
+        per = len(entry.hf) // ctx["num_experts"]
+        one = dict(ctx, num_experts=1)
+        for e in range(first, stop):
+            tensors = entry.transform.to_hf(unit[e - first], one)
+            for name, tensor in zip(entry.hf[e * per:(e + 1) * per], tensors):
+                writer.write(name, tensor)
+    else:  # rows: HF row r is megatron row r (rows past the HF tensor's are vocab padding)
+        casts: dict[int, torch.Tensor] = {}
+        for name, shape in param.hf:  # DeepSeek-V3's MTP copies get the same rows
+            end = min(stop, shape[0])
+            if first < end:
+                if end not in casts:
+                    casts[end] = unit[:end - first].to(writer.dtype)
+                writer.write_rows(name, first, casts[end])
+
+
+@dataclasses.dataclass
+class ExportStats:
+    hf_tensors: int
+    written_bytes: int   # HF tensor data written
+    read_bytes: int      # megatron tensor data read from the checkpoint
+    loaded_bytes: int    # stored chunks loaded to read it (> read_bytes when a chunk is shared)
+    units: int
+    seconds: float
+
+
 def export(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3,
-           dtype: str = "bf16") -> Path:
-    """Write the HF directory atomically; every mapped tensor is written exactly once."""
+           dtype: str = "bf16", read_bytes: int = export_plan.DEFAULT_READ_BYTES,
+           progress: Optional[Callable[[int, int], None]] = None) -> Path:
+    """Write the HF directory atomically, streaming; every megatron parameter is read and every
+    HF tensor written exactly once (the gates in export_plan.py run before anything is read).
+
+    `read_bytes` bounds a unit read at once; `progress(done, total)` follows the HF bytes written.
+    """
+    return export_with_stats(ckpt_dir, out_dir, max_shard_bytes, dtype, read_bytes, progress)[0]
+
+
+def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3,
+                      dtype: str = "bf16", read_bytes: int = export_plan.DEFAULT_READ_BYTES,
+                      progress: Optional[Callable[[int, int], None]] = None) -> tuple[Path, ExportStats]:
+    """`export`, also returning what it read and wrote."""
+    from moe_sft.conversion.convert import load_hf_config
+
+    started = time.time()
     ckpt_dir = Path(ckpt_dir)
-    model = load_model_from_checkpoint(ckpt_dir)
-    family, hf_cfg = model.moe_sft_family, model.moe_sft_hf_config
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    entries = mapping.expand(family, hf_cfg)
-    ctx = mapping.transform_context(family, hf_cfg)
-    writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes)
-    state = model.state_dict()
-    for name, tensor in mapping.state_to_hf(entries, state, ctx):
-        writer.add(name, tensor.to(torch_dtype))
-    copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
-    if "generation_config.json" not in copied:  # generate() and serving stacks read it
-        GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
-    hf_cfg.dtype = torch_dtype  # written to config.json as "dtype" (transformers 5)
-    if hasattr(hf_cfg, "quantization_config"):  # an FP8 source is exported dequantised
-        del hf_cfg.quantization_config
-    hf_cfg.save_pretrained(str(writer.staging_dir))
-    return writer.close()
+    mcore_io.read_meta(ckpt_dir)
+    family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
+    torch_dtype = DTYPES[dtype]
+    reader = DistCheckpointReader(ckpt_dir)
+    plan = export_plan.build(family, hf_cfg, reader, read_bytes)
+    writer = StreamingSafetensorsWriter(out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes)
+    try:
+        for param in plan.params:
+            for first, stop in param.units:
+                flat = _read_unit(reader, param, first, stop)
+                _write_unit(writer, param, first, stop, flat, plan.ctx)
+                del flat
+                if progress is not None:
+                    progress(writer.written_bytes, writer.total_bytes)
+        copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
+        if "generation_config.json" not in copied:  # generate() and serving stacks read it
+            GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
+        hf_cfg.dtype = torch_dtype  # written to config.json as "dtype" (transformers 5)
+        if hasattr(hf_cfg, "quantization_config"):  # an FP8 source is exported dequantised
+            del hf_cfg.quantization_config
+        hf_cfg.save_pretrained(str(writer.staging_dir))
+        out = writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    stats = ExportStats(len(plan.hf_specs()), writer.total_bytes, reader.bytes_read,
+                        reader.bytes_loaded, sum(len(p.units) for p in plan.params),
+                        time.time() - started)
+    log.info("exported %d HF tensors: %.2f GB written in %.1fs (%.0f MB/s); read %.2f GB in %d "
+             "units, loading %.2f GB of stored chunks", stats.hf_tensors, stats.written_bytes / 1e9,
+             stats.seconds, stats.written_bytes / 1e6 / max(stats.seconds, 1e-9),
+             stats.read_bytes / 1e9, stats.units, stats.loaded_bytes / 1e9)
+    return out, stats

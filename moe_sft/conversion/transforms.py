@@ -98,7 +98,9 @@ def _experts_fc1_from(ts: Tensors, ctx: dict) -> torch.Tensor:
 def _experts_fc1_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     experts, hidden = ctx["num_experts"], t.shape[0]
     out = []
-    for w_H2F in t.contiguous().view(experts, hidden, -1):
+    # reshape, not contiguous().view(): a strided block (the exporter reads one expert laid out
+    # as the checkpoint stores it, [2F, H]) is viewed, so gate/up below need no copy at all
+    for w_H2F in t.reshape(experts, hidden, -1):
         gate, up = torch.chunk(w_H2F.t(), 2, dim=0)
         out += [gate.contiguous(), up.contiguous()]
     return out
@@ -115,7 +117,7 @@ def _experts_fc2_from(ts: Tensors, ctx: dict) -> torch.Tensor:
 
 def _experts_fc2_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     experts, hidden = ctx["num_experts"], t.shape[-1]
-    return [w_FH.t().contiguous() for w_FH in t.contiguous().view(experts, -1, hidden)]
+    return [w_FH.t().contiguous() for w_FH in t.reshape(experts, -1, hidden)]  # as in fc1
 
 
 EXPERTS_FC2 = Transform("experts_down_stack", _experts_fc2_from, _experts_fc2_to)

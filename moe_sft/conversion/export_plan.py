@@ -1,0 +1,303 @@
+"""What the streaming exporter reads, in which pieces, and what it writes; the completeness gates.
+
+The megatron model is built on the meta device (no storage, meta_model.py); its sharded state dict,
+with megatron's factories applied, says for every parameter which checkpoint keys hold it and how:
+each ShardedTensor is a box (key, global offset, shape) whose data is a *view* of the parameter
+(`View`: shape, strides, offset into the parameter's flat storage). Reading a box into the same
+view of a buffer rebuilds the parameter's elements exactly as megatron's loader would, at whatever
+layout the checkpoint was saved (DCP reads the overlaps of the box with the stored chunks).
+
+A parameter is read in *units*, ranges of its slices:
+
+* expert stacks (`experts_gate_up_stack`, `experts_down_stack`): slice e is expert e's contiguous
+  block of GroupedMLP's weight1/weight2, which alone gives expert e's HF tensors;
+* row-separable tensors (`identity`, `pad_vocab`, `pad_vocab_mtp_shared`, 2-D or more): slice r is
+  row r, which is row r of each HF tensor (vocab padding rows are not exported);
+* anything else (fused QKV, a dense MLP's gate/up, norms) is one slice, read whole.
+
+A unit is at most `read_bytes` (or one slice, if larger); dcp_reader.py reads just its rows of
+each stored chunk, whatever the chunking of the checkpoint. Before anything is read, the gates
+check that every megatron parameter is exported, every model tensor of the checkpoint is consumed
+(optimizer state aside), the checkpoint has every box the model needs, and the HF names and shapes
+are exactly those transformers' own `save_pretrained` writes for this config (plus DeepSeek-V3's
+MTP layers, which transformers' model does not hold).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import re
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from moe_sft.conversion import mapping
+from moe_sft.conversion import transforms as T
+from moe_sft.conversion.dcp_reader import DistCheckpointReader, IncompleteCheckpointError
+from moe_sft.conversion.mapping import Entry, MappingError
+from moe_sft.conversion.meta_model import MetaViewsStayViews, View, meta_model, view_of
+from moe_sft.conversion.tensor_source import EXPERT_SEPARABLE, ROW_SEPARABLE
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READ_BYTES = 256 * 2**20
+# Checkpoint tensors that are not model weights: the distributed optimizer's state
+# (`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>`, megatron's make_sharded_optimizer_tensor).
+NOT_MODEL_STATE = re.compile(r"optimizer\..*")
+# Expert e's block of the megatron tensor, as a tensor of its own (GroupedMLP, see transforms.py):
+# weight1 [H, E*2F] = w1.view(E, H, 2F) → block [H, 2F]; weight2 [E*F, H] = w2.view(E, F, H) → [F, H].
+EXPERT_BLOCK_SHAPE = {
+    T.EXPERTS_FC1.name: lambda shape, experts: (shape[0], shape[1] // experts),
+    T.EXPERTS_FC2.name: lambda shape, experts: (shape[0] // experts, shape[1]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One ShardedTensor of the meta model: checkpoint box (key, offsets, view.shape) ↔ elements."""
+
+    key: str
+    offsets: tuple[int, ...]
+    view: View
+    axis: int                       # the view's outermost axis: boxes are cut along it
+    slices: Optional[torch.Tensor]  # slice of the parameter each index along `axis` falls in
+
+    def restrict(self, first: int, stop: int) -> Optional[tuple[tuple[int, ...], View]]:
+        """(offsets, view) of the part of this box in slices [first, stop), or None."""
+        if self.slices is None:  # read whole
+            return self.offsets, self.view
+        lo = int(torch.searchsorted(self.slices, first))
+        hi = int(torch.searchsorted(self.slices, stop))
+        if hi <= lo:
+            return None
+        offsets = list(self.offsets)
+        offsets[self.axis] += lo
+        return tuple(offsets), self.view.rows(self.axis, lo, hi)
+
+
+@dataclasses.dataclass
+class ParamPlan:
+    """One megatron parameter: its mapping entry, how it is cut and the HF tensors it gives."""
+
+    entry: Entry
+    shape: tuple[int, ...]
+    dtype: torch.dtype               # as stored in the checkpoint
+    kind: str                        # experts | rows | whole
+    slice_shape: tuple[int, ...]     # one expert's block, one row, or the whole parameter
+    slice_elems: int
+    pieces: list[Piece]
+    units: list[tuple[int, int]]     # slice ranges [first, stop)
+    hf: list[tuple[str, tuple[int, ...]]]
+
+    def unit_shape(self, first: int, stop: int) -> tuple[int, ...]:
+        """Shape of slices [first, stop) as one tensor: (experts, *block), (rows, *row), shape."""
+        return self.shape if self.kind == "whole" else (stop - first,) + self.slice_shape
+
+
+@dataclasses.dataclass
+class ExportPlan:
+    params: list[ParamPlan]
+    ctx: dict
+
+    def hf_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, shape) of every tensor written, in mapping order (the shard order)."""
+        return [spec for p in self.params for spec in p.hf]
+
+
+# ------------------------------------------------------------------------------------------------
+# Cutting a parameter into slices and a box into the part each unit needs
+# ------------------------------------------------------------------------------------------------
+
+def _outer_axis(view: View) -> int:
+    sized = [a for a, n in enumerate(view.shape) if n > 1]
+    return max(sized, key=lambda a: view.stride[a]) if sized else 0
+
+
+def _index_slices(view: View, axis: int, slice_elems: int) -> Optional[torch.Tensor]:
+    """Slice of each index along `axis`, or None when an index's elements straddle two slices."""
+    inner = sum((n - 1) * s for a, (n, s) in enumerate(zip(view.shape, view.stride)) if a != axis)
+    starts = view.offset + torch.arange(view.shape[axis], dtype=torch.int64) * view.stride[axis]
+    first, last = starts // slice_elems, (starts + inner) // slice_elems
+    if not torch.equal(first, last) or any(s <= 0 for s in view.stride if s):
+        return None
+    return first
+
+
+def _kind(entry: Entry, shape: tuple[int, ...], hf_shapes: list, experts: int) -> tuple[str, int]:
+    """(kind, number of slices) for a parameter of `shape`."""
+    name = entry.transform.name
+    if name in EXPERT_SEPARABLE and experts > 0 and len(entry.hf) % experts == 0:
+        return "experts", experts
+    if name in ROW_SEPARABLE and len(shape) >= 2 and all(
+            tuple(s[1:]) == tuple(shape[1:]) and s[0] <= shape[0] for s in hf_shapes):
+        return "rows", shape[0]
+    return "whole", 1
+
+
+def _units(count: int, slice_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """Slice ranges of at most `budget` bytes (one slice if a slice is larger)."""
+    step = max(1, budget // max(slice_bytes, 1))
+    return [(first, min(first + step, count)) for first in range(0, count, step)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan and its gates
+# ------------------------------------------------------------------------------------------------
+
+def _pieces_by_param(model) -> tuple[dict, dict]:
+    """{parameter: [(ShardedTensor, View)]} and {parameter: tensor} of the meta model."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = model.state_dict(keep_vars=True)
+    tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
+    ids = {id(t): n for n, t in tensors.items()}
+    with MetaViewsStayViews():  # factories applied here, so their outputs are parameter views
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+    found, seen = defaultdict(list), set()
+    for sh in nested_values(sharded):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        if sh.flattened_range is not None:
+            raise RuntimeError(f"{sh.key}: flattened sharded tensors are not supported")
+        view = view_of(sh, ids)
+        if view.param is None:
+            raise RuntimeError(f"megatron's sharded state has {sh.key!r}, which is no view of a "
+                               "model parameter; the exporter does not know which HF tensor it is")
+        if (sh.key, tuple(sh.global_offset)) not in seen:
+            seen.add((sh.key, tuple(sh.global_offset)))
+            found[view.param].append((sh, view))
+    return found, tensors
+
+
+def _check_checkpoint_keys(found: dict, stored: dict, path) -> None:
+    """Every box the model needs is in the checkpoint; every model tensor stored is consumed."""
+    needed = {sh.key: tuple(sh.global_shape) for pairs in found.values() for sh, _ in pairs}
+    missing = sorted(k for k in needed if k not in stored)
+    if missing:
+        raise IncompleteCheckpointError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) the "
+                                        f"model needs: {mapping._list(missing)}")
+    shapes = [f"{k} {tuple(stored[k].size)} (model: {s})" for k, s in needed.items()
+              if tuple(stored[k].size) != s]
+    if shapes:
+        raise IncompleteCheckpointError(f"{path}: tensors of another shape than the model's: "
+                                        f"{'; '.join(shapes[:10])}; is config.json the one it was "
+                                        "trained with?")
+    holes = [f"{k} ({sum(c.sizes.numel() for c in stored[k].chunks)} of {stored[k].size.numel()} "
+             "elements)" for k in needed
+             if sum(c.sizes.numel() for c in stored[k].chunks) != stored[k].size.numel()]
+    if holes:  # DCP's chunks never overlap, so a shortfall is a hole
+        raise IncompleteCheckpointError(f"{path}: the stored chunks do not cover {len(holes)} "
+                                        f"tensor(s): {'; '.join(holes[:10])}; a rank's files are "
+                                        "missing from .metadata, re-save the checkpoint")
+    unconsumed = [k for k in stored if k not in needed and not NOT_MODEL_STATE.fullmatch(k)]
+    if unconsumed:
+        raise MappingError(f"{path}: the checkpoint holds {len(unconsumed)} model tensor(s) the "
+                           f"export would not write: {mapping._list(unconsumed)}. Refusing to "
+                           "export silently incomplete weights.")
+
+
+def _param_plan(entry: Entry, tensor, pairs, stored: dict, ctx: dict, budget: int) -> ParamPlan:
+    shape = tuple(tensor.shape)
+    dtypes = {stored[sh.key].properties.dtype for sh, _ in pairs}
+    if len(dtypes) != 1:
+        raise IncompleteCheckpointError(f"{entry.mcore}: stored in several dtypes {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop()
+    hf_shapes = [tuple(t.shape) for t in entry.transform.to_hf(torch.empty(shape, device="meta"), ctx)]
+    if len(hf_shapes) != len(entry.hf):
+        raise MappingError(f"{entry.transform.name} gives {len(hf_shapes)} tensors for "
+                           f"{len(entry.hf)} HF names ({entry.mcore})")
+    covered = sum(torch.Size(view.shape).numel() for _, view in pairs)
+    if covered != tensor.numel():
+        raise MappingError(f"{entry.mcore}: megatron's sharded state covers {covered} of its "
+                           f"{tensor.numel()} elements")
+    kind, count = _kind(entry, shape, hf_shapes, ctx["num_experts"])
+    slice_elems = tensor.numel() // count
+    pieces = []
+    for sh, view in pairs:
+        axis = _outer_axis(view)
+        slices = _index_slices(view, axis, slice_elems) if kind != "whole" else None
+        if kind != "whole" and slices is None:
+            log.warning("%s: a checkpoint box straddles %s; read whole", entry.mcore, kind)
+            return _param_plan_whole(entry, shape, dtype, pairs, hf_shapes)
+        pieces.append(Piece(sh.key, tuple(sh.global_offset), view, axis, slices))
+    units = _units(count, slice_elems * dtype.itemsize, budget)
+    slice_shape = (EXPERT_BLOCK_SHAPE[entry.transform.name](shape, count) if kind == "experts"
+                   else shape[1:] if kind == "rows" else shape)
+    return ParamPlan(entry, shape, dtype, kind, slice_shape, slice_elems, pieces, units,
+                     list(zip(entry.hf, hf_shapes)))
+
+
+def _param_plan_whole(entry, shape, dtype, pairs, hf_shapes) -> ParamPlan:
+    pieces = [Piece(sh.key, tuple(sh.global_offset), view, 0, None) for sh, view in pairs]
+    return ParamPlan(entry, shape, dtype, "whole", shape, torch.Size(shape).numel(), pieces,
+                     [(0, 1)], list(zip(entry.hf, hf_shapes)))
+
+
+def hf_expected(family, hf_cfg) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of what transformers' `save_pretrained` writes for this config, from the HF
+    model built on the meta device: its state dict without tied copies, with its in-memory
+    fusions (transformers 5 stacks experts) reverted to the on-disk names."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from moe_sft.runtime import compat
+
+    cfg = copy.deepcopy(hf_cfg)  # building a model writes into its config
+    if hasattr(cfg, "quantization_config"):  # exported dequantised
+        del cfg.quantization_config
+    with compat.suspended(), torch.device("meta"):
+        model = family.hf_model_class(cfg)
+        state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+        state = revert_weight_conversion(model, state)
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_save", None) or [])]
+    return {k: tuple(v.shape) for k, v in state.items() if not any(p.search(k) for p in ignored)}
+
+
+def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -> None:
+    """The export writes every tensor transformers expects, in its shape; nothing else but the
+    MTP layers (`model.layers.{N + k}.*`, which transformers' model does not hold)."""
+    expected = hf_expected(family, hf_cfg)
+    written = dict(planned)
+    if len(written) != len(planned):
+        twice = sorted({n for n, _ in planned if sum(m == n for m, _ in planned) > 1})
+        raise MappingError(f"{family.name} export writes these HF tensors twice: {mapping._list(twice)}")
+    missing = set(expected) - set(written)
+    if missing:
+        raise MappingError(f"the {family.name} export would not write {len(missing)} tensor(s) "
+                           f"transformers' model has: {mapping._list(missing)}")
+    shapes = [f"{n} {written[n]} (transformers: {s})" for n, s in expected.items() if written[n] != s]
+    if shapes:
+        raise MappingError(f"{family.name} export shapes differ from transformers': {'; '.join(shapes[:10])}")
+    n = hf_cfg.num_hidden_layers
+    mtp = tuple(f"model.layers.{n + k}." for k in range(family.num_mtp_layers(hf_cfg)))
+    extra = {name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",))}
+    if extra:
+        raise MappingError(f"the {family.name} export would write {len(extra)} tensor(s) "
+                           f"transformers' model does not have: {mapping._list(extra)}")
+
+
+def build(family, hf_cfg, reader: DistCheckpointReader,
+          read_bytes: int = DEFAULT_READ_BYTES) -> ExportPlan:
+    """Plan the export of the checkpoint `reader` reads; every gate runs here, before any read."""
+    from moe_sft.conversion.streaming import check_produced
+
+    model = meta_model(family, hf_cfg, "fp32")
+    entries = mapping.expand(family, hf_cfg)
+    check_produced(entries, model.state_dict(keep_vars=True))  # every megatron parameter exported
+    found, tensors = _pieces_by_param(model)
+    stored = reader.tensors()
+    _check_checkpoint_keys(found, stored, reader.path)
+    ctx = mapping.transform_context(family, hf_cfg)
+    unexported = set(found) - {e.mcore for e in entries}
+    if unexported:
+        raise MappingError(f"checkpoint tensors of no mapped parameter: {mapping._list(unexported)}")
+    params = [_param_plan(e, tensors[e.mcore], found[e.mcore], stored, ctx, read_bytes)
+              for e in entries]
+    plan = ExportPlan(params, ctx)
+    check_hf_names(family, hf_cfg, plan.hf_specs())
+    return plan
