@@ -5,10 +5,11 @@
 
 Writes sharded safetensors + model.safetensors.index.json + config.json + generation_config.json
 + the tokenizer files kept in CKPT_DIR/hf/. The export streams: the model is never gathered, each
-megatron tensor is read from the checkpoint an expert or a range of rows at a time (at most
---read-size, or one stored chunk if larger) and each HF tensor is written into its shard as soon
-as it is made, so memory stays at the imports (~0.5 GB) plus a few --read-size units, whatever the
-model size (docs/conversion_at_scale.md, "Export"). Exit status: 0 written; 2 the input is
+megatron tensor is read from the checkpoint a run of experts or of rows at a time (at most
+--read-size, or one expert/row if larger; a tensor no transform can cut, such as a fused QKV, is
+read whole) and each HF tensor is written into its shard as soon as it is made, so memory stays at
+the imports (~0.5 GB) plus about one --read-size unit, whatever the model size and the
+checkpoint's chunking (docs/conversion_at_scale.md, "Export"). Exit status: 0 written; 2 the input is
 unusable (the `error:` line names the file/tensor and the fix). The work happens in
 moe_sft.conversion.export.
 """

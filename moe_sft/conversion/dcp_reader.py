@@ -120,8 +120,8 @@ class DistCheckpointReader:
         self._storage.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._stored: dict = {}
         self._fds: dict[Path, int] = {}
-        self.bytes_read = 0    # bytes placed into destinations
-        self.bytes_loaded = 0  # bytes read from the files to do it
+        self.tensor_bytes = 0  # bytes placed into destinations
+        self.file_bytes = 0    # bytes read from the files to do it
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
         """Every tensor key with its global size, dtype and stored chunks (byte objects left out)."""
@@ -151,9 +151,9 @@ class DistCheckpointReader:
         slow = [item for item in items if not self._read_item(item, planner.resolve_tensor(item))]
         if slow:
             self._storage.read_data(LoadPlan(slow), planner).wait()
-            self.bytes_loaded += sum(md.chunks[item.storage_index.index].sizes.numel()
+            self.file_bytes += sum(md.chunks[item.storage_index.index].sizes.numel()
                                      for item in slow) * dest.element_size()
-        self.bytes_read += dest.numel() * dest.element_size()
+        self.tensor_bytes += dest.numel() * dest.element_size()
 
     def _read_item(self, item: ReadItem, target: torch.Tensor) -> bool:
         """Read one overlap into `target` from the file; False if it must go through DCP."""
@@ -171,7 +171,7 @@ class DistCheckpointReader:
             raw = torch.empty(span * size, dtype=torch.uint8)
             self._pread(stored.file, [raw], stored.at + first * size)
             target.copy_(raw.view(target.dtype).as_strided(tuple(item.lengths), t.stride(), 0))
-        self.bytes_loaded += span * size
+        self.file_bytes += span * size
         return True
 
     def _stored_tensor(self, item: ReadItem) -> Optional[_Stored]:

@@ -2,11 +2,12 @@
 
 The model is never gathered: the megatron model exists on the meta device only (export_plan.py
 says which checkpoint boxes make each parameter), each parameter is read from the torch_dist
-checkpoint a unit at a time (one expert's block, a range of rows, or the whole of a small tensor,
-dcp_reader.py), turned into its HF tensors by the family's transform, and each HF tensor is written
-straight into its place in its safetensors shard (hf_writer.py). Peak memory is the imports plus
-about two units (`read_bytes`, default 256 MiB, or the checkpoint's largest stored chunk if larger)
-and the HF tensors of one unit, whatever the model size. docs/conversion_at_scale.md ("Export").
+checkpoint a unit at a time (a run of experts' blocks or of rows up to `read_bytes`, or the whole
+of a tensor no transform can cut, dcp_reader.py), turned into its HF tensors by the family's
+transform, and each HF tensor is written straight into its place in its safetensors shard
+(hf_writer.py). Peak memory is the imports plus about one unit and the HF tensors made from it,
+whatever the model size and however the checkpoint is chunked. docs/conversion_at_scale.md
+("Export") has the measurements.
 
 `load_model_from_checkpoint` (the whole single-rank model, for --verify and tests) lives here too.
 """
@@ -131,8 +132,8 @@ def _write_unit(writer: StreamingSafetensorsWriter, param: ParamPlan, first: int
 class ExportStats:
     hf_tensors: int
     written_bytes: int   # HF tensor data written
-    read_bytes: int      # megatron tensor data read from the checkpoint
-    loaded_bytes: int    # stored chunks loaded to read it (> read_bytes when a chunk is shared)
+    megatron_bytes: int  # megatron tensor data read from the checkpoint
+    file_bytes: int      # bytes read from the checkpoint's files to do it
     units: int
     seconds: float
 
@@ -181,11 +182,11 @@ def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes
     except BaseException:
         writer.discard()
         raise
-    stats = ExportStats(len(plan.hf_specs()), writer.total_bytes, reader.bytes_read,
-                        reader.bytes_loaded, sum(len(p.units) for p in plan.params),
+    stats = ExportStats(len(plan.hf_specs()), writer.total_bytes, reader.tensor_bytes,
+                        reader.file_bytes, sum(len(p.units) for p in plan.params),
                         time.time() - started)
     log.info("exported %d HF tensors: %.2f GB written in %.1fs (%.0f MB/s); read %.2f GB in %d "
-             "units, loading %.2f GB of stored chunks", stats.hf_tensors, stats.written_bytes / 1e9,
+             "units, %.2f GB from the files", stats.hf_tensors, stats.written_bytes / 1e9,
              stats.seconds, stats.written_bytes / 1e6 / max(stats.seconds, 1e-9),
-             stats.read_bytes / 1e9, stats.units, stats.loaded_bytes / 1e9)
+             stats.megatron_bytes / 1e9, stats.units, stats.file_bytes / 1e9)
     return out, stats

@@ -106,7 +106,7 @@ def test_tiny_chunks_read_in_tiny_units_export_the_same_bytes(checkpoints):
     # Streamed in pieces: many more units than megatron tensors, each byte read once, no more.
     plan_params = len(mapping.expand(*load_hf_config(checkpoints / "chunked" / "hf")))
     assert stats.units > 4 * plan_params
-    assert stats.loaded_bytes == stats.read_bytes == _tensor_bytes(checkpoints / "chunked")
+    assert stats.file_bytes == stats.megatron_bytes == _tensor_bytes(checkpoints / "chunked")
 
 
 def _tensor_bytes(ckpt: Path) -> int:
@@ -313,7 +313,7 @@ def test_boxes_read_from_the_files_equal_dcps_own_reads(checkpoints):
             fast.read_into(key, offsets, ours)
             slow.read_into(key, offsets, theirs)
             assert torch.equal(ours, theirs), (key, offsets, sizes)
-    assert fast.bytes_loaded < slow.bytes_loaded  # DCP loads each overlapped chunk whole
+    assert fast.file_bytes < slow.file_bytes  # DCP loads each overlapped chunk whole
 
 
 def test_expert_stacks_give_each_experts_hf_tensors_from_its_block_alone():
