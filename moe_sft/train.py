@@ -14,6 +14,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     from moe_sft.errors import user_errors
+    from moe_sft.trainer.guard import NonFiniteTrainingError
     from moe_sft.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -26,6 +27,9 @@ def main(argv: list[str]) -> int:
     except user_errors() as err:  # bad data, checkpoint or model files: one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteTrainingError as err:  # the last good checkpoint is intact
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     finally:
         trainer.close()
     return 0

@@ -96,6 +96,12 @@ class ModelConfig:
     mtp_loss_weight: float = _f(
         0.1, "multi-token-prediction loss weight (DeepSeek-V3: 0.3 early, 0.1 late); 0 = MTP layers not run"
     )
+    freeze_patterns: list[str] = _f(
+        [], "megatron parameter names to freeze (fnmatch, e.g. 'embedding.*', '*.mlp.router.weight'); "
+        "each must match something"
+    )
+    freeze_router: bool = _f(False, "freeze every MoE router's weights (and its expert bias)")
+    freeze_expert_bias: bool = _f(False, "keep the aux-loss-free expert bias (DeepSeek-V3) as loaded")
     freeze_mtp: bool = _f(False, "keep MTP layers frozen: loaded, not run, not updated, exported unchanged")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     hidden_dropout: float = _f(0.0, "dropout on the residual-branch outputs")
@@ -179,6 +185,10 @@ class TrainerConfig:
     log_interval: int = _f(1, "log metrics every N steps")
     export_hf_at_end: bool = _f(
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
+    )
+    max_skipped_steps_in_a_row: int = _f(
+        3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after "
+        "this many in a row"
     )
     offload_between_steps: bool = _f(
         False, "move parameters, gradients and optimizer state to CPU memory after every step and back "

@@ -234,6 +234,8 @@ def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
     for name, value in (("trainer.eval_interval", t.eval_interval), ("checkpoint.save_interval", c.save_interval)):
         if value < 0:
             errors.append(f"{name}={value} must be >= 0 (0 = off / only at the end)")
+    if t.max_skipped_steps_in_a_row < 1:
+        errors.append(f"trainer.max_skipped_steps_in_a_row={t.max_skipped_steps_in_a_row} must be >= 1")
     if c.keep_last < 1:
         errors.append(f"checkpoint.keep_last={c.keep_last} must be >= 1")
     for name, value in (("trainer.seed", t.seed), ("data.seed", cfg.data.seed)):

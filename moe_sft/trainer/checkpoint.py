@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
+from moe_sft.trainer.guard import injected_fault
 
 _STEP_DIR = re.compile(r"step_(\d{7})$")
 
@@ -146,9 +148,16 @@ def save(root: Path, step: int, model_chunks, optimizer, scheduler, extra: dict,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    started = time.perf_counter()
     dist_checkpointing.save(full_sharded_state(model_chunks, optimizer, scheduler, extra), str(tmp))
     dist.barrier()
+    seconds = time.perf_counter() - started
+    if injected_fault("kill_in_save", step):  # test hook: die with the files written, uncommitted
+        _die_like_sigkill()
     if dist.get_rank() == 0:
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        print(f"[moe-sft] checkpoint step {step}: {size / 1e9:.3f} GB written in {seconds:.1f}s "
+              f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s, all ranks)", flush=True)
         mcore_io.copy_hf_side_files(hf_side_dir, tmp / mcore_io.HF_SUBDIR)
         mcore_io.write_meta(tmp, dict(meta, step=step))
         mcore_io.commit_dir(tmp, final)
@@ -158,6 +167,16 @@ def save(root: Path, step: int, model_chunks, optimizer, scheduler, extra: dict,
         _prune(root, keep_last)
     dist.barrier()
     return final
+
+
+def _die_like_sigkill() -> None:
+    """What `kill -9` of the job does: this process and its helpers (dist_checkpointing's
+    multiprocessing manager would otherwise outlive it holding the launcher's pipes) stop now."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(137)
 
 
 def _prune(root: Path, keep_last: int) -> None:

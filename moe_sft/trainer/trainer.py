@@ -28,7 +28,7 @@ from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import checkpoint, offload, overlap, step as train_step
+from moe_sft.trainer import checkpoint, freeze, guard, offload, overlap, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
@@ -133,7 +133,9 @@ class Trainer:
             moe_expert_capacity_factor=m.moe_expert_capacity_factor,
             recompute_granularity=m.recompute_granularity,
             extra={k: v for k, v in (("moe_router_enable_expert_bias", m.moe_router_enable_expert_bias),
-                                     ("moe_router_bias_update_rate", m.moe_router_bias_update_rate),
+                                     ("moe_router_bias_update_rate",
+                                      0.0 if m.freeze_expert_bias or m.freeze_router
+                                      else m.moe_router_bias_update_rate),
                                      ("recompute_method", m.recompute_method),
                                      ("recompute_num_layers", m.recompute_num_layers),
                                      ("recompute_modules", m.recompute_modules),
@@ -146,6 +148,10 @@ class Trainer:
         self.tconfig = build_transformer_config(self.family, self.hf_cfg, self.opts)
         chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)
         self._setup_mtp(chunks)
+        patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
+        frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
+        if patterns:
+            _say(f"froze {patterns}: {len(names)} tensors, {frozen / 1e6:.2f}M parameters on rank 0")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
             overlap_param_gather=p.overlap_param_gather,
@@ -263,27 +269,36 @@ class Trainer:
         local = train_step.run_forward_backward(self.model, batches, global_tokens, self.rt.device,
                                                 self.hf_cfg.vocab_size, self.seq_length,
                                                 mtp_weight=self.cfg.model.mtp_loss_weight)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        loss, mtp_loss = train_step.global_loss(local)
+        if guard.injected_fault("nan_loss", step + 1):
+            loss = float("nan")
+        if guard.injected_fault("nan_grad", step + 1):
+            next(p for c in self.model for p in c.parameters() if p.requires_grad).main_grad.fill_(
+                float("nan"))
+        stepped, grad_norm = guard.step_unless_non_finite(self.optimizer, loss)
+        if stepped:  # a skipped step does not advance the LR schedule (as in Megatron-LM)
+            self.scheduler.step(increment=1)
+        self.skips.record(step + 1, stepped, loss, grad_norm)
         tokens = torch.tensor([sum(len(b.tokens) for b in batches)], device=self.rt.device)
         dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
         tokens_per_s, seconds = timer.stop(int(tokens.item()))
-        loss, mtp_loss = train_step.global_loss(local)
         metrics = {"train/loss": loss, "train/lr": self.scheduler.get_lr(
-            self.optimizer.param_groups[0]), "train/grad_norm": float(grad_norm or 0.0),
+            self.optimizer.param_groups[0]), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
             "train/loss_tokens": float(global_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
-        if not ok:
-            metrics["train/skipped"] = 1.0
+        if self.skips.total:
+            metrics["train/skipped_steps"] = float(self.skips.total)
         return metrics
 
     def train(self) -> None:
         t, c = self.cfg.trainer, self.cfg.checkpoint
         logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
         last_saved = self.start_step if self.start_step else None
+        self.skips = guard.SkipCounter(t.max_skipped_steps_in_a_row)
+        stop = guard.StopRequest(self.out / "STOP")
         for step in range(self.start_step, t.max_steps):
             if t.offload_between_steps and step > self.start_step:
                 offload.reload_to_gpu(self.model, self.optimizer)
@@ -297,6 +312,16 @@ class Trainer:
                     self.model, self.optimizer)
             if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
                 logger.log(step + 1, t.max_steps, metrics)
+            if step + 1 < t.max_steps and stop.agreed(self.rt.device):
+                if last_saved != step + 1:
+                    if t.offload_between_steps:
+                        offload.reload_to_gpu(self.model, self.optimizer)
+                    self._save(step + 1)
+                logger.close()
+                stop.consume()
+                _say(f"stopped by {stop.received or 'a signal on another rank'} after step {step + 1}; "
+                     "checkpoint saved: run the same command again to resume")
+                return
         logger.close()
         final = max(t.max_steps, self.start_step)
         if last_saved != final:

@@ -1,0 +1,54 @@
+"""Freezing parameters by name before DDP and the optimizer see them.
+
+Names are megatron's parameter names with *global* layer numbers (`decoder.layers.{i}` counts
+from the first layer of the model, whichever pipeline stage holds it), so a pattern means the same
+thing at every layout. A pattern that matches nothing on any rank is an error (a typo would
+otherwise train everything silently).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+import torch.distributed as dist
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+ROUTER_PATTERN = "*.mlp.router.*"
+
+
+def global_named_parameters(chunk):
+    """(name with global layer numbers, parameter) of one model chunk."""
+    layers = chunk.decoder.layers if getattr(chunk, "decoder", None) is not None else []
+    for name, param in chunk.named_parameters():
+        if match := _LOCAL_LAYER.match(name):
+            global_index = layers[int(match.group(1))].layer_number - 1  # layer_number is 1-based
+            name = f"decoder.layers.{global_index}." + name[match.end():]
+        yield name, param
+
+
+def freeze(chunks, patterns: list[str], device: str) -> tuple[int, list[str]]:
+    """requires_grad=False for every parameter matching a pattern; (frozen elements here, names)."""
+    if not patterns:
+        return 0, []
+    hits = torch.zeros(len(patterns), device=device)
+    frozen, names = 0, []
+    for chunk in chunks:
+        for name, param in global_named_parameters(chunk):
+            matched = [i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(name, p)]
+            for i in matched:
+                hits[i] += 1
+            if matched and param.requires_grad:
+                param.requires_grad_(False)
+                frozen += param.numel()
+                names.append(name)
+    dist.all_reduce(hits)
+    unmatched = [p for p, n in zip(patterns, hits.tolist()) if n == 0]
+    if unmatched:
+        example = next(iter(global_named_parameters(chunks[0])), ("?", None))[0]
+        from moe_sft.config import ConfigError
+
+        raise ConfigError(f"model.freeze_patterns {unmatched} match no parameter on any rank; names "
+                         f"look like {example!r} (global layer numbers; fnmatch: * matches dots too)")
+    return frozen, names
