@@ -205,7 +205,8 @@ class Trainer:
         allgather = dispatcher == "allgather" or (dispatcher == "auto" and self.rt.device == "cpu")
         expert_group = p.expert_model_parallel_size * (p.expert_tensor_parallel_size
                                                        or p.tensor_model_parallel_size)
-        if p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1):
+        self.fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
+        if self.fixed_shape:
             pad_to = d.pack_length
         self.seq_length = d.pack_length
         self.plan = PackedBatchPlan(docs, d.pack_length, self.cfg.trainer.global_batch_size,
@@ -249,7 +250,8 @@ class Trainer:
         timer.start()
         local = train_step.run_forward_backward(self.model, batches, global_tokens, self.rt.device,
                                                 self.hf_cfg.vocab_size, self.seq_length,
-                                                mtp_weight=self.cfg.model.mtp_loss_weight)
+                                                mtp_weight=self.cfg.model.mtp_loss_weight,
+                                                fixed_shape=self.fixed_shape)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         tokens = torch.tensor([sum(len(b.tokens) for b in batches)], device=self.rt.device)
