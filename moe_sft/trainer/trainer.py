@@ -94,6 +94,10 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         _say(f"world={world} tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} "
              f"ep={p.expert_model_parallel_size} cp={p.context_parallel_size} dp={self.dp_size}")
+        if p.context_parallel_size > 1 and self.rt.backend == "torch":
+            _say(f"context parallel: documents padded to a multiple of {2 * p.context_parallel_size}, "
+                 f"load-balanced chunks, all-gathered K/V, {attention_kernel_name(self.rt.device)} "
+                 f"with separate q/k cu_seqlens (bottom-right causal)")
         if dist.get_rank() == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.cfg, self.out / "config.yaml")

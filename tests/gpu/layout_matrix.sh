@@ -31,12 +31,18 @@ run ep2 2 parallel.expert_model_parallel_size=2
 run pp2 2 parallel.pipeline_model_parallel_size=2
 run pp2_vpp2 2 parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2
 run tp2_ep2_etp1 2 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 parallel.expert_tensor_parallel_size=1
+CP="parallel.context_parallel_size=2"
+run cp2 2 $CP
+run cp2_ep2 2 $CP parallel.expert_model_parallel_size=2
 if [ "$gpus" -ge 4 ]; then
   run tp2_pp2 4 parallel.tensor_model_parallel_size=2 $SP parallel.pipeline_model_parallel_size=2
   run ep4 4 parallel.expert_model_parallel_size=4
   run tp2_ep2_pp2_vpp2 4 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 \
     parallel.expert_tensor_parallel_size=1 parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2
   run tp2_etp2_ep2 4 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 parallel.expert_tensor_parallel_size=2
+  run cp2_tp2 4 $CP parallel.tensor_model_parallel_size=2 $SP
+  run cp2_pp2 4 $CP parallel.pipeline_model_parallel_size=2
+  run cp4 4 parallel.context_parallel_size=4
 fi
 python3 - "$log" <<'PY'
 import re, sys, statistics
@@ -58,7 +64,7 @@ for f in sorted(log.glob("*.log")):
     dl = max(abs(m[s]["loss"] - ref[s]["loss"]) / ref[s]["loss"] for s in ref)
     dg = max(abs(m[s]["grad_norm"] - ref[s]["grad_norm"]) / ref[s]["grad_norm"] for s in ref)
     tps = statistics.median(m[s]["tokens_per_s"] for s in ref if s > 1)
-    n = "4" if name in ("tp2_pp2", "ep4", "tp2_ep2_pp2_vpp2", "tp2_etp2_ep2") else ("1" if name == "one" else "2")
+    n = "4" if name in ("tp2_pp2", "ep4", "tp2_ep2_pp2_vpp2", "tp2_etp2_ep2", "cp2_tp2", "cp2_pp2", "cp4") else ("1" if name == "one" else "2")
     rows.append(f"| {name} | {n} | {dl:.2e} | {dg:.2e} | {tps:,.0f} |")
 (log / "layout_table.md").write_text("\n".join(rows) + "\n")
 print("\n".join(rows))
