@@ -70,7 +70,7 @@ class CPPackedSeqParams(PackedSeqParams):
 
 
 def chunk_owner(chunk: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank, half) holding chunk i of 2·cp: chunk i < cp → rank i, first half; else rank 2cp-1-i, second."""
+    """(rank, half) holding chunk i of 2·cp: i < cp → rank i, first half; else rank 2cp-1-i, second."""
     late = chunk >= cp
     return torch.where(late, 2 * cp - 1 - chunk, chunk), late.long()
 
@@ -160,7 +160,8 @@ def sdpa_bottom_right(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         sq, sk = qe - qs, ke - ks
         if sq == 0:
             continue
-        mask = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        rows, cols = torch.arange(sq, device=q.device), torch.arange(sk, device=q.device)
+        mask = cols[None, :] <= rows[:, None] + (sk - sq)
         qd = q[qs:qe].transpose(0, 1)
         kd = k[ks:ke].transpose(0, 1).repeat_interleave(groups, dim=0)
         vd = v[ks:ke].transpose(0, 1).repeat_interleave(groups, dim=0)

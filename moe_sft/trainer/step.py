@@ -84,7 +84,9 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
 
 
 def _cp_group():
-    return parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 else None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def _sequence_parallel_slice(padding: torch.Tensor, model) -> torch.Tensor:

@@ -47,7 +47,8 @@ def _cp_forward(q, k, v, cu, cp, kernel=sdpa_bottom_right, split=local_token_ind
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     for r in range(cp):
         plan = plan_cp_attention(cu, cp, r)
-        out = out.index_put((index[r],), attention_on_gathered_kv(q[index[r]], k_all, v_all, plan, SCALE, kernel))
+        local = attention_on_gathered_kv(q[index[r]], k_all, v_all, plan, SCALE, kernel)
+        out = out.index_put((index[r],), local)
     return out
 
 
