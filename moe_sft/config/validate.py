@@ -95,13 +95,20 @@ def check_model_parallel_divides_world(cfg: TrainConfig, world_size: int) -> lis
 
 
 def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
-    """megatron-core: world % (etp*ep*pp) == 0, the expert data-parallel size is integral."""
+    """megatron-core: world % (etp*ep*pp) == 0, the expert data-parallel size is integral.
+
+    megatron 0.16.1 lays experts out on their own grid (etp, ep, expert-dp, pp) with cp=1, so the
+    expert groups cut across the attention's TP, CP and DP ranks: etp*ep must divide
+    world/pp = tp*cp*dp (with CP, expert DP = tp*cp*dp / (etp*ep)).
+    """
     p = cfg.parallel
     etp, ep, pp = expert_tensor_parallel_size(p), p.expert_model_parallel_size, p.pipeline_model_parallel_size
     if min(etp, ep, pp, world_size) < 1 or expert_data_parallel_size(p, world_size) is not None:
         return []
     per_stage = world_size // pp if world_size % pp == 0 else None
     fit = f"; etp*ep must divide world_size/pp={per_stage}" if per_stage else ""
+    if per_stage and p.context_parallel_size > 1:
+        fit += f" (= tensor x context_parallel_size={p.context_parallel_size} x data parallel)"
     return [f"parallel.expert_tensor_parallel_size={etp} (null = TP) x expert_model_parallel_size={ep} x "
             f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide world_size={world_size}, "
             f"so the expert data-parallel size {world_size}/{etp * ep * pp} is not an integer{fit}; "
@@ -161,14 +168,12 @@ def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
     if d.max_seq_len > d.pack_length:
         errors.append(f"data.max_seq_len={d.max_seq_len} > data.pack_length={d.pack_length}: a conversation "
                       f"must fit in one packed micro-batch; lower max_seq_len or raise pack_length")
-    # THD with CP splits each sequence into 2*cp chunks; SP splits tokens over TP ranks.
-    multiple = (2 * p.context_parallel_size if p.context_parallel_size > 1 else 1) * (
-        p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    # SP splits tokens over TP ranks. (CP needs each document padded to 2*cp: the train step
+    # re-pads micro-batches itself, moe_sft/trainer/context_parallel.py, so pack_length is free.)
+    multiple = p.tensor_model_parallel_size if p.sequence_parallel else 1
     if multiple > 1 and d.pack_length >= 1 and d.pack_length % multiple:
-        why = " x ".join(w for w, on in (("2*context_parallel_size", p.context_parallel_size > 1),
-                                         ("tensor_model_parallel_size (sequence_parallel)",
-                                          p.sequence_parallel)) if on)
-        errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} ({why}); "
+        errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} "
+                      f"(tensor_model_parallel_size (sequence_parallel)); "
                       f"use {math.ceil(d.pack_length / multiple) * multiple}")
     return errors
 

@@ -7,6 +7,11 @@ data-parallel group, so each micro-batch returns `local_sum / global_tokens * nu
 after both reductions the gradient is exactly that of the global per-token mean (not a mean
 of per-micro-batch means, which overweights short micro-batches).
 
+Context parallel (moe_sft/trainer/context_parallel.py): each CP rank returns the loss sum over
+its own tokens with the same scale. megatron 0.16.1's `forward_step_calc_loss` multiplies a
+two-output loss by the CP size and DDP divides gradients by the dp×cp group size, so the two
+cancel and the gradient is again Σ over all dp×cp ranks of local sums / global tokens.
+
 Multi-token prediction (DeepSeek-V3): with D MTP depths the model returns D + 1 logit blocks;
 depth k is scored against the labels k tokens further ahead within each document, and the loss
 adds `mtp_loss_weight / D * Σ_k` of those sums under the same global normaliser.
@@ -25,9 +30,12 @@ from megatron.core.utils import get_attr_wrapped_model
 from moe_sft.data.packing import PackedMicroBatch
 from moe_sft.models.forward import packed_seq_params
 from moe_sft.models.mtp import shift_targets
+from moe_sft.trainer import context_parallel
 
 
 def _to_device(mb: PackedMicroBatch, device: str) -> dict:
+    if isinstance(mb, context_parallel.CPShard):
+        return mb.to_device(device)
     padding = None
     if mb.num_padding:  # padding tokens must not be routed nor counted in the router's aux loss
         padding = torch.zeros(1, len(mb.tokens), dtype=torch.bool, device=device)
@@ -65,7 +73,7 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
     count = mask.sum().detach()
     mtp_sum = torch.zeros_like(local_sum)
     for depth in range(1, mtp_depths + 1):
-        labels, mask = shift_targets(labels, mask, batch["params"])
+        labels, mask = shift_targets(labels, mask, batch["params"], _cp_group())
         mtp_sum = mtp_sum + (masked_token_losses(blocks[depth], labels, vocab_size) * mask).sum()
     total = local_sum
     if mtp_depths:
@@ -73,6 +81,12 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
         total = local_sum + mtp_weight * mtp_sum
     reported = torch.stack([local_sum.detach(), count, mtp_sum.detach()])
     return total * scale, {"lm_loss": reported}
+
+
+def _cp_group():
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def _sequence_parallel_slice(padding: torch.Tensor, model) -> torch.Tensor:
@@ -104,11 +118,19 @@ def make_forward_step(device: str, scale: float, vocab_size: int, mtp_depths: in
 
 def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, device: str,
                          vocab_size: int, seq_length: int, forward_only: bool = False,
-                         mtp_weight: float = 0.0):
+                         mtp_weight: float = 0.0, fixed_shape: bool = False):
     """Forward+backward over this rank's micro-batches.
 
+    `fixed_shape`: every micro-batch of every rank has `seq_length` tokens (pipeline p2p,
+    allgather expert dispatch); context parallel then pads them all to one common length.
     Returns the local [loss sum, loss tokens, MTP loss sum (mean over depths)].
     """
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        config = get_attr_wrapped_model(model_chunks[0], "config")
+        micro_batches, seq_length = context_parallel.shard_micro_batches(
+            micro_batches, cp, parallel_state.get_context_parallel_rank(),
+            config.tensor_model_parallel_size if config.sequence_parallel else 1, fixed_shape, device)
     num_mb = len(micro_batches)
     dp = parallel_state.get_data_parallel_world_size()
     scale = num_mb * dp / max(global_loss_tokens, 1)
@@ -127,10 +149,10 @@ def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, d
 
 
 def global_loss(local_total: torch.Tensor) -> tuple[float, float]:
-    """(loss, MTP loss): Σ / Σ tokens over the data-parallel replicas of the last pipeline stage."""
+    """(loss, MTP loss): Σ / Σ tokens over the data- and context-parallel ranks of the last
+    pipeline stage (each CP rank holds the sums over its own tokens)."""
     counted = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-               and parallel_state.get_tensor_model_parallel_rank() == 0
-               and parallel_state.get_context_parallel_rank() == 0)
+               and parallel_state.get_tensor_model_parallel_rank() == 0)
     total = local_total if counted else torch.zeros_like(local_total)
     dist.all_reduce(total)
     tokens = total[1].clamp(min=1)

@@ -94,6 +94,10 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         _say(f"world={world} tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} "
              f"ep={p.expert_model_parallel_size} cp={p.context_parallel_size} dp={self.dp_size}")
+        if p.context_parallel_size > 1 and self.rt.backend == "torch":
+            _say(f"context parallel: documents padded to a multiple of {2 * p.context_parallel_size}, "
+                 f"load-balanced chunks, all-gathered K/V, {attention_kernel_name(self.rt.device)} "
+                 f"with separate q/k cu_seqlens (bottom-right causal)")
         if dist.get_rank() == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.cfg, self.out / "config.yaml")
@@ -220,7 +224,8 @@ class Trainer:
         allgather = dispatcher == "allgather" or (dispatcher == "auto" and self.rt.device == "cpu")
         expert_group = p.expert_model_parallel_size * (p.expert_tensor_parallel_size
                                                        or p.tensor_model_parallel_size)
-        if p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1):
+        self.fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
+        if self.fixed_shape:
             pad_to = d.pack_length
         self.seq_length = d.pack_length
         self.plan = PackedBatchPlan(docs, d.pack_length, self.cfg.trainer.global_batch_size,
@@ -268,7 +273,8 @@ class Trainer:
         timer.start()
         local = train_step.run_forward_backward(self.model, batches, global_tokens, self.rt.device,
                                                 self.hf_cfg.vocab_size, self.seq_length,
-                                                mtp_weight=self.cfg.model.mtp_loss_weight)
+                                                mtp_weight=self.cfg.model.mtp_loss_weight,
+                                                fixed_shape=self.fixed_shape)
         loss, mtp_loss = train_step.global_loss(local)
         if guard.injected_fault("nan_loss", step + 1):
             loss = float("nan")

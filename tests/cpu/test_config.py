@@ -262,6 +262,10 @@ TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_paralle
     ({"parallel__overlap_grad_reduce": True, "parallel__overlap_param_gather": True,
       "model__recompute_granularity": "selective", "model__recompute_modules": ["core_attn", "moe"],
       "optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 0.5}, 2),
+    # CP re-pads documents to 2*cp inside the step: any pack_length works
+    ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2),
+    ({**TP2_SP, "parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4,
+      "parallel__expert_tensor_parallel_size": 1}, 4),
 ])
 def test_good_configs_pass(good, changes, world_size):
     validate_config(_with(good, **changes), world_size)
@@ -288,8 +292,12 @@ def test_good_configs_pass(good, changes, world_size):
     ({"parallel__num_layers_in_last_pipeline_stage": 3}, 1,
      "parallel.num_layers_in_last_pipeline_stage=3 needs pipeline_model_parallel_size>1"),
     ({"data__max_seq_len": 8192}, 1, "[sequence_lengths] data.max_seq_len=8192 > data.pack_length=4096"),
-    ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2,
-     "data.pack_length=4098 must be a multiple of 4 (2*context_parallel_size); use 4100"),
+    ({**TP2_SP, "data__pack_length": 4097}, 2,
+     "data.pack_length=4097 must be a multiple of 2 (tensor_model_parallel_size (sequence_parallel)); use 4098"),
+    ({"parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4}, 2,
+     "etp*ep must divide world_size/pp=2 (= tensor x context_parallel_size=2 x data parallel)"),
+    ({"parallel__context_parallel_size": 3}, 4,
+     "x context_parallel_size=3 = 3 does not divide world_size=4"),
     ({"trainer__device": "tpu"}, 1, "[choices] trainer.device='tpu' is not one of auto | cuda | cpu"),
     ({"trainer__precision": "fp16"}, 1, "trainer.precision='fp16' is not one of auto | bf16 | fp32"),
     ({"model__backend": "apex"}, 1, "model.backend='apex' is not one of auto | te | torch"),
