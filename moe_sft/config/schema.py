@@ -54,6 +54,10 @@ class ModelConfig:
 
     hf_path: Optional[str] = _f(None, "HF checkpoint dir (the source; used for export and tiny-model creation)")
     mcore_path: Optional[str] = _f(None, "converted megatron dist-checkpoint dir; the trainer loads this")
+    hf_config: Optional[str] = _f(
+        None, "the model's HF config: a name under recipes/models/ (e.g. qwen3_235b_a22b) or a config.json "
+        "path; the planner uses it when no checkpoint is at hand, and the checkpoint must match it"
+    )
     create_tiny_if_missing: bool = _f(
         False, "quickstart only: make a tiny random HF model at hf_path and convert it to mcore_path when absent"
     )
@@ -147,6 +151,9 @@ class OptimizerConfig:
     optimizer_cpu_offload: bool = _f(
         False, "keep optimizer state and step on the CPU (needs the distributed optimizer)"
     )
+    optimizer_offload_fraction: float = _f(
+        1.0, "with optimizer_cpu_offload: fraction of the optimizer's parameters whose Adam step runs on the CPU"
+    )
 
 
 @dataclass(kw_only=True)
@@ -164,6 +171,9 @@ class TrainerConfig:
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
     )
     eval_interval: int = _f(0, "evaluate every N steps; 0 = never (needs data.eval_files)")
+    dry_run: bool = _f(
+        False, "validate, print the memory plan and every rank's role, then exit: no GPU, no process group"
+    )
 
 
 @dataclass(kw_only=True)
@@ -178,8 +188,20 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class HardwareConfig:
+    """What the recipe is planned for (python -m moe_sft.plan, trainer.dry_run, recipes/slurm).
+
+    The trainer itself runs on torchrun's world; these fields only describe the intended machines.
+    """
+
+    nodes: int = _f(1, "number of nodes")
+    gpus_per_node: int = _f(1, "GPUs per node (ranks per node)")
+    gpu: str = _f("h100_80gb", "GPU kind: h100_80gb | h200_141gb (memory, kernels)", ("h100_80gb", "h200_141gb"))
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
-    """A full run: the six sections of a recipe."""
+    """A full run: the sections of a recipe."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig, metadata={"help": "model section"})
     data: DataConfig = _required("data section")
@@ -192,6 +214,9 @@ class TrainConfig:
     trainer: TrainerConfig = _required("trainer section")
     checkpoint: CheckpointConfig = dataclasses.field(
         default_factory=CheckpointConfig, metadata={"help": "checkpoint section"}
+    )
+    hardware: HardwareConfig = dataclasses.field(
+        default_factory=HardwareConfig, metadata={"help": "planned hardware (planner / dry run only)"}
     )
 
 

@@ -208,6 +208,8 @@ def check_optimizer(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"optimizer.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     if o.lr_warmup_steps < 0:  # warmup longer than a (short, overridden) run is allowed
         errors.append(f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be >= 0; use 0 for no warmup")
+    if not 0 <= o.optimizer_offload_fraction <= 1:
+        errors.append(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} must be in [0, 1]")
     if o.optimizer_cpu_offload and not cfg.parallel.use_distributed_optimizer:
         errors.append("optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
                       "enable it or turn the offload off")

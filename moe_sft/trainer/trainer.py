@@ -27,9 +27,11 @@ from moe_sft.conversion import mcore_io
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
+from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, step as train_step
-from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
+from moe_sft.trainer.metrics import (MetricsLogger, Throughput, moe_aux_losses, peak_memory_metrics,
+                                     peak_memory_per_rank)
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
 # tiny model is built for it when the recipe names no other tokenizer.
@@ -84,6 +86,7 @@ class Trainer:
     def _distributed(self) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate_config(self.cfg, world)
+        trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
         distributed.init_process_group(self.rt.device)
         p = self.cfg.parallel
         distributed.init_model_parallel(
@@ -173,7 +176,9 @@ class Trainer:
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
             clip_grad=o.clip_grad, bf16=bf16, params_dtype=self.tconfig.params_dtype,
             use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
-            optimizer_cpu_offload=o.optimizer_cpu_offload)
+            optimizer_cpu_offload=o.optimizer_cpu_offload,
+            # megatron's default fraction is 0.0: offload on, nothing moved (docs/planner.md)
+            optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
         self.optimizer = get_megatron_optimizer(oc, self.model)
         # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
         steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
@@ -261,6 +266,7 @@ class Trainer:
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
             "train/loss_tokens": float(global_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
+        metrics.update(peak_memory_metrics(peak_memory_per_rank(self.rt.device)))  # CUDA only
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
         if not ok:
@@ -271,6 +277,8 @@ class Trainer:
         t, c = self.cfg.trainer, self.cfg.checkpoint
         logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
         last_saved = self.start_step if self.start_step else None
+        if self.rt.device == "cuda":  # training peaks only, not the checkpoint load's
+            torch.cuda.reset_peak_memory_stats()
         for step in range(self.start_step, t.max_steps):
             metrics = self.train_one_step(step)
             self.plan.next_step = step + 1
@@ -280,6 +288,10 @@ class Trainer:
                 self._save(step + 1)
                 last_saved = step + 1
         logger.close()
+        peaks = peak_memory_per_rank(self.rt.device)
+        if peaks:
+            _say("peak memory per rank (GiB allocated/reserved): " + " ".join(
+                f"{r}:{a:.2f}/{b:.2f}" for r, (a, b) in enumerate(peaks)))
         final = max(t.max_steps, self.start_step)
         if last_saved != final:
             self._save(final)
