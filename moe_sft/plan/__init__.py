@@ -116,6 +116,8 @@ def dry_run(cfg, gpus: Optional[int] = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}")
         return 2
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: one copy of the plan, same exit status
+        return 0 if plan.ok else 2
     print(format_plan(plan))
     if not plan.errors:
         print("\n".join(format_roles(plan)))

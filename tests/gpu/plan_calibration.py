@@ -190,24 +190,51 @@ def predict(name: str, work: Path, steps: int, gpu_kind: str) -> dict:
                 stage_of_rank=[rank_coords(r, plan.layout)["pp"] for r in range(gpus)])
 
 
-def ensure_checkpoint(model: str, work: Path, log) -> None:
-    """Synthetic HF checkpoint (bounded memory) converted once per model; the HF copy is deleted."""
+def make_checkpoint(model: str, work: Path) -> None:
+    """Synthetic HF checkpoint (bounded memory), converted, HF copy deleted. Runs in a child process
+    without GPUs (conversion builds a meta model under a process group of one)."""
     from moe_sft.conversion.convert import convert
     from moe_sft.conversion.synthetic import write_synthetic_checkpoint
 
     base = work / model
     family, cfg = hf_config(model)
-    base.mkdir(parents=True, exist_ok=True)
-    cfg.to_json_file(str(base / "config.json"))
-    if (base / "mcore" / "moe_sft_meta.json").is_file():
-        return
-    started = time.time()
+    shutil.rmtree(base / "hf", ignore_errors=True)
     write_synthetic_checkpoint(base / "hf", cfg, family)
     for f in (REPO / "recipes/demo/tokenizer").iterdir():
         shutil.copy2(f, base / "hf" / f.name)
     convert(base / "hf", base / "mcore", workers=min(8, os.cpu_count() or 1))
     shutil.rmtree(base / "hf", ignore_errors=True)
-    log(f"{model}: synthetic checkpoint converted in {time.time() - started:.0f}s")
+
+
+def ensure_checkpoint(model: str, work: Path, log) -> None:
+    base = work / model
+    base.mkdir(parents=True, exist_ok=True)
+    hf_config(model)[1].to_json_file(str(base / "config.json"))
+    if (base / "mcore" / "moe_sft_meta.json").is_file():
+        return
+    started = time.time()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    subprocess.run([sys.executable, __file__, "--make-checkpoint", model, "--work", str(work)], cwd=REPO,
+                   env=env, check=True)
+    log(f"{model}: synthetic checkpoint written and converted in {time.time() - started:.0f}s")
+
+
+def gpu_inventory() -> tuple[int, str, float]:
+    """(count, name, GiB) from nvidia-smi, so this parent process never creates a CUDA context."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        out = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() != "":
+        out = [out[int(i)] for i in visible.split(",") if i.strip().isdigit() and int(i) < len(out)]
+    elif visible is not None:
+        out = []
+    if not out:
+        return 0, "no GPU", 0.0
+    name, mib = out[0].rsplit(",", 1)
+    return len(out), name.strip(), float(mib) / 1024
 
 
 # ----------------------------------------------------------------------------- run
@@ -270,15 +297,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--gpus", type=int, help="GPUs to use (default: all visible)")
     parser.add_argument("--dry-run", action="store_true", help="list layouts, commands and predictions; run nothing")
+    parser.add_argument("--make-checkpoint", help=argparse.SUPPRESS)  # internal: the child that converts
     args = parser.parse_args(argv)
+    if args.make_checkpoint:
+        make_checkpoint(args.make_checkpoint, args.work)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[calibration] {msg}", flush=True)  # noqa: E731
-    import torch
-
-    have = args.gpus or torch.cuda.device_count()
-    gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (dry run)"
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 140
-    gpu_kind = "h200_141gb" if gib > 100 else "h100_80gb"
+    count, gpu_name, gib = gpu_inventory()
+    have = args.gpus or count
+    gpu_kind = "h100_80gb" if 0 < gib < 100 else "h200_141gb"
     names = [n for n in (args.only.split(",") if args.only else LAYOUTS) if n]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
@@ -295,8 +323,8 @@ def main(argv: list[str]) -> int:
             log(f"{name}: {gpus} GPU(s), {pred['layout']}, predicted GiB per stage {total or '-'} "
                 f"{'ERRORS ' + str(pred['errors']) if pred['errors'] else ''}")
         return 0
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (use --dry-run on CPU)", file=sys.stderr)
+    if not have:
+        print("no GPU visible (nvidia-smi): nothing to measure (use --dry-run on CPU)", file=sys.stderr)
         return 2
     for name in names:
         model, gpus, _ = LAYOUTS[name]
