@@ -10,6 +10,7 @@ runs on a laptop for any world size. The memory formula is in docs/planner.md.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -114,7 +115,7 @@ def dry_run(cfg, gpus: Optional[int] = None) -> int:
     try:
         plan = make_plan(cfg, gpus)
     except ConfigError as err:
-        print(f"config error: {err}")
+        print(f"config error: {err}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") != "0":  # under torchrun: one copy of the plan, same exit status
         return 0 if plan.ok else 2
