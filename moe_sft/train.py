@@ -13,6 +13,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    if cfg.trainer.dry_run:  # the plan and every rank's role: no process group, no GPU
+        from moe_sft.plan import dry_run
+
+        return dry_run(cfg)
     from moe_sft.errors import user_errors
     from moe_sft.trainer.guard import NonFiniteTrainingError
     from moe_sft.trainer.trainer import Trainer

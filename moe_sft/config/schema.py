@@ -54,6 +54,10 @@ class ModelConfig:
 
     hf_path: Optional[str] = _f(None, "HF checkpoint dir (the source; used for export and tiny-model creation)")
     mcore_path: Optional[str] = _f(None, "converted megatron dist-checkpoint dir; the trainer loads this")
+    hf_config: Optional[str] = _f(
+        None, "the model's HF config: a name under recipes/models/ (e.g. qwen3_235b_a22b) or a config.json "
+        "path; the planner uses it when no checkpoint is at hand, and the checkpoint must match it"
+    )
     create_tiny_if_missing: bool = _f(
         False, "quickstart only: make a tiny random HF model at hf_path and convert it to mcore_path when absent"
     )
@@ -195,6 +199,9 @@ class TrainerConfig:
         "before the next: the GPU is free between steps for a co-located job (CUDA; costs the copies)"
     )
     eval_interval: int = _f(0, "evaluate every N steps; 0 = never (needs data.eval_files)")
+    dry_run: bool = _f(
+        False, "validate, print the memory plan and every rank's role, then exit: no GPU, no process group"
+    )
 
 
 @dataclass(kw_only=True)
@@ -209,8 +216,20 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class HardwareConfig:
+    """What the recipe is planned for (python -m moe_sft.plan, trainer.dry_run, recipes/slurm).
+
+    The trainer itself runs on torchrun's world; these fields only describe the intended machines.
+    """
+
+    nodes: int = _f(1, "number of nodes")
+    gpus_per_node: int = _f(1, "GPUs per node (ranks per node)")
+    gpu: str = _f("h100_80gb", "GPU kind: h100_80gb | h200_141gb (memory, kernels)", ("h100_80gb", "h200_141gb"))
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
-    """A full run: the six sections of a recipe."""
+    """A full run: the sections of a recipe."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig, metadata={"help": "model section"})
     data: DataConfig = _required("data section")
@@ -223,6 +242,9 @@ class TrainConfig:
     trainer: TrainerConfig = _required("trainer section")
     checkpoint: CheckpointConfig = dataclasses.field(
         default_factory=CheckpointConfig, metadata={"help": "checkpoint section"}
+    )
+    hardware: HardwareConfig = dataclasses.field(
+        default_factory=HardwareConfig, metadata={"help": "planned hardware (planner / dry run only)"}
     )
 
 

@@ -90,3 +90,27 @@ class Throughput:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - self._start
         return tokens / max(seconds, 1e-9), seconds
+
+
+def peak_memory_per_rank(device: str) -> list[tuple[float, float]]:
+    """(peak allocated, peak reserved) GiB of every rank since the last reset; [] unless on CUDA.
+
+    A collective (all ranks call it). The planner's calibration (tests/gpu/plan_calibration.py)
+    compares these with `python -m moe_sft.plan`'s per-stage prediction.
+    """
+    import torch.distributed as dist
+
+    if device != "cuda":
+        return []
+    mine = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+                        dtype=torch.float64, device="cuda") / 2**30
+    every = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64, device="cuda")
+    dist.all_gather_into_tensor(every, mine)
+    values = every.tolist()
+    return [(values[2 * r], values[2 * r + 1]) for r in range(dist.get_world_size())]
+
+
+def peak_memory_metrics(per_rank: list[tuple[float, float]]) -> dict[str, float]:
+    if not per_rank:
+        return {}
+    return {"mem/peak_alloc_gib": max(a for a, _ in per_rank), "mem/peak_reserved_gib": max(r for _, r in per_rank)}

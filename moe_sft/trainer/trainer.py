@@ -27,9 +27,11 @@ from moe_sft.conversion import mcore_io
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
+from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, freeze, guard, offload, overlap, step as train_step
-from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
+from moe_sft.trainer.metrics import (MetricsLogger, Throughput, moe_aux_losses, peak_memory_metrics,
+                                     peak_memory_per_rank)
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
 # tiny model is built for it when the recipe names no other tokenizer.
@@ -84,6 +86,7 @@ class Trainer:
     def _distributed(self) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate_config(self.cfg, world)
+        trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
         distributed.init_process_group(self.rt.device)
         p = self.cfg.parallel
         distributed.init_model_parallel(
@@ -192,7 +195,8 @@ class Trainer:
             clip_grad=o.clip_grad, bf16=bf16, params_dtype=self.tconfig.params_dtype,
             use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
             optimizer_cpu_offload=o.optimizer_cpu_offload,
-            optimizer_offload_fraction=o.optimizer_offload_fraction)
+            # megatron's default fraction is 0.0: offload on, nothing moved (docs/planner.md)
+            optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
         self.optimizer = get_megatron_optimizer(oc, self.model)
         # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
         steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
@@ -293,6 +297,7 @@ class Trainer:
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
             "train/loss_tokens": float(global_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
+        metrics.update(peak_memory_metrics(peak_memory_per_rank(self.rt.device)))  # CUDA only
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
         if self.skips.total:
@@ -305,6 +310,8 @@ class Trainer:
         last_saved = self.start_step if self.start_step else None
         self.skips = guard.SkipCounter(t.max_skipped_steps_in_a_row)
         stop = guard.StopRequest(self.out / "STOP")
+        if self.rt.device == "cuda":  # training peaks only, not the checkpoint load's
+            torch.cuda.reset_peak_memory_stats()
         for step in range(self.start_step, t.max_steps):
             if t.offload_between_steps and step > self.start_step:
                 offload.reload_to_gpu(self.model, self.optimizer)
@@ -329,6 +336,10 @@ class Trainer:
                      "checkpoint saved: run the same command again to resume")
                 return
         logger.close()
+        peaks = peak_memory_per_rank(self.rt.device)
+        if peaks:
+            _say("peak memory per rank (GiB allocated/reserved): " + " ".join(
+                f"{r}:{a:.2f}/{b:.2f}" for r, (a, b) in enumerate(peaks)))
         final = max(t.max_steps, self.start_step)
         if last_saved != final:
             self._save(final)
