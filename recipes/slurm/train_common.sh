@@ -56,19 +56,22 @@ echo "[$(date -Is)] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $RECI
 python -m moe_sft.plan "recipes/$RECIPE.yaml" --strict --gpus "$WORLD" "${OVERRIDES[@]}" | tee "$RUN_DIR/plan-$SLURM_JOB_ID.txt"
 
 # ---------------------------------------------------------------- pre-emption / time limit
-# sbatch --signal=B:USR1@<s> sends USR1 to this script before the time limit: requeue the job
-# (same id, same RUN_DIR) and let Slurm stop the step. Pre-emption (PreemptMode=REQUEUE) requeues
-# the job by itself thanks to --requeue; TERM alone (scancel) is not turned into a requeue.
+# sbatch --signal=B:USR1@<s> sends USR1 to this script before the time limit. The trap creates
+# RUN_DIR/STOP: every rank finishes its current step, the trainer saves a checkpoint, removes the
+# file and exits 0; then this script requeues the job (same id, same RUN_DIR). Leave the signal
+# enough seconds for one step plus one checkpoint save (the log prints the save time). Pre-emption
+# (PreemptMode=REQUEUE) requeues the job by itself thanks to --requeue; TERM alone (scancel)
+# reaches the trainer through torchrun and also ends it after a checkpoint, without a requeue.
 # The requeued job resumes from RUN_DIR/checkpoints/latest (checkpoint.resume=auto) with model,
-# optimizer, scheduler, RNG and data position; at most checkpoint.save_interval steps are redone.
-requeued=0
-requeue() {
-  [ "$requeued" = 1 ] && return
-  requeued=1
-  echo "[$(date -Is)] signal received: requeueing job $SLURM_JOB_ID; it resumes from $RUN_DIR/checkpoints/latest"
-  scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue failed (is --requeue allowed on this partition?)"
+# optimizer, scheduler, RNG and data position.
+stop_requested=0
+request_stop() {
+  [ "$stop_requested" = 1 ] && return
+  stop_requested=1
+  echo "[$(date -Is)] USR1: asking the trainer to checkpoint and stop ($RUN_DIR/STOP)"
+  touch "$RUN_DIR/STOP"
 }
-trap requeue USR1
+trap request_stop USR1
 
 # ---------------------------------------------------------------- train
 # One srun task per node; each runs torchrun with GPUS_PER_NODE processes. c10d rendezvous on the
@@ -84,5 +87,9 @@ while true; do
   wait "$srun_pid" && status=0 || status=$?
   kill -0 "$srun_pid" 2>/dev/null || break
 done
-echo "[$(date -Is)] training step ended with status $status (requeued=$requeued)"
+echo "[$(date -Is)] training step ended with status $status (stop requested: $stop_requested)"
+if [ "$stop_requested" = 1 ] && [ "$status" = 0 ]; then
+  echo "[$(date -Is)] requeueing job $SLURM_JOB_ID; it resumes from $RUN_DIR/checkpoints/latest"
+  scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue failed (is --requeue allowed on this partition?)"
+fi
 exit "$status"

@@ -393,14 +393,18 @@ FAKES = {
                 'else echo "scontrol $*" >> "$FAKE_LOG"; [ "$1" = requeue ] && kill "$(cat "$FAKE_PID")"; fi\n',
     "srun": '#!/usr/bin/env bash\necho "srun $*" >> "$FAKE_LOG"\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
     "torchrun": '#!/usr/bin/env bash\necho $$ > "$FAKE_PID"\nprintf "torchrun" >> "$FAKE_LOG"\n'
-                'printf " [%s]" "$@" >> "$FAKE_LOG"\necho >> "$FAKE_LOG"\nexec sleep "${FAKE_SLEEP:-0}"\n',
+                'printf " [%s]" "$@" >> "$FAKE_LOG"\necho >> "$FAKE_LOG"\n'
+                # the trainer: at the STOP file it checkpoints, removes the file and exits 0
+                'for i in $(seq $((${FAKE_SLEEP:-0} * 10))); do\n'
+                '  if [ -e "$RUN_DIR/STOP" ]; then rm "$RUN_DIR/STOP"; echo stopped >> "$FAKE_LOG"; exit 0; fi\n'
+                '  sleep 0.1\ndone\n',
 }
 
 
 def test_sbatch_scripts_parse_and_hold_the_required_pieces():
     common = (SLURM / "train_common.sh").read_text()
     for piece in ("srun --ntasks-per-node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT",
-                  "scontrol requeue", "trap requeue USR1", "python -m moe_sft.plan", "--strict", "NCCL_IB_TIMEOUT",
+                  "scontrol requeue", "trap request_stop USR1", 'touch "$RUN_DIR/STOP"', "python -m moe_sft.plan", "--strict", "NCCL_IB_TIMEOUT",
                   "NCCL_SOCKET_IFNAME", "UCX_TLS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "trainer.output_dir=$RUN_DIR"):
         assert piece in common, piece
     for script in sorted(SLURM.glob("*.sbatch")) + [SLURM / "train_common.sh"]:
@@ -443,7 +447,8 @@ def test_sbatch_preflight_torchrun_and_requeue_with_fake_slurm(tmp_path):
     proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@600 sends before the time limit
     out = proc.communicate(timeout=60)[0]
     calls = log.read_text()
-    assert "scontrol requeue 77" in calls and "requeueing job 77" in out, out
+    assert "stopped" in calls and "scontrol requeue 77" in calls and "requeueing job 77" in out, out
+    assert calls.index("stopped") < calls.index("scontrol requeue")  # requeue after the checkpoint
     argv = next(line for line in calls.splitlines() if line.startswith("torchrun"))
     for piece in ("[--nnodes=8]", "[--nproc_per_node=8]", "[--rdzv_endpoint=n1:20077]", "[--config-name]",
                   "[qwen3_235b_a22b_h200]", f"[model.mcore_path={mcore}]", f"[trainer.output_dir={tmp_path / 'run'}]"):
