@@ -209,6 +209,7 @@ class CheckpointConfig:
     """Periodic distributed checkpoints under trainer.output_dir/checkpoints."""
 
     save_interval: int = _f(0, "save every N steps; 0 = only at the end")
+    save_at_end: bool = _f(True, "save a checkpoint after the last step (benchmarks may turn it off)")
     keep_last: int = _f(2, "number of most recent checkpoints to keep (>= 1)")
     resume: str = _f("auto", "auto = resume from the latest checkpoint in output_dir/checkpoints if any | never",
                      ("auto", "never"))

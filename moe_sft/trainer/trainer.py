@@ -341,6 +341,8 @@ class Trainer:
             _say("peak memory per rank (GiB allocated/reserved): " + " ".join(
                 f"{r}:{a:.2f}/{b:.2f}" for r, (a, b) in enumerate(peaks)))
         final = max(t.max_steps, self.start_step)
+        if not c.save_at_end:
+            return
         if last_saved != final:
             self._save(final)
         if t.export_hf_at_end:
