@@ -29,10 +29,10 @@ PY
     > "$log/${part}_convert.log" 2>&1 || { echo "convert failed"; tail -20 "$log/${part}_convert.log"; exit 1; }
   tail -2 "$log/${part}_convert.log"
 fi
-train() {  # name nproc overrides...
-  local name=$1 n=$2; shift 2
+train() {  # log-name run-dir nproc overrides...
+  local name=$1 dir=$2 n=$3; shift 3
   torchrun --standalone --nproc_per_node=$n -m moe_sft.train --config-path recipes --config-name quickstart \
-    trainer.log_interval=1 trainer.export_hf_at_end=false trainer.output_dir=$work/$name \
+    trainer.log_interval=1 trainer.export_hf_at_end=false trainer.output_dir=$work/$dir \
     model.hf_path=$work/hf model.mcore_path=$work/mcore model.create_tiny_if_missing=false \
     data.pack_length=4096 data.max_seq_len=4096 trainer.global_batch_size=16 optimizer.lr=1e-5 \
     "$@" > "$log/${part}_$name.log" 2>&1
@@ -40,12 +40,12 @@ train() {  # name nproc overrides...
 }
 EP8="parallel.expert_model_parallel_size=8"
 if [ "$part" = qwen30b ]; then
-  train ep8 8 $EP8 trainer.max_steps=100 checkpoint.save_interval=0 checkpoint.save_at_end=false
+  train ep8 ep8 8 $EP8 trainer.max_steps=100 checkpoint.save_interval=0 checkpoint.save_at_end=false
 else
-  train straight 8 $EP8 trainer.max_steps=3 checkpoint.save_at_end=false
+  train straight straight 8 $EP8 trainer.max_steps=3 checkpoint.save_at_end=false
   rm -rf "$work/resumed"
-  train first 8 $EP8 trainer.max_steps=2 trainer.output_dir=$work/resumed
-  train second 8 parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
+  train first resumed 8 $EP8 trainer.max_steps=2
+  train second resumed 8 parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
     parallel.expert_model_parallel_size=4 parallel.expert_tensor_parallel_size=1 trainer.max_steps=3 \
-    trainer.output_dir=$work/resumed checkpoint.save_at_end=false
+    checkpoint.save_at_end=false
 fi
