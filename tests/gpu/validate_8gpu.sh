@@ -34,7 +34,7 @@ train() {  # log-name run-dir nproc overrides...
   torchrun --standalone --nproc_per_node=$n -m moe_sft.train --config-path recipes --config-name quickstart \
     trainer.log_interval=1 trainer.export_hf_at_end=false trainer.output_dir=$work/$dir \
     model.hf_path=$work/hf model.mcore_path=$work/mcore model.create_tiny_if_missing=false \
-    data.pack_length=4096 data.max_seq_len=4096 trainer.global_batch_size=16 optimizer.lr=1e-5 \
+    data.pack_length=4096 data.max_seq_len=4096 trainer.global_batch_size=16 optimizer.lr=1e-5 optimizer.min_lr=0 \
     "$@" > "$log/${part}_$name.log" 2>&1
   echo "$name rc=$?"; grep -E "^step|peak memory" "$log/${part}_$name.log" | tail -4
 }
