@@ -30,6 +30,7 @@ from moe_sft.models.hf_config import num_experts
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, offload, overlap, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
+from moe_sft.trainer.telemetry import Telemetry
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
 # tiny model is built for it when the recipe names no other tokenizer.
@@ -69,6 +70,7 @@ class Trainer:
         self._model()
         self._optimizer()
         self._resume()
+        self.telemetry = Telemetry.for_trainer(self)  # after loading: expert-bias drift starts here
         return self
 
     def _runtime(self) -> None:
@@ -274,6 +276,7 @@ class Trainer:
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
             "train/loss_tokens": float(global_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
+        metrics.update(self.telemetry.step_metrics(step, batches, seconds))
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
         if not ok:
