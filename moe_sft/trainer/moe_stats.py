@@ -92,9 +92,9 @@ class MoERoutingStats:
             entropy = entropy * real
             tokens = real.sum()
         slot = self.acc[layer_number - 1]  # in-place adds of device tensors or Python ints: no sync
-        slot[:experts] += routing_map.sum(0)
-        slot[experts] += entropy.sum()
-        slot[experts + 1] += tokens
+        slot[:experts].add_(routing_map.sum(0))
+        slot[experts:experts + 1].add_(entropy.sum())
+        slot[experts + 1:].add_(tokens)
 
     def take(self, tokens_weight: float, bias_weight: float) -> torch.Tensor:
         """This rank's share of the step's statistics, flattened for the all-reduce; resets.
