@@ -144,12 +144,20 @@ def attention_pairs(seqlens: Sequence[int], causal: bool = True) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in seqlens)
 
 
-def document_lengths(cu_seqlens, num_padding: int = 0) -> list[int]:
-    """Real document lengths of a packed micro-batch (the trailing padding segment dropped)."""
-    cu = [int(x) for x in cu_seqlens]
+def document_lengths(mb) -> list[int]:
+    """Real document lengths of a PackedMicroBatch: its segments less padding.
+
+    Uses `cu_seqlens_unpadded` (real tokens per segment) when the batch carries it (per-document
+    padding, e.g. for context parallelism); otherwise padding is the trailing segment.
+    """
+    unpadded = getattr(mb, "cu_seqlens_unpadded", None)
+    cu = [int(x) for x in (mb.cu_seqlens if unpadded is None else unpadded)]
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if num_padding:
-        assert lengths and lengths[-1] == num_padding, (lengths, num_padding)
+    if unpadded is not None:
+        return [n for n in lengths if n]
+    if mb.num_padding:
+        if not lengths or lengths[-1] != mb.num_padding:
+            raise ValueError(f"expected the last segment of {lengths} to be the {mb.num_padding} padding tokens")
         lengths = lengths[:-1]
     return lengths
 
@@ -166,5 +174,5 @@ def train_step_flops(s: ModelShape, micro_batches, causal: bool = True) -> int:
     """Model FLOPs of forward + backward (3x forward) over PackedMicroBatches."""
     total = 0
     for mb in micro_batches:
-        total += forward_flops(s, document_lengths(mb.cu_seqlens, mb.num_padding), causal)
+        total += forward_flops(s, document_lengths(mb), causal)
     return 3 * total

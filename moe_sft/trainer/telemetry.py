@@ -4,7 +4,7 @@ peak memory, and the rank-0 progress line with an ETA. Definitions: docs/telemet
 The trainer makes one `Telemetry` after loading the weights and calls `step_metrics` at the end
 of every step. Everything a step needs is gathered with one all-reduce (SUM) of one float64
 vector over the world, laid out as
-  [MoE statistics (moe_stats.MoERoutingStats.take) | model FLOPs | per-rank peak memory slots]
+  [MoE statistics (moe_stats.MoERoutingStats.take) | model FLOPs, real tokens | per-rank peak memory]
 each part pre-weighted so the sum counts every token, layer and micro-batch once. Peak memory
 is max-reduced with a sum: each rank writes its own slots and zeros elsewhere.
 """
@@ -50,6 +50,7 @@ class Telemetry:
         self.data_weight = float(tp_rank == 0 and parallel_state.get_context_parallel_rank() == 0
                                  and parallel_state.get_pipeline_model_parallel_rank() == 0)
         self.progress = Progress()
+        self.run_peak_gib = (0.0, 0.0)  # this rank's (allocated, reserved) peak over all steps so far
         if self.rank == 0:
             per_token = sum(flops.forward_flops_per_token(self.shape).values())
             mfu = (f"MFU against {self.peak:g} TFLOP/s per GPU ({peak_source})" if self.peak
@@ -67,12 +68,15 @@ class Telemetry:
     def _local_vector(self, micro_batches) -> torch.Tensor:
         parts = [self.moe.take(self.tokens_weight, self.bias_weight)] if self.moe else []
         step_flops = flops.train_step_flops(self.shape, micro_batches) * self.data_weight
+        real_tokens = sum(sum(flops.document_lengths(mb)) for mb in micro_batches) * self.data_weight
         memory = torch.zeros(2 * self.world, dtype=torch.float64)
         if self.device == "cuda":
             memory[self.rank] = torch.cuda.max_memory_allocated() / GIB
             memory[self.world + self.rank] = torch.cuda.max_memory_reserved() / GIB
-            torch.cuda.reset_peak_memory_stats()  # the next step's peak starts now
-        host = torch.cat([torch.tensor([float(step_flops)], dtype=torch.float64), memory])
+            # the next step's peak starts now; this rank's peak over the run is kept here instead
+            self.run_peak_gib = tuple(max(a, float(b)) for a, b in zip(self.run_peak_gib, memory[self.rank::self.world]))
+            torch.cuda.reset_peak_memory_stats()
+        host = torch.cat([torch.tensor([float(step_flops), float(real_tokens)], dtype=torch.float64), memory])
         return torch.cat(parts + [host.to(self.device)])
 
     def step_metrics(self, step: int, micro_batches, seconds: float) -> dict:
@@ -94,9 +98,10 @@ class Telemetry:
         if self.peak:
             metrics["perf/mfu_pct"] = 100.0 * tflops_per_gpu / self.peak
         metrics["perf/detail/model_tflop_per_step"] = step_tflop
+        metrics["perf/detail/real_tokens"] = float(host[1])
         if self.device == "cuda":
-            metrics["memory/max_allocated_gib"] = float(host[1:1 + self.world].max())
-            metrics["memory/max_reserved_gib"] = float(host[1 + self.world:].max())
+            metrics["memory/max_allocated_gib"] = float(host[2:2 + self.world].max())
+            metrics["memory/max_reserved_gib"] = float(host[2 + self.world:].max())
         if (step + 1) % self.log_interval == 0 or step + 1 == self.max_steps:
             print(f"[moe-sft] {self.progress.line(step + 1, self.max_steps)}", flush=True)
         return metrics

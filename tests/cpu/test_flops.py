@@ -12,6 +12,8 @@ Measured: all differences are exactly 0 FLOPs.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -104,7 +106,11 @@ def test_packed_micro_batches_count_documents_not_pack_length():
     shape = _shape(family, family.tiny_hf_config(vocab_size=VOCAB))
     docs = [PromptedDoc(list(range(n))) for n in LENGTHS]
     padded = build_micro_batch(docs, pad_to=128)  # 66 real tokens + a 62-token padding segment
-    assert flops.document_lengths(padded.cu_seqlens, padded.num_padding) == list(LENGTHS)
+    assert flops.document_lengths(padded) == list(LENGTHS)
+    # per-document padding (context parallelism): real lengths come from cu_seqlens_unpadded
+    per_doc = SimpleNamespace(cu_seqlens=torch.tensor([0, 24, 64, 72, 128]), num_padding=62,
+                              cu_seqlens_unpadded=torch.tensor([0, 19, 59, 66, 66]))
+    assert flops.document_lengths(per_doc) == list(LENGTHS)
     assert flops.attention_pairs([3]) == 6 and flops.attention_pairs([3], causal=False) == 9
     step = flops.train_step_flops(shape, [padded])
     assert step == 3 * flops.forward_flops(shape, LENGTHS)

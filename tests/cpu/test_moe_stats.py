@@ -160,6 +160,7 @@ def test_one_training_step_logs_loads_flops_and_progress(qwen, capsys):
     shape = flops.ModelShape.from_config(model.config, 300)
     step_flops = 3 * flops.forward_flops(shape, [30, 45, 9])
     assert metrics["perf/detail/model_tflop_per_step"] == pytest.approx(step_flops / 1e12, rel=1e-12)
+    assert metrics["perf/detail/real_tokens"] == 30 + 45 + 9
     assert metrics["perf/tflops_per_gpu"] == pytest.approx(step_flops / 1e12 / 0.5)
     assert metrics["perf/mfu_pct"] == pytest.approx(metrics["perf/tflops_per_gpu"])  # peak 100
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[moe-sft] step")]

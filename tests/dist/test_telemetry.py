@@ -2,10 +2,11 @@
 and on PP=2, with the same data.
 
 Per MoE layer, the expert loads that rank 0 writes to TensorBoard (one histogram bucket per
-expert, exact counts) sum to top-k x the real (non-padding) tokens of the global batch, counted
-here from the data plan, and equal the one-rank run's loads expert by expert: the EP run sums
-them over two data-parallel ranks, the PP run gathers layer 1 from the second stage, and both
-pad micro-batches to pack_length (padding must not be counted). The console line carries the
+expert, exact counts) sum to top-k x the real (non-padding) tokens of the global batch (from the
+micro-batches' document lengths; on one rank, which pads nothing, also tokens/s x step time),
+and equal the one-rank run's loads expert by expert: the EP run sums them over two
+data-parallel ranks, the PP run gathers layer 1 from the second stage, and both pad
+micro-batches to pack_length (padding must not be counted). The console line carries the
 summary keys and rank 0 prints the progress line with an ETA.
 """
 
@@ -15,7 +16,7 @@ import re
 
 import pytest
 
-from tests.dist.launch import REPO, step_metrics, torchrun
+from tests.dist.launch import step_metrics, torchrun
 
 TOP_K, LAYERS, STEPS = 2, 2, 2
 LAYOUTS = {"one": (1, []), "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
@@ -32,24 +33,10 @@ def _tensorboard(run_dir):
     loads = {(e.step, layer): [int(c) for c in e.histogram_value.bucket]
              for layer in range(LAYERS) for e in events.Histograms(f"moe/layer_{layer}/expert_load")}
     tflop = {e.step: e.value for e in events.Scalars("perf/detail/model_tflop_per_step")}
-    return loads, tflop
-
-
-def _real_tokens_per_step() -> dict[int, int]:
-    """Non-padding tokens of each step's global batch, from the quickstart's data plan."""
-    from transformers import AutoTokenizer
-
-    from moe_sft.config.load import load_recipe
-    from moe_sft.data.chat import tokenize_files
-    from moe_sft.data.loader import PackedBatchPlan
-
-    cfg = load_recipe(REPO / "recipes" / "quickstart.yaml", ["trainer.output_dir=unused"])
-    d = cfg.data
-    docs, _ = tokenize_files(AutoTokenizer.from_pretrained(REPO / d.tokenizer_path),
-                             [REPO / f for f in d.train_files], d.max_seq_len, d.overlong)
-    plan = PackedBatchPlan(docs, d.pack_length, cfg.trainer.global_batch_size, seed=d.seed, shuffle=d.shuffle)
-    return {s + 1: sum(len(docs[i].input_ids) for pack in plan.step_doc_indices(s) for i in pack)
-            for s in range(STEPS)}
+    real = {e.step: e.value for e in events.Scalars("perf/detail/real_tokens")}
+    seconds = {e.step: e.value for e in events.Scalars("train/step_seconds")}
+    all_tokens = {e.step: round(e.value * seconds[e.step]) for e in events.Scalars("train/tokens_per_s")}
+    return loads, tflop, real, all_tokens
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +52,12 @@ def runs(tmp_path_factory):
 
 
 def test_expert_loads_sum_to_topk_tokens_and_match_one_rank(runs):
-    real = _real_tokens_per_step()
-    one_loads, one_tflop = runs["one"][1:]
+    one_loads, one_tflop, one_real, one_all = runs["one"][1:]
     assert sorted(one_loads) == [(s, layer) for s in range(1, STEPS + 1) for layer in range(LAYERS)]
+    assert one_real == one_all and all(one_real.values()), (one_real, one_all)  # one rank: no padding
     for name in ("one", "ep2", "pp2"):
-        _, loads, tflop = runs[name]
+        _, loads, tflop, real, _ = runs[name]
+        assert real == one_real, (name, real, one_real)  # padded to 1024 there: not counted
         for step in range(1, STEPS + 1):
             for layer in range(LAYERS):
                 counts = loads[(step, layer)]

@@ -43,7 +43,9 @@ def test_router_statistics_do_not_sync_and_are_cheap():
     print(f"router statistics: {ms * 1000:.1f} us per layer per micro-batch of {tokens} tokens x {experts} experts")
     counts = vector[:experts].cpu()
     assert counts.sum().item() == 21 * topk * (tokens - 100)
-    assert ms < 1.0  # vs ~10-40 ms for the expert matmuls of such a layer (fwd+bwd, bf16)
+    # vs the expert matmuls of such a layer: 32768 x 8 x 3 x 2 x 7168 x 2048 x 3 (fwd+bwd) = 69 TFLOP,
+    # ~100 ms at 700 TFLOP/s; the router statistics must stay a rounding error next to that
+    assert ms < 1.0
 
 
 def test_quickstart_logs_memory_tflops_and_mfu(tmp_path):
