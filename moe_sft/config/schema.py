@@ -187,6 +187,10 @@ class TrainerConfig:
     device: str = _f("auto", "auto (cuda when available) | cuda | cpu", ("auto", "cuda", "cpu"))
     precision: str = _f("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32", ("auto", "bf16", "fp32"))
     log_interval: int = _f(1, "log metrics every N steps")
+    peak_tflops: float = _f(
+        0.0, "peak TFLOP/s per GPU for MFU; 0 = from the GPU name with bf16 (H100/H200 SXM: 989 dense), "
+        "none on CPU or fp32 (then MFU is not reported)"
+    )
     export_hf_at_end: bool = _f(
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
     )

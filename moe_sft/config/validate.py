@@ -236,6 +236,8 @@ def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"trainer.max_steps={t.max_steps} must be > 0")
     if t.log_interval < 1:
         errors.append(f"trainer.log_interval={t.log_interval} must be >= 1")
+    if t.peak_tflops < 0:
+        errors.append(f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the GPU name)")
     for name, value in (("trainer.eval_interval", t.eval_interval), ("checkpoint.save_interval", c.save_interval)):
         if value < 0:
             errors.append(f"{name}={value} must be >= 0 (0 = off / only at the end)")

@@ -1,8 +1,15 @@
-"""Metrics: TensorBoard scalars and one console line per log interval (rank 0 only)."""
+"""Metrics: TensorBoard scalars and one console line per log interval (rank 0 only).
+
+Names are `section/name`; the console line shows `name=value` for those, and names with more
+parts (`moe/layer_3/max_load_ratio`, `moe/summary/load_entropy`) go to TensorBoard only, so the
+line stays short whatever the number of layers. `Histogram` values go to TensorBoard only.
+Metric definitions: docs/telemetry.md.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +57,29 @@ def moe_aux_losses(config, num_microbatches: int) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Histogram:
+    """Counts per integer bin 0..n-1 (e.g. tokens per expert id), written as a TensorBoard
+    histogram with one bucket per bin, so the exact counts read back from the event file."""
+
+    counts: list[float]
+
+    def write(self, writer, tag: str, step: int) -> None:
+        ids = [i for i, c in enumerate(self.counts) if c]
+        if not ids:
+            return
+        writer.add_histogram_raw(
+            tag, min=float(ids[0]), max=float(ids[-1]), num=float(sum(self.counts)),
+            sum=float(sum(i * c for i, c in enumerate(self.counts))),
+            sum_squares=float(sum(i * i * c for i, c in enumerate(self.counts))),
+            bucket_limits=[i + 0.5 for i in range(len(self.counts))], bucket_counts=list(self.counts),
+            global_step=step)
+
+
+def on_console(name: str) -> bool:
+    return name.count("/") <= 1
+
+
 class MetricsLogger:
     def __init__(self, log_dir: Path, enabled: bool):
         self.enabled = enabled
@@ -64,9 +94,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
+            if isinstance(value, Histogram):
+                value.write(self.writer, name, step)
+            else:
+                self.writer.add_scalar(name, value, step)
         self.writer.flush()
-        shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items())
+        shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()
+                         if on_console(k) and not isinstance(v, Histogram))
         print(f"step {step}/{max_steps} {shown}", flush=True)
 
     def close(self) -> None:
@@ -108,9 +142,3 @@ def peak_memory_per_rank(device: str) -> list[tuple[float, float]]:
     dist.all_gather_into_tensor(every, mine)
     values = every.tolist()
     return [(values[2 * r], values[2 * r + 1]) for r in range(dist.get_world_size())]
-
-
-def peak_memory_metrics(per_rank: list[tuple[float, float]]) -> dict[str, float]:
-    if not per_rank:
-        return {}
-    return {"mem/peak_alloc_gib": max(a for a, _ in per_rank), "mem/peak_reserved_gib": max(r for _, r in per_rank)}

@@ -30,8 +30,8 @@ from moe_sft.models.hf_config import num_experts
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, freeze, guard, offload, overlap, step as train_step
-from moe_sft.trainer.metrics import (MetricsLogger, Throughput, moe_aux_losses, peak_memory_metrics,
-                                     peak_memory_per_rank)
+from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
+from moe_sft.trainer.telemetry import Telemetry
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
 # tiny model is built for it when the recipe names no other tokenizer.
@@ -71,6 +71,7 @@ class Trainer:
         self._model()
         self._optimizer()
         self._resume()
+        self.telemetry = Telemetry.for_trainer(self)  # after loading: expert-bias drift starts here
         return self
 
     def _runtime(self) -> None:
@@ -297,7 +298,7 @@ class Trainer:
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
             "train/loss_tokens": float(global_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
-        metrics.update(peak_memory_metrics(peak_memory_per_rank(self.rt.device)))  # CUDA only
+        metrics.update(self.telemetry.step_metrics(step, batches, seconds))
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
         if self.skips.total:
