@@ -283,11 +283,22 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
 
+def _te_backend(backend: str) -> bool:
+    import importlib.util
+
+    return backend == "te" or (backend == "auto" and importlib.util.find_spec("transformer_engine") is not None)
+
+
 def _activation_offload_errors(cfg: TrainConfig) -> list[str]:
     m, errors = cfg.model, []
     unknown = sorted(set(m.activation_offload_modules) - set(OFFLOAD_MODULES))
     if unknown:
         errors.append(f"model.activation_offload_modules has {unknown}; choose from {list(OFFLOAD_MODULES)}")
+    if m.activation_offload_modules and not _te_backend(m.backend):
+        errors.append(f"model.activation_offload_modules={list(m.activation_offload_modules)} needs Transformer "
+                      f"Engine (megatron-core 0.16.1 offloads through TE's CPU offload; measured: 'TE CPU "
+                      f"offload is not available' with model.backend={m.backend!r}); use recompute "
+                      "instead (model.recompute_granularity) or install TE")
     if m.activation_offload_modules and cfg.trainer.device == "cpu":
         errors.append("model.activation_offload_modules moves activations from the GPU to the CPU; with "
                       "trainer.device=cpu set it to []")

@@ -199,6 +199,10 @@ class Trainer:
             # megatron's default fraction is 0.0: offload on, nothing moved (docs/planner.md)
             optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
         self.optimizer = get_megatron_optimizer(oc, self.model)
+        if o.optimizer_cpu_offload:
+            _say("WARNING: optimizer.optimizer_cpu_offload changes the training math on GPU with "
+                 "megatron-core 0.16.1's hybrid optimizer (measured on H200, fraction 0.5: step-3 loss "
+                 "6.139 vs 6.188 without it; docs/layouts.md); prefer more data/expert parallelism")
         # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
         steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(

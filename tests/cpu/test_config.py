@@ -326,6 +326,8 @@ def test_good_configs_pass(good, changes, world_size):
      "model.recompute_modules has ['attention']; choose from ['core_attn'"),
     ({"model__activation_offload_modules": ["attn_proj"], "trainer__device": "cuda"}, 1,
      "attn_proj needs core_attn too"),
+    ({"model__activation_offload_modules": ["core_attn"], "model__backend": "torch"}, 1,
+     "needs Transformer Engine (megatron-core 0.16.1 offloads through TE's CPU offload"),
     ({"model__activation_offload_modules": ["core_attn"], "trainer__device": "cpu"}, 1,
      "with trainer.device=cpu set it to []"),
     ({"model__activation_offload_modules": ["experts"]}, 1,
