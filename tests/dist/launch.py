@@ -45,3 +45,13 @@ def step_metrics(stdout: str) -> dict[int, dict[str, float]]:
 
 def losses(stdout: str) -> dict[int, float]:
     return {step: metrics["loss"] for step, metrics in step_metrics(stdout).items()}
+
+
+def make_tiny_model(tmp: Path, **config_overrides) -> Path:
+    """The quickstart's tiny Qwen3-MoE (demo tokenizer) in tmp/hf, converted into tmp/mcore."""
+    from moe_sft.conversion.convert import convert
+    from moe_sft.quickstart_model import create_tiny_hf
+
+    create_tiny_hf(tmp / "hf", REPO / "recipes/demo/tokenizer", **config_overrides)
+    convert(tmp / "hf", tmp / "mcore")
+    return tmp

@@ -17,20 +17,15 @@ import subprocess
 import psutil
 import pytest
 
-from tests.dist.launch import REPO, clean_env, step_metrics, torchrun, torchrun_cmd
+from tests.dist.launch import (REPO, clean_env, make_tiny_model, step_metrics, torchrun,
+                               torchrun_cmd)
 
 STRAIGHT_STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from moe_sft.conversion.convert import convert
-    from moe_sft.quickstart_model import create_tiny_hf
-
-    tmp = tmp_path_factory.mktemp("robust")
-    create_tiny_hf(tmp / "hf", REPO / "recipes/demo/tokenizer")
-    convert(tmp / "hf", tmp / "mcore")
-    return tmp
+    return make_tiny_model(tmp_path_factory.mktemp("robust"))
 
 
 def _overrides(tmp, name, max_steps, *extra):
