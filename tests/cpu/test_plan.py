@@ -284,7 +284,7 @@ def test_activation_formula_matches_saved_tensors(fake_world, monkeypatch):
 
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _FlashLike.apply)
     monkeypatch.setattr(attention.VarlenCoreAttention, "_thd", lambda self, q, k, v, cu, n: attention._varlen_cuda(
-        q, k, v, cu.to(torch.int32), n, self.softmax_scale))
+        q, k, v, cu.to(torch.int32), cu.to(torch.int32), n, n, self.softmax_scale))
     cases = [  # (family, HF config, TP): GQA with qk-norm + a dense layer; GQA under TP2 + SP; MLA
         (qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(head_dim=48, mlp_only_layers=[1]), 1),
         (mixtral.FAMILY, mixtral.tiny_hf_config(head_dim=48, num_hidden_layers=1), 2),
