@@ -60,14 +60,14 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(log_dir))
         self._last = time.time()
 
-    def log(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, max_steps: int, metrics: dict[str, float], label: str = "step") -> None:
         if not self.enabled:
             return
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
         shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items())
-        print(f"step {step}/{max_steps} {shown}", flush=True)
+        print(f"{label} {step}/{max_steps} {shown}", flush=True)
 
     def close(self) -> None:
         if self.writer is not None:
