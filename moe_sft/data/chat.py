@@ -297,14 +297,18 @@ def _turn_end(text: str, start: int, ends: list[str], where: str) -> int:
 
 
 def weights_from_spans(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int, float]]) -> list[float]:
-    """Per token: the weight of the sorted, disjoint span it overlaps, else 0."""
-    out, k = [], 0
-    for start, stop in offsets:
-        while k < len(spans) and spans[k][1] <= start:
-            k += 1
-        hit = k < len(spans) and start < spans[k][1] and stop > spans[k][0]
-        out.append(spans[k][2] if hit else 0.0)
-    return out
+    """Per token: the weight of the sorted, disjoint span its character range overlaps, else 0."""
+    if not len(offsets):
+        return []
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts = np.array([s for s, _, _ in spans], dtype=np.int64)
+    ends = np.array([e for _, e, _ in spans], dtype=np.int64)
+    k = np.searchsorted(ends, bounds[:, 0], side="right")  # first span ending after the token starts
+    inside = k < len(spans)
+    k = np.minimum(k, len(spans) - 1)
+    hit = inside & (bounds[:, 1] > starts[k]) & (bounds[:, 0] < ends[k]) if len(spans) else inside
+    weights = np.array([w for _, _, w in spans] or [0.0], dtype=np.float64)
+    return np.where(hit, weights[k] if len(spans) else 0.0, 0.0).tolist()
 
 
 class RowTokenizer:

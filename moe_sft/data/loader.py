@@ -218,8 +218,11 @@ class PackedLoader:
         """Packing efficiency (real tokens / capacity) and the epoch (fractional) of `step`."""
         packs, cursor = self.step_packs(step), self._cursor_for(step)
         real = sum(p.tokens for p in packs)
+        done = cursor.window
+        if cursor.window < self.num_windows:
+            done += cursor.pack / len(self.window_packs(cursor.epoch, cursor.window))
         return {"data/packing_efficiency": real / (len(packs) * self.pack_length),
-                "data/epoch": cursor.epoch + cursor.window / max(self.num_windows, 1)}
+                "data/epoch": cursor.epoch + done / self.num_windows}
 
     def sample_ids(self, step: int) -> list[list[tuple[int, int]]]:
         """Per micro-batch of the global batch: (source, document) of each sample."""

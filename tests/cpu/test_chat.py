@@ -9,6 +9,8 @@ from itertools import groupby
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from moe_sft.data.chat import (
@@ -16,6 +18,7 @@ from moe_sft.data.chat import (
     has_generation_markers,
     tokenize_conversation,
     tokenize_files,
+    weights_from_spans,
 )
 from moe_sft.data.formats import NO_TRAINABLE_TOKENS, TEMPLATE_ERROR, DataFormatError, RowError
 
@@ -432,3 +435,19 @@ def test_template_errors_are_row_errors():
     with pytest.raises(RowError, match=r"^x\.jsonl:2: .*not closed by any of \['<END>'\]") as err:
         tokenize_conversation(tokenizer, CONVERSATION, 1024, source="x.jsonl:2", end_of_turn="<END>")
     assert err.value.category == TEMPLATE_ERROR
+
+
+def _weights_reference(offsets, spans):
+    """The definition: a token takes the weight of the span its [start, stop) range overlaps."""
+    return [next((w for s, e, w in spans if start < e and stop > s), 0.0) for start, stop in offsets]
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(0, 60), min_size=1, max_size=30), marks=st.lists(st.integers(0, 60), max_size=8),
+       data=st.data())
+def test_weights_from_spans_matches_the_definition(cuts, marks, data):
+    cuts = sorted(set(cuts) | {0})
+    offsets = list(zip(cuts, cuts[1:])) + [(cuts[-1], cuts[-1])]  # contiguous tokens, one zero-width
+    points = sorted(set(marks))
+    spans = [(a, b, data.draw(st.sampled_from([0.5, 1.0, 2.0]))) for a, b in zip(points[::2], points[1::2]) if b > a]
+    assert weights_from_spans(offsets, spans) == _weights_reference(offsets, spans)

@@ -289,3 +289,11 @@ def test_packing_efficiency_at_4096_is_at_least_95_percent(demo_lengths):
     # Packing only one global batch's worth of samples at a time is what falls short on the tail.
     small = PackedLoader(_lengths_docs(tail_lengths), pack_length=4096, global_batch_size=8, window=64)
     assert _efficiency(small) < _efficiency(tail) - 0.02
+
+
+def test_per_document_multiple_for_context_parallelism():
+    from moe_sft.data.pipeline import doc_multiple_for
+
+    # CP splits each document into 2*CP chunks; with SP each CP share is split again over TP.
+    assert [doc_multiple_for(tp, cp, sp) for tp, cp, sp in
+            ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 4, False))] == [1, 1, 4, 8, 8]
