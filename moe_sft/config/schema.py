@@ -115,15 +115,33 @@ class ModelConfig:
 class DataConfig:
     """Where the conversations come from and how they are tokenized and packed."""
 
-    train_files: list[str] = _required("training data: list of .jsonl paths (relative to the cwd)")
-    eval_files: list[str] = _f([], "evaluation data: list of .jsonl paths; empty = no evaluation")
+    train_files: list[str] = _required(
+        "training data: .jsonl / .json / .parquet files or HF save_to_disk dirs (relative to the cwd)")
+    train_weights: list[float] = _f(
+        [], "mixture weight per train file = passes per epoch (2 = twice, 0.5 = a random half); [] = 1 each")
+    eval_files: list[str] = _f([], "evaluation data files (same kinds as train_files); empty = none")
+    eval_fraction: float = _f(0.0, "fraction of each train file held out for evaluation (e.g. 0.01); 0 = none")
     tokenizer_path: Optional[str] = _f(None, "tokenizer dir; null = the tokenizer saved with the converted checkpoint")
+    chat_template: Optional[str] = _f(None, "chat template file (.jinja) used instead of the tokenizer's; null = it")
+    format: str = _f("auto", "row format: auto (per row, from its keys) | messages | sharegpt | alpaca | "
+                     "prompt_completion", ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"))
+    fields: dict[str, str] = _f({}, "renamed row fields, canonical name: yours (e.g. {messages: chat, role: speaker})")
+    loss_on: str = _f("all_assistant", "trained turns: all_assistant | last_assistant; a message's numeric "
+                      "'weight' overrides", ("all_assistant", "last_assistant"))
+    end_of_turn: Optional[str] = _f(None, "string closing an assistant turn; null = eos token, <|im_end|> or <|eot_id|>")
     max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
     pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
+    pack_window: int = _f(8192, "samples packed together best-fit decreasing; larger = fuller micro-batches")
     overlong: str = _f("truncate", "what to do with conversations longer than max_seq_len: truncate | drop",
                        ("truncate", "drop"))
+    on_error: str = _f("fail", "bad rows (invalid JSON or UTF-8, wrong shape, unknown role, empty answer, ...): "
+                       "fail = stop at the first, naming file:line | skip = count and report each", ("fail", "skip"))
     shuffle: bool = _f(True, "shuffle conversations each epoch")
     seed: int = _f(1234, "data shuffling seed")
+    cache_dir: Optional[str] = _f(None, "pre-tokenized cache dir (shared FS for multi-node); null = "
+                                  "$MOE_SFT_DATA_CACHE or ~/.cache/moe_sft/data")
+    num_workers: int = _f(2, "processes that tokenize while the cache is built; 0 = in the training process")
+    prefetch: bool = _f(True, "build the next step's micro-batches in a background thread")
 
 
 @dataclass(kw_only=True)

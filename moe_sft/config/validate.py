@@ -190,9 +190,37 @@ def check_data_files(cfg: TrainConfig, world_size: int) -> list[str]:
     if d.tokenizer_path is not None and not os.path.isdir(d.tokenizer_path):
         errors.append(f"data.tokenizer_path={d.tokenizer_path!r} is not a directory; "
                       f"fix it or use null (the tokenizer saved with the converted checkpoint)")
-    if cfg.trainer.eval_interval > 0 and not d.eval_files:
-        errors.append(f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty; "
-                      f"list eval files or set trainer.eval_interval=0")
+    if cfg.trainer.eval_interval > 0 and not d.eval_files and not d.eval_fraction > 0:
+        errors.append(f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty and "
+                      f"data.eval_fraction=0; list eval files, hold out a fraction or set trainer.eval_interval=0")
+    return errors
+
+
+def check_data_options(cfg: TrainConfig, world_size: int) -> list[str]:
+    """File kinds, mixture weights, held-out fraction, row fields, template file, worker counts."""
+    from moe_sft.data.formats import CANONICAL_FIELDS, SUPPORTED_SUFFIXES
+
+    d, errors = cfg.data, []
+    for name in ("train_files", "eval_files"):
+        for path in getattr(d, name):
+            if not os.path.isdir(path) and os.path.splitext(path)[1] not in SUPPORTED_SUFFIXES:
+                errors.append(f"data.{name} entry {path!r} is not a {' / '.join(SUPPORTED_SUFFIXES)} file or an HF "
+                              f"save_to_disk directory; convert it or remove it")
+    if d.train_weights and len(d.train_weights) != len(d.train_files):
+        errors.append(f"data.train_weights has {len(d.train_weights)} entries for {len(d.train_files)} "
+                      f"data.train_files; give one weight per file or [] (1 each)")
+    if any(w < 0 for w in d.train_weights) or (d.train_weights and not any(w > 0 for w in d.train_weights)):
+        errors.append(f"data.train_weights={list(d.train_weights)} must be >= 0 with at least one > 0")
+    if not 0 <= d.eval_fraction < 1:
+        errors.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1) (e.g. 0.01)")
+    unknown = sorted(set(d.fields) - set(CANONICAL_FIELDS))
+    if unknown:
+        errors.append(f"data.fields has unknown keys {unknown}; rename only {', '.join(CANONICAL_FIELDS)}")
+    if d.chat_template is not None and not os.path.isfile(d.chat_template):
+        errors.append(f"data.chat_template={d.chat_template!r} is not a file; give a .jinja file or null")
+    for name, low in (("pack_window", 1), ("num_workers", 0)):
+        if getattr(d, name) < low:
+            errors.append(f"data.{name}={getattr(d, name)} must be >= {low}")
     return errors
 
 
@@ -358,6 +386,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("pipeline_options", check_pipeline_options),
     ("sequence_lengths", check_sequence_lengths),
     ("data_files", check_data_files),
+    ("data_options", check_data_options),
     ("optimizer", check_optimizer),
     ("trainer", check_trainer),
     ("model", check_model),

@@ -90,7 +90,7 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(log_dir))
         self._last = time.time()
 
-    def log(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, max_steps: int, metrics: dict[str, float], label: str = "step") -> None:
         if not self.enabled:
             return
         for name, value in metrics.items():
@@ -101,7 +101,7 @@ class MetricsLogger:
         self.writer.flush()
         shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()
                          if on_console(k) and not isinstance(v, Histogram))
-        print(f"step {step}/{max_steps} {shown}", flush=True)
+        print(f"{label} {step}/{max_steps} {shown}", flush=True)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -1,7 +1,8 @@
 """One training step around megatron-core's pipeline schedule.
 
-Loss normalisation: loss = Σ assistant-token losses / (assistant tokens in the whole global
-batch). The batch plan gives every rank that global count without communication. megatron's
+Loss normalisation: loss = Σ w_t · token loss_t / Σ w_t over the whole global batch, w_t being
+the token's loss weight (1 on assistant tokens, 0 elsewhere, or per-message weights; `loss_mask`).
+The batch plan gives every rank that global weight sum without communication. megatron's
 schedule divides each micro-batch loss by `num_microbatches` and DDP averages gradients over the
 data-parallel group, so each micro-batch returns `local_sum / global_tokens * num_mb * dp` —
 after both reductions the gradient is exactly that of the global per-token mean (not a mean
@@ -37,9 +38,8 @@ def _to_device(mb: PackedMicroBatch, device: str) -> dict:
     if isinstance(mb, context_parallel.CPShard):
         return mb.to_device(device)
     padding = None
-    if mb.num_padding:  # padding tokens must not be routed nor counted in the router's aux loss
-        padding = torch.zeros(1, len(mb.tokens), dtype=torch.bool, device=device)
-        padding[:, len(mb.tokens) - mb.num_padding:] = True
+    if mb.num_padding:  # padding tokens (per document and trailing) must not be routed nor counted in the aux loss
+        padding = mb.padding_mask[None].to(device)
     return dict(tokens=mb.tokens[None].to(device), labels=mb.labels[None].to(device),
                 loss_mask=mb.loss_mask[None].to(device), position_ids=mb.position_ids[None].to(device),
                 params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen), padding=padding)
@@ -133,7 +133,7 @@ def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, d
             config.tensor_model_parallel_size if config.sequence_parallel else 1, fixed_shape, device)
     num_mb = len(micro_batches)
     dp = parallel_state.get_data_parallel_world_size()
-    scale = num_mb * dp / max(global_loss_tokens, 1)
+    scale = num_mb * dp / max(global_loss_tokens, 1e-12)  # a float weight sum may be < 1
     mtp_depths = get_attr_wrapped_model(model_chunks[-1], "mtp_depths")()
     iterators = [iter(micro_batches) for _ in model_chunks]
     fb = get_forward_backward_func()
@@ -155,5 +155,5 @@ def global_loss(local_total: torch.Tensor) -> tuple[float, float]:
                and parallel_state.get_tensor_model_parallel_rank() == 0)
     total = local_total if counted else torch.zeros_like(local_total)
     dist.all_reduce(total)
-    tokens = total[1].clamp(min=1)
+    tokens = total[1].clamp(min=1e-12)  # Σ loss weights (float)
     return (total[0] / tokens).item(), (total[2] / tokens).item()

@@ -219,13 +219,11 @@ class Trainer:
     def _data(self) -> None:
         from transformers import AutoTokenizer
 
-        from moe_sft.data.chat import tokenize_files
-        from moe_sft.data.loader import PackedBatchPlan
+        from moe_sft.data.pipeline import build_pipeline, doc_multiple_for
 
         d, p = self.cfg.data, self.cfg.parallel
-        self.tokenizer = AutoTokenizer.from_pretrained(d.tokenizer_path or str(self.hf_side))
-        docs, stats = tokenize_files(self.tokenizer, d.train_files, d.max_seq_len, d.overlong)
-        _say(f"data: {stats.as_dict()}")
+        tokenizer_path = d.tokenizer_path or str(self.hf_side)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
         # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
         # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
@@ -237,11 +235,15 @@ class Trainer:
         if self.fixed_shape:
             pad_to = d.pack_length
         self.seq_length = d.pack_length
-        self.plan = PackedBatchPlan(docs, d.pack_length, self.cfg.trainer.global_batch_size,
-                                    seed=d.seed, shuffle=d.shuffle, pad_to=pad_to,
-                                    pad_token_id=self.tokenizer.pad_token_id or 0)
-        _say(f"{self.plan.steps_per_epoch} steps per epoch of {self.cfg.trainer.global_batch_size} "
-             f"packed micro-batches x {d.pack_length} tokens")
+        # CP ranks of one DP rank get the same micro-batches (dp_rank excludes CP); each document is
+        # padded to the multiple CP's 2*CP-chunk split (and SP) needs.
+        self.data = build_pipeline(
+            d, tokenizer_path=tokenizer_path, global_batch_size=self.cfg.trainer.global_batch_size, pad_to=pad_to,
+            doc_multiple=doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel),
+            pad_token_id=self.tokenizer.pad_token_id or 0)
+        self.plan = self.data.train
+        for line in self.data.summary:
+            _say(line)
 
     def _resume(self) -> None:
         latest = checkpoint.latest_step(self.ckpt_root)
@@ -274,6 +276,8 @@ class Trainer:
 
     def train_one_step(self, step: int) -> dict[str, float]:
         batches, global_tokens = self.plan.batches_for_step(step, self.dp_rank, self.dp_size)
+        if step + 1 < self.cfg.trainer.max_steps:
+            self.plan.prefetch(step + 1, self.dp_rank, self.dp_size)  # built while this step trains
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -303,6 +307,7 @@ class Trainer:
             "train/loss_tokens": float(global_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
         metrics.update(self.telemetry.step_metrics(step, batches, seconds))
+        metrics.update(self.plan.step_info(step))
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
         if self.skips.total:
@@ -325,6 +330,9 @@ class Trainer:
             if c.save_interval and (step + 1) % c.save_interval == 0:
                 self._save(step + 1)
                 last_saved = step + 1
+            if t.eval_interval and self.data.eval and (step + 1) % t.eval_interval == 0:
+                with overlap.params_synced(self.model):
+                    logger.log(step + 1, t.max_steps, self.evaluate(), label="eval")
             if t.offload_between_steps and step + 1 < t.max_steps:
                 metrics["memory/gpu_allocated_offloaded_gib"] = offload.offload_to_cpu(
                     self.model, self.optimizer)
@@ -352,6 +360,23 @@ class Trainer:
             self._save(final)
         if t.export_hf_at_end:
             self.export(checkpoint.step_dir(self.ckpt_root, final))
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss over the whole evaluation set: eval mode, no gradients, no update, Σ w·loss / Σ w."""
+        from megatron.core.transformer.moe import moe_utils
+
+        for chunk in self.model:
+            chunk.eval()
+        per_call = max(self.cfg.trainer.global_batch_size // self.dp_size, 1)
+        total = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
+        with torch.no_grad():
+            for batches in self.data.eval.for_rank(self.dp_rank, self.dp_size, per_call):
+                total += train_step.run_forward_backward(
+                    self.model, batches, 1.0, self.rt.device, self.hf_cfg.vocab_size, self.seq_length,
+                    forward_only=True, mtp_weight=self.cfg.model.mtp_loss_weight)
+        moe_utils.clear_aux_losses_tracker()
+        loss, mtp_loss = train_step.global_loss(total)
+        return {"eval/loss": loss, **({"eval/mtp_loss": mtp_loss} if self.train_mtp else {})}
 
     def export(self, ckpt: Path) -> None:
         if dist.get_rank() == 0:

@@ -310,6 +310,18 @@ def test_good_configs_pass(good, changes, world_size):
     ({"data__train_files": ["/nonexistent/x.jsonl"]}, 1,
      "data.train_files entry '/nonexistent/x.jsonl' does not exist"),
     ({"trainer__eval_interval": 5}, 1, "trainer.eval_interval=5 but data.eval_files is empty"),
+    ({"data__train_files": ["/tmp/rows.csv"]}, 1,
+     "[data_options] data.train_files entry '/tmp/rows.csv' is not a .jsonl / .json / .parquet file"),
+    ({"data__train_weights": [1.0, 2.0]}, 1, "data.train_weights has 2 entries for 1 data.train_files"),
+    ({"data__train_weights": [0.0]}, 1, "data.train_weights=[0.0] must be >= 0 with at least one > 0"),
+    ({"data__eval_fraction": 1.0}, 1, "data.eval_fraction=1.0 must be in [0, 1)"),
+    ({"data__fields": {"speaker": "x"}}, 1, "data.fields has unknown keys ['speaker']; rename only messages"),
+    ({"data__chat_template": "/nonexistent/t.jinja"}, 1, "data.chat_template='/nonexistent/t.jinja' is not a file"),
+    ({"data__pack_window": 0}, 1, "data.pack_window=0 must be >= 1"),
+    ({"data__num_workers": -1}, 1, "data.num_workers=-1 must be >= 0"),
+    ({"data__on_error": "ignore"}, 1, "data.on_error='ignore' is not one of fail | skip"),
+    ({"data__loss_on": "all"}, 1, "data.loss_on='all' is not one of all_assistant | last_assistant"),
+    ({"data__format": "csv"}, 1, "data.format='csv' is not one of auto | messages | sharegpt"),
     ({"optimizer__lr": 0.0}, 1, "[optimizer] optimizer.lr=0.0 must be > 0"),
     ({"optimizer__min_lr": 1.0}, 1, "optimizer.min_lr=1.0 must be in [0, optimizer.lr="),
     ({"optimizer__lr_warmup_steps": -1}, 1, "optimizer.lr_warmup_steps=-1 must be >= 0"),
@@ -345,6 +357,10 @@ def test_good_configs_pass(good, changes, world_size):
 def test_each_check_fires_with_field_value_and_fix(good, changes, world_size, expected):
     msg = _error(validate_config, _with(good, **changes), world_size)
     assert expected in msg, msg
+
+
+def test_eval_from_a_held_out_fraction_needs_no_eval_files(good):
+    validate_config(_with(good, trainer__eval_interval=5, data__eval_fraction=0.01), 1)
 
 
 def test_suggested_batch_size_fix_passes(good):

@@ -5,7 +5,7 @@ moe_sft.train --config-path recipes --config-name quickstart ...`; CPU, gloo, fp
 the tiny random Qwen3-MoE HF checkpoint (create_tiny_if_missing), converts it and trains it.
 Reference: that same HF checkpoint loaded with `AutoModelForCausalLM` and trained by the plain torch
 loop of tests/hf_reference_loop.py (torch.optim.AdamW, clip_grad_norm_, the LR schedule written out
-from megatron's formula) on the identical batches: the trainer's own `PackedBatchPlan`, rebuilt from
+from megatron's formula) on the identical batches: the trainer's own train loader, rebuilt from
 the run's resolved config.yaml, each document its own causal sequence. The loss is Σ assistant-token
 CE over the global batch / the global assistant-token count. This pins loss normalisation, label
 shift and masking, the optimizer (Adam betas/eps, megatron's decoupled weight decay that skips 1-D
