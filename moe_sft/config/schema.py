@@ -131,6 +131,9 @@ class DataConfig:
     end_of_turn: Optional[str] = _f(None, "string closing an assistant turn; null = eos token, <|im_end|> or <|eot_id|>")
     max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
     pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
+    pad_documents_to: Optional[int] = _f(
+        None, "pad each document to a multiple of this; null = what the layout needs (2*CP, times TP with SP). "
+        "Set it (a multiple of every layout's need) to resume across CP/TP layouts with the same batches")
     pack_window: int = _f(8192, "samples packed together best-fit decreasing; larger = fuller micro-batches")
     overlong: str = _f("truncate", "what to do with conversations longer than max_seq_len: truncate | drop",
                        ("truncate", "drop"))

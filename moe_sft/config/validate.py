@@ -160,6 +160,13 @@ def check_pipeline_options(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def doc_multiple_for(tensor_parallel: int, context_parallel: int, sequence_parallel: bool) -> int:
+    """Per-document padding multiple: CP splits each document into 2*CP chunks, SP each share over TP."""
+    if context_parallel <= 1:
+        return 1
+    return 2 * context_parallel * (tensor_parallel if sequence_parallel else 1)
+
+
 def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
     d, p, errors = cfg.data, cfg.parallel, []
     for name in ("max_seq_len", "pack_length"):
@@ -168,8 +175,12 @@ def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
     if d.max_seq_len > d.pack_length:
         errors.append(f"data.max_seq_len={d.max_seq_len} > data.pack_length={d.pack_length}: a conversation "
                       f"must fit in one packed micro-batch; lower max_seq_len or raise pack_length")
-    # SP splits tokens over TP ranks. (CP needs each document padded to 2*cp: the train step
-    # re-pads micro-batches itself, moe_sft/trainer/context_parallel.py, so pack_length is free.)
+    need = doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel)
+    if d.pad_documents_to is not None and (d.pad_documents_to < 1 or d.pad_documents_to % need):
+        errors.append(f"data.pad_documents_to={d.pad_documents_to} must be a positive multiple of {need}, what "
+                      f"context_parallel_size={p.context_parallel_size} (x TP under sequence parallel) needs; "
+                      f"use {math.ceil(max(d.pad_documents_to, 1) / need) * need} or null")
+    # SP splits tokens over TP ranks. (CP's chunks: the loader pads each document, see above.)
     multiple = p.tensor_model_parallel_size if p.sequence_parallel else 1
     if multiple > 1 and d.pack_length >= 1 and d.pack_length % multiple:
         errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} "

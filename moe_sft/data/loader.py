@@ -274,9 +274,9 @@ class PackedLoader:
                     "eval_fraction"):
             if state[key] != current[key]:
                 name = {"window": "pack_window", "weights": "train_weights", "global_batch_size":
-                        "global_batch_size", "doc_multiple": "per-document padding multiple (2*CP*TP)"}.get(key, key)
+                        "global_batch_size", "doc_multiple": "pad_documents_to"}.get(key, key)
                 raise DataPlanError(
-                    f"data.{name}={current[key]!r} but the checkpoint was saved with {key}={state[key]!r}; set it back "
+                    f"data.{name}={current[key]!r} but the checkpoint was saved with {name}={state[key]!r}; set it back "
                     "to resume (the data position of one setting does not map to another), or start a new run")
         with self._lock:
             self.next_step = int(state["next_step"])

@@ -188,6 +188,24 @@ def build_micro_batch(docs: Sequence[Doc], pad_to: int = 1, pad_token_id: int = 
     )
 
 
+def document_spans(mb: PackedMicroBatch) -> list[tuple[int, int]]:
+    """(start, real length) of each document in `mb`, padding left out.
+
+    Uses `cu_seqlens_unpadded` when the batch carries it (documents padded to `doc_multiple`);
+    otherwise the only padding is the trailing segment.
+    """
+    starts = [int(x) for x in mb.cu_seqlens[:-1]]
+    if mb.cu_seqlens_unpadded is not None:
+        real = [int(b - a) for a, b in zip(mb.cu_seqlens_unpadded[:-1], mb.cu_seqlens_unpadded[1:])]
+        return [(start, n) for start, n in zip(starts, real) if n]
+    lengths = [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])]
+    if mb.num_padding:
+        if not lengths or lengths[-1] != mb.num_padding:
+            raise ValueError(f"expected the last segment of {lengths} to be the {mb.num_padding} padding tokens")
+        starts, lengths = starts[:-1], lengths[:-1]
+    return list(zip(starts, lengths))
+
+
 def _append_segment(parts: dict, ids: np.ndarray, weights: np.ndarray, seg: int, pad_token_id: int) -> None:
     n, pad = len(ids), seg - len(ids)
     parts["tokens"] += [ids, np.full(pad, pad_token_id, dtype=np.int64)]

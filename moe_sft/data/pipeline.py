@@ -23,13 +23,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MOE_SFT_DATA_CACHE") or Path.home() / ".cache" / "moe_sft" / "data")
 
 
-def doc_multiple_for(tensor_parallel: int, context_parallel: int, sequence_parallel: bool) -> int:
-    """Per-document padding multiple: CP splits each document into 2*CP chunks, SP each share over TP."""
-    if context_parallel <= 1:
-        return 1
-    return 2 * context_parallel * (tensor_parallel if sequence_parallel else 1)
-
-
 @dataclass
 class DataPipeline:
     train: PackedLoader

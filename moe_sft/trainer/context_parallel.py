@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_sft.data.packing import PackedMicroBatch
+from moe_sft.data.packing import PackedMicroBatch, document_spans
 from moe_sft.layers.context_parallel import (
     CPAttentionPlan, CPPackedSeqParams, local_token_index, plan_cp_attention)
 
@@ -64,30 +64,19 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def document_lengths(mb: PackedMicroBatch) -> list[int]:
-    """Lengths of the real documents (the loader's trailing padding segment left out)."""
-    lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()
-    if mb.num_padding:
-        assert lengths[-1] == mb.num_padding, "the loader's padding is the last segment"
-        lengths = lengths[:-1]
-    return lengths
-
-
 def padded_length(mb: PackedMicroBatch, cp: int, multiple: int) -> int:
     """Tokens after CP padding: documents to 2·cp, the total to `multiple` (a multiple of 2·cp)."""
-    return _round_up(sum(_round_up(n, 2 * cp) for n in document_lengths(mb)), multiple)
+    return _round_up(sum(_round_up(n, 2 * cp) for _, n in document_spans(mb)), multiple)
 
 
 def pad_for_context_parallel(mb: PackedMicroBatch, cp: int, total: int):
     """(tokens, labels, loss_mask, position_ids, padding, cu_seqlens) of the full padded sequence."""
     src, segments, pos = [], [], []
-    start = 0
-    for n in document_lengths(mb):
+    for start, n in document_spans(mb):
         padded = _round_up(n, 2 * cp)
         src.append(torch.cat([torch.arange(start, start + n), torch.full((padded - n,), -1)]))
         pos.append(torch.arange(padded))
         segments.append(padded)
-        start += n
     rest = total - sum(segments)
     if rest < 0:
         raise ValueError(f"micro-batch needs {sum(segments)} tokens after CP padding, more than {total}")

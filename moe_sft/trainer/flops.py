@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from moe_sft.data.packing import document_spans
+
 # Peak dense bf16 tensor-core TFLOP/s per GPU (no sparsity), from the vendors' data sheets.
 # Matched in order against torch.cuda.get_device_name(); the first match wins.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -145,21 +147,8 @@ def attention_pairs(seqlens: Sequence[int], causal: bool = True) -> int:
 
 
 def document_lengths(mb) -> list[int]:
-    """Real document lengths of a PackedMicroBatch: its segments less padding.
-
-    Uses `cu_seqlens_unpadded` (real tokens per segment) when the batch carries it (per-document
-    padding, e.g. for context parallelism); otherwise padding is the trailing segment.
-    """
-    unpadded = getattr(mb, "cu_seqlens_unpadded", None)
-    cu = [int(x) for x in (mb.cu_seqlens if unpadded is None else unpadded)]
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if unpadded is not None:
-        return [n for n in lengths if n]
-    if mb.num_padding:
-        if not lengths or lengths[-1] != mb.num_padding:
-            raise ValueError(f"expected the last segment of {lengths} to be the {mb.num_padding} padding tokens")
-        lengths = lengths[:-1]
-    return lengths
+    """Real document lengths of a PackedMicroBatch: its segments less padding."""
+    return [n for _, n in document_spans(mb)]
 
 
 def forward_flops(s: ModelShape, seqlens: Sequence[int], causal: bool = True) -> int:

@@ -219,7 +219,8 @@ class Trainer:
     def _data(self) -> None:
         from transformers import AutoTokenizer
 
-        from moe_sft.data.pipeline import build_pipeline, doc_multiple_for
+        from moe_sft.config.validate import doc_multiple_for
+        from moe_sft.data.pipeline import build_pipeline
 
         d, p = self.cfg.data, self.cfg.parallel
         tokenizer_path = d.tokenizer_path or str(self.hf_side)
@@ -239,7 +240,8 @@ class Trainer:
         # padded to the multiple CP's 2*CP-chunk split (and SP) needs.
         self.data = build_pipeline(
             d, tokenizer_path=tokenizer_path, global_batch_size=self.cfg.trainer.global_batch_size, pad_to=pad_to,
-            doc_multiple=doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel),
+            doc_multiple=d.pad_documents_to or doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size,
+                                                                p.sequence_parallel),
             pad_token_id=self.tokenizer.pad_token_id or 0)
         self.plan = self.data.train
         for line in self.data.summary:

@@ -262,8 +262,9 @@ TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_paralle
     ({"parallel__overlap_grad_reduce": True, "parallel__overlap_param_gather": True,
       "model__recompute_granularity": "selective", "model__recompute_modules": ["core_attn", "moe"],
       "optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 0.5}, 2),
-    # CP re-pads documents to 2*cp inside the step: any pack_length works
+    # the loader pads each document to 2*cp: any pack_length works
     ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2),
+    ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 16}, 4),
     ({**TP2_SP, "parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4,
       "parallel__expert_tensor_parallel_size": 1}, 4),
 ])
@@ -296,6 +297,9 @@ def test_good_configs_pass(good, changes, world_size):
      "data.pack_length=4097 must be a multiple of 2 (tensor_model_parallel_size (sequence_parallel)); use 4098"),
     ({"parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4}, 2,
      "etp*ep must divide world_size/pp=2 (= tensor x context_parallel_size=2 x data parallel)"),
+    ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 4}, 4,
+     "data.pad_documents_to=4 must be a positive multiple of 8, what context_parallel_size=2 (x TP under "
+     "sequence parallel) needs; use 8 or null"),
     ({"parallel__context_parallel_size": 3}, 4,
      "x context_parallel_size=3 = 3 does not divide world_size=4"),
     ({"trainer__device": "tpu"}, 1, "[choices] trainer.device='tpu' is not one of auto | cuda | cpu"),

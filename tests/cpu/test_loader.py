@@ -192,9 +192,9 @@ def test_state_round_trips_and_guards_resume(docs):
         PackedLoader(docs, pack_length=64, global_batch_size=4, seed=4).load_state_dict(state)
     with pytest.raises(DataPlanError, match=r"data\.global_batch_size=8 but .* global_batch_size=4"):
         PackedLoader(docs, pack_length=64, global_batch_size=8, seed=3).load_state_dict(state)
-    with pytest.raises(DataPlanError, match=r"data\.pack_window=100 but .* window=8192"):
+    with pytest.raises(DataPlanError, match=r"data\.pack_window=100 but .* pack_window=8192"):
         PackedLoader(docs, pack_length=64, global_batch_size=4, seed=3, window=100).load_state_dict(state)
-    with pytest.raises(DataPlanError, match=r"per-document padding multiple \(2\*CP\*TP\)=4 but .* doc_multiple=1"):
+    with pytest.raises(DataPlanError, match=r"data.pad_documents_to=4 but .* pad_documents_to=1; set it back"):
         PackedLoader(docs, pack_length=64, global_batch_size=4, seed=3, doc_multiple=4).load_state_dict(state)
     edited = docs[:10] + [TokenizedDoc(docs[10].input_ids, [not m for m in docs[10].assistant_mask])] + docs[11:]
     with pytest.raises(DataPlanError, match=r"checkpoint's data differs from this run's \(fingerprint"):
@@ -292,7 +292,7 @@ def test_packing_efficiency_at_4096_is_at_least_95_percent(demo_lengths):
 
 
 def test_per_document_multiple_for_context_parallelism():
-    from moe_sft.data.pipeline import doc_multiple_for
+    from moe_sft.config.validate import doc_multiple_for
 
     # CP splits each document into 2*CP chunks; with SP each CP share is split again over TP.
     assert [doc_multiple_for(tp, cp, sp) for tp, cp, sp in

@@ -282,6 +282,9 @@ def test_activation_formula_matches_saved_tensors(fake_world, monkeypatch):
     from moe_sft.models import deepseek_v3, mixtral, qwen3_moe
     from moe_sft.plan import memory
 
+    # megatron's fused SwiGLU is torch.compile'd; a compile that failed earlier in this process
+    # (e.g. under test_flops' FlopCounterMode) leaves it eager, which saves one more tensor
+    torch._dynamo.reset()
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _FlashLike.apply)
     monkeypatch.setattr(attention.VarlenCoreAttention, "_thd", lambda self, q, k, v, cu, n: attention._varlen_cuda(
         q, k, v, cu.to(torch.int32), cu.to(torch.int32), n, n, self.softmax_scale))
@@ -427,7 +430,9 @@ def _fake_slurm_env(tmp_path: Path, mcore: Path, **extra) -> dict:
         (bin_dir / name).chmod(0o755)
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    # a rendezvous left in the environment (another test's process group) would override the job's
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(tmp_path / "fake.log"), FAKE_PID=str(tmp_path / "pid"),
                SLURM_JOB_ID="77", SLURM_NNODES="8", SLURM_JOB_NODELIST="n[1-8]", SLURM_SUBMIT_DIR=str(REPO),
                SLURM_JOB_NAME="sft-test", RUN_DIR=str(tmp_path / "run"), MCORE_PATH=str(mcore), DATA=str(data),

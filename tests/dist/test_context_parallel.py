@@ -6,6 +6,8 @@ allgather dispatcher needs one shape, so the step pads every micro-batch to a co
 the loss, grad norm and router load-balancing loss of every step must equal the one-rank run's:
 within 2e-3 relative on the printed 4 digits, and within 1e-5 on the float32 TensorBoard scalars
 (measured: <= 1.1e-7). The demo documents have odd lengths, so most of them get CP padding.
+The loader pads each document to 2*CP and packs the padded lengths; the one-rank reference sets
+data.pad_documents_to=4 so that it trains on the same micro-batches.
 
 Also measured equal to one rank, not run here to keep the file under ~3 minutes on 2 cores:
 CP2 x TP2 + SP on 4 ranks (2.4 minutes alone); it is in tests/gpu/layout_matrix.sh.
@@ -54,7 +56,7 @@ def _train(tmp, name, nproc, overrides):
 
 @pytest.fixture(scope="module")
 def one_rank(model_dirs):
-    return _train(model_dirs, "one_rank", 1, [])
+    return _train(model_dirs, "one_rank", 1, ["data.pad_documents_to=4"])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
