@@ -235,6 +235,8 @@ class CheckpointConfig:
 
     save_interval: int = _f(0, "save every N steps; 0 = only at the end")
     save_at_end: bool = _f(True, "save a checkpoint after the last step (benchmarks may turn it off)")
+    async_save: bool = _f(False, "write checkpoints in a background process while training goes on (needs host "
+                          "memory for a copy of this rank's model + optimizer shard); committed when written")
     keep_last: int = _f(2, "number of most recent checkpoints to keep (>= 1)")
     resume: str = _f("auto", "auto = resume from the latest checkpoint in output_dir/checkpoints if any | never",
                      ("auto", "never"))

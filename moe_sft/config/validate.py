@@ -255,6 +255,8 @@ def check_optimizer(cfg: TrainConfig, world_size: int) -> list[str]:
     if o.optimizer_cpu_offload and not cfg.parallel.use_distributed_optimizer:
         errors.append("optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
                       "enable it or turn the offload off")
+    if o.optimizer_cpu_offload:
+        errors.extend(optimizer_offload_errors(cfg.trainer.device, cfg.trainer.precision))
     if cfg.trainer.offload_between_steps and not cfg.parallel.use_distributed_optimizer:
         errors.append("trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true "
                       "(megatron keeps the parameters in its offloadable buffers only then)")
@@ -320,6 +322,21 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_proj", "shared_experts")
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+
+
+def optimizer_offload_errors(device: str, precision: str) -> list[str]:
+    """Optimizer CPU offload on this device/precision ('auto' passes; the trainer re-checks the
+    resolved values). megatron's hybrid optimizer splits GPU tensors from CPU ones and steps the
+    fp32 main-param shards, which exist as separate tensors only for bf16 weights."""
+    errors = []
+    if device == "cpu":
+        errors.append("optimizer.optimizer_cpu_offload moves optimizer state from the GPU to the CPU; "
+                      "with trainer.device=cpu turn it off")
+    if precision == "fp32":
+        errors.append("optimizer.optimizer_cpu_offload needs trainer.precision=bf16 (with fp32 weights "
+                      "megatron's distributed optimizer hands the hybrid optimizer views of the model "
+                      "parameters, which torch optimizers refuse); use bf16 or turn the offload off")
+    return errors
 
 
 def _te_backend(backend: str) -> bool:

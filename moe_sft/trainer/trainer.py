@@ -22,7 +22,9 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from moe_sft.config import TrainConfig, save_resolved_config, validate_against_model, validate_config
+from moe_sft.config import (ConfigError, TrainConfig, save_resolved_config, validate_against_model,
+                            validate_config)
+from moe_sft.config.validate import optimizer_offload_errors
 from moe_sft.conversion import mcore_io
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
@@ -77,6 +79,10 @@ class Trainer:
     def _runtime(self) -> None:
         t = self.cfg.trainer
         self.rt = rdevice.choose_runtime(t.device, t.precision, self.cfg.model.backend)
+        if self.cfg.optimizer.optimizer_cpu_offload:  # the recipe's 'auto' values, resolved
+            errors = optimizer_offload_errors(self.rt.device, self.rt.precision)
+            if errors:
+                raise ConfigError(f"device={self.rt.device} precision={self.rt.precision}: " + "; ".join(errors))
         applied = rdevice.prepare_runtime(self.rt)
         if os.environ.get("RANK", "0") == "0":
             print(f"[moe-sft] {self.rt.describe()}", flush=True)
@@ -200,9 +206,8 @@ class Trainer:
             optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
         self.optimizer = get_megatron_optimizer(oc, self.model)
         if o.optimizer_cpu_offload:
-            _say("WARNING: optimizer.optimizer_cpu_offload changes the training math on GPU with "
-                 "megatron-core 0.16.1's hybrid optimizer (measured on H200, fraction 0.5: step-3 loss "
-                 "6.139 vs 6.188 without it; docs/layouts.md); prefer more data/expert parallelism")
+            _say(f"optimizer CPU offload: {o.optimizer_offload_fraction:.0%} of this rank's fp32 optimizer "
+                 "shard (main params, Adam moments) is stepped on the CPU (megatron's HybridDeviceOptimizer)")
         # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
         steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
@@ -270,10 +275,9 @@ class Trainer:
     def _save(self, step: int) -> Path:
         meta = dict(self.meta, step=step)
         with overlap.params_synced(self.model):
-            path = checkpoint.save(self.ckpt_root, step, self.model, self.optimizer, self.scheduler,
-                                   self._extra_state(), meta, self.hf_side,
-                                   self.cfg.checkpoint.keep_last)
-        _say(f"saved checkpoint {path}")
+            path = self.saver.save(step, self.model, self.optimizer, self.scheduler, self._extra_state(), meta)
+        if not self.cfg.checkpoint.async_save:
+            _say(f"saved checkpoint {path}")
         return path
 
     def train_one_step(self, step: int) -> dict[str, float]:
@@ -322,6 +326,7 @@ class Trainer:
         last_saved = self.start_step if self.start_step else None
         self.skips = guard.SkipCounter(t.max_skipped_steps_in_a_row)
         stop = guard.StopRequest(self.out / "STOP")
+        self.saver = checkpoint.Saver(self.ckpt_root, self.hf_side, c.keep_last, c.async_save)
         if self.rt.device == "cuda":  # training peaks only, not the checkpoint load's
             torch.cuda.reset_peak_memory_stats()
         for step in range(self.start_step, t.max_steps):
@@ -329,6 +334,7 @@ class Trainer:
                 offload.reload_to_gpu(self.model, self.optimizer)
             metrics = self.train_one_step(step)
             self.plan.next_step = step + 1
+            self.saver.poll()  # commits a background save that has finished
             if c.save_interval and (step + 1) % c.save_interval == 0:
                 self._save(step + 1)
                 last_saved = step + 1
@@ -345,6 +351,7 @@ class Trainer:
                     if t.offload_between_steps:
                         offload.reload_to_gpu(self.model, self.optimizer)
                     self._save(step + 1)
+                self.saver.wait()
                 logger.close()
                 stop.consume()
                 _say(f"stopped by {stop.received or 'a signal on another rank'} after step {step + 1}; "
@@ -357,9 +364,11 @@ class Trainer:
                 f"{r}:{a:.2f}/{b:.2f}" for r, (a, b) in enumerate(peaks)))
         final = max(t.max_steps, self.start_step)
         if not c.save_at_end:
+            self.saver.wait()
             return
         if last_saved != final:
             self._save(final)
+        self.saver.wait()
         if t.export_hf_at_end:
             self.export(checkpoint.step_dir(self.ckpt_root, final))
 

@@ -82,6 +82,28 @@ def test_killed_mid_save_and_sigterm_both_resume_exactly(model_dirs, straight):
     _assert_same_losses(straight, {**second, **third})
 
 
+def test_async_saves_commit_in_the_background_and_resume_exactly(model_dirs, straight):
+    """checkpoint.async_save on 2 ranks: the writer runs while training goes on, a save is committed
+    only once written (killed at the step-4 commit: `latest` stays 2), and the resume from the
+    background-written step 2 continues with the straight run's losses."""
+    tmp = model_dirs
+    ckpts = tmp / "async" / "checkpoints"
+    died = torchrun(2, _overrides(tmp, "async", 4, "checkpoint.save_interval=2", "checkpoint.async_save=true"),
+                    check=False, env={"MOE_SFT_FAULT_KILL_IN_SAVE": "4"})
+    assert died.returncode != 0
+    assert "checkpoint step 2: writing in the background" in died.stdout
+    assert "in the background)" in died.stdout  # step 2 committed by a later poll
+    first = step_metrics(died.stdout)
+    assert sorted(first) == [1, 2, 3, 4]  # training went on while step 2 was written
+    assert (ckpts / "latest").read_text().strip() == "2"
+    assert (ckpts / "step_0000004.tmp").is_dir() and not (ckpts / "step_0000004").exists()
+    resumed = torchrun(2, _overrides(tmp, "async", STRAIGHT_STEPS, "checkpoint.async_save=true"))
+    assert "at step 2" in resumed.stdout and (ckpts / "latest").read_text().strip() == str(STRAIGHT_STEPS)
+    second = step_metrics(resumed.stdout)
+    assert sorted(second) == list(range(3, STRAIGHT_STEPS + 1))
+    _assert_same_losses(straight, {**first, **second})
+
+
 def test_stop_file_is_honoured_and_consumed(model_dirs, straight):
     """What an sbatch trap does: create output_dir/STOP; the run saves, removes it and exits."""
     tmp = model_dirs
