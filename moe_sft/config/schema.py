@@ -181,6 +181,9 @@ class OptimizerConfig:
     lr: float = _f(1e-5, "peak learning rate (reached after warmup)")
     min_lr: float = _f(0.0, "learning rate at the end of decay")
     weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay")
+    no_weight_decay_patterns: list[str] = _f(
+        [], "parameters without weight decay besides megatron's default (biases and 1-D parameters such as "
+        "norms): fnmatch patterns on names with global layer numbers, e.g. ['*word_embeddings*', '*.router.*']")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
@@ -204,6 +207,9 @@ class TrainerConfig:
     output_dir: str = _required("run directory: checkpoints/, logs, resolved config, exported HF model")
     max_steps: int = _required("number of optimizer steps (> 0)")
     global_batch_size: int = _f(8, "packed micro-batches per optimizer step across all data-parallel ranks")
+    global_batch_tokens: Optional[int] = _f(
+        None, "the global batch in tokens instead: global_batch_size = ceil(tokens / data.pack_length), rounded "
+        "up to what the layout needs (a multiple of DP, times PP with VPP); null = use global_batch_size")
     seed: int = _f(42, "model/dropout RNG seed")
     device: str = _f("auto", "auto (cuda when available) | cuda | cpu", ("auto", "cuda", "cpu"))
     precision: str = _f("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32", ("auto", "bf16", "fp32"))

@@ -422,8 +422,25 @@ CHECKS: tuple[tuple[str, Check], ...] = (
 )
 
 
+def resolve_global_batch(cfg: TrainConfig, world_size: int) -> Optional[str]:
+    """trainer.global_batch_tokens -> trainer.global_batch_size (in place); a line saying how."""
+    t, p = cfg.trainer, cfg.parallel
+    dp = data_parallel_size(p, world_size)
+    if t.global_batch_tokens is None or not dp or cfg.data.pack_length < 1:
+        return None
+    if t.global_batch_tokens < 1:
+        raise ConfigError(f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1 (or null)")
+    unit = dp * (p.pipeline_model_parallel_size if p.virtual_pipeline_model_parallel_size else 1)
+    t.global_batch_size = math.ceil(t.global_batch_tokens / cfg.data.pack_length / unit) * unit
+    return (f"global batch: {t.global_batch_tokens:,} tokens -> global_batch_size={t.global_batch_size} micro-batches "
+            f"of data.pack_length={cfg.data.pack_length} (a multiple of {unit}) = "
+            f"{t.global_batch_size * cfg.data.pack_length:,} token slots per step")
+
+
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
-    """Run every named check; raise one ConfigError listing all failures."""
+    """Resolve trainer.global_batch_tokens, run every named check; raise one ConfigError listing
+    all failures."""
+    resolve_global_batch(cfg, world_size)
     errors = [f"[{name}] {msg}" for name, check in CHECKS for msg in check(cfg, world_size)]
     if errors:
         raise ConfigError(format_errors(errors))

@@ -1,4 +1,5 @@
-"""Freezing parameters by name before DDP and the optimizer see them.
+"""Selecting parameters by name: freezing (before DDP and the optimizer see them) and weight-decay
+exclusions (param-group overrides for the optimizer).
 
 Names are megatron's parameter names with *global* layer numbers (`decoder.layers.{i}` counts
 from the first layer of the model, whichever pipeline stage holds it), so a pattern means the same
@@ -28,27 +29,54 @@ def global_named_parameters(chunk):
         yield name, param
 
 
-def freeze(chunks, patterns: list[str], device: str) -> tuple[int, list[str]]:
-    """requires_grad=False for every parameter matching a pattern; (frozen elements here, names)."""
-    if not patterns:
-        return 0, []
+def match_parameters(chunks, patterns: list[str], field: str, device: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) of every parameter matching one of `patterns` (fnmatch). A
+    pattern that matches nothing on any rank is an error naming `field` (the recipe key)."""
     hits = torch.zeros(len(patterns), device=device)
-    frozen, names = 0, []
+    found = []
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
             matched = [i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(name, p)]
             for i in matched:
                 hits[i] += 1
-            if matched and param.requires_grad:
-                param.requires_grad_(False)
-                frozen += param.numel()
-                names.append(name)
+            if matched:
+                found.append((name, param))
     dist.all_reduce(hits)
     unmatched = [p for p, n in zip(patterns, hits.tolist()) if n == 0]
     if unmatched:
         example = next(iter(global_named_parameters(chunks[0])), ("?", None))[0]
         from moe_sft.config import ConfigError
 
-        raise ConfigError(f"model.freeze_patterns {unmatched} match no parameter on any rank; names "
+        raise ConfigError(f"{field} {unmatched} match no parameter on any rank; names "
                          f"look like {example!r} (global layer numbers; fnmatch: * matches dots too)")
+    return found
+
+
+def freeze(chunks, patterns: list[str], device: str) -> tuple[int, list[str]]:
+    """requires_grad=False for every parameter matching a pattern; (frozen elements here, names)."""
+    if not patterns:
+        return 0, []
+    frozen, names = 0, []
+    for name, param in match_parameters(chunks, patterns, "model.freeze_patterns", device):
+        if param.requires_grad:
+            param.requires_grad_(False)
+            frozen += param.numel()
+            names.append(name)
     return frozen, names
+
+
+def weight_decay_overrides(optimizer_config, chunks, patterns: list[str], device: str) -> tuple[dict, int]:
+    """megatron's standard param-group overrides (no decay on biases and 1-D parameters) plus no
+    decay on parameters matching `patterns`; and how many tensors here the patterns matched."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+    overrides = get_standard_config_overrides(config=optimizer_config)
+    if not patterns:
+        return overrides, 0
+    found = match_parameters(chunks, patterns, "optimizer.no_weight_decay_patterns", device)
+    ids = {id(param) for _, param in found}
+    # the predicate's name keys the param group; it is the same on every rank
+    overrides[ParamKey(predicate=ParamPredicate(name="no_weight_decay_patterns", fn=lambda p: id(p) in ids))] = {
+        "wd_mult": 0.0}
+    return overrides, len(found)

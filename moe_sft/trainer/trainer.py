@@ -24,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from moe_sft.config import (ConfigError, TrainConfig, save_resolved_config, validate_against_model,
                             validate_config)
-from moe_sft.config.validate import optimizer_offload_errors
+from moe_sft.config.validate import optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
@@ -63,6 +63,7 @@ class Trainer:
         self.out = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.start_step = 0
+        self.consumed_tokens = 0  # real (non-padding) tokens trained on, all DP ranks; checkpointed
 
     # ---------------------------------------------------------------- phases
     def setup(self) -> "Trainer":
@@ -92,6 +93,9 @@ class Trainer:
 
     def _distributed(self) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        batch_line = resolve_global_batch(self.cfg, world)
+        if batch_line and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[moe-sft] {batch_line}", flush=True)
         validate_config(self.cfg, world)
         trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
         distributed.init_process_group(self.rt.device)
@@ -204,7 +208,12 @@ class Trainer:
             optimizer_cpu_offload=o.optimizer_cpu_offload,
             # megatron's default fraction is 0.0: offload on, nothing moved (docs/planner.md)
             optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
-        self.optimizer = get_megatron_optimizer(oc, self.model)
+        patterns = list(o.no_weight_decay_patterns)
+        overrides, excluded = freeze.weight_decay_overrides(oc, checkpoint.unwrap(self.model), patterns, self.rt.device)
+        if patterns:
+            _say(f"no weight decay on {excluded} parameter tensor(s) matching {patterns} on rank 0 (besides "
+                 "biases and 1-D parameters)")
+        self.optimizer = get_megatron_optimizer(oc, self.model, config_overrides=overrides)
         if o.optimizer_cpu_offload:
             _say(f"optimizer CPU offload: {o.optimizer_offload_fraction:.0%} of this rank's fp32 optimizer "
                  "shard (main params, Adam moments) is stepped on the CPU (megatron's HybridDeviceOptimizer)")
@@ -260,7 +269,8 @@ class Trainer:
                                          self._extra_state(), self.cfg.checkpoint.load_optimizer)
             self.plan.load_state_dict(state["data_state"])
             self.start_step = int(state["step"])
-            _say(f"resumed from {path} at step {self.start_step}")
+            self.consumed_tokens = int(state.get("consumed_tokens", 0))
+            _say(f"resumed from {path} at step {self.start_step} ({self.consumed_tokens:,} tokens consumed)")
             if self.cfg.checkpoint.load_optimizer:
                 return  # the fp32 main params came with the optimizer state: keep their precision
         else:
@@ -270,7 +280,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def _extra_state(self) -> dict:
-        return {"data_state": self.plan.state_dict(), "step": self.plan.next_step}
+        return {"data_state": self.plan.state_dict(), "step": self.plan.next_step,
+                "consumed_tokens": self.consumed_tokens}
 
     def _save(self, step: int) -> Path:
         meta = dict(self.meta, step=step)
@@ -304,13 +315,15 @@ class Trainer:
         if stepped:  # a skipped step does not advance the LR schedule (as in Megatron-LM)
             self.scheduler.step(increment=1)
         self.skips.record(step + 1, stepped, loss, grad_norm)
-        tokens = torch.tensor([sum(len(b.tokens) for b in batches)], device=self.rt.device)
+        tokens = torch.tensor([sum(len(b.tokens) for b in batches), sum(len(b.tokens) - b.num_padding for b in batches)],
+                              device=self.rt.device)
         dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
-        tokens_per_s, seconds = timer.stop(int(tokens.item()))
+        tokens_per_s, seconds = timer.stop(int(tokens[0].item()))
+        self.consumed_tokens += int(tokens[1].item())
         metrics = {"train/loss": loss, "train/lr": self.scheduler.get_lr(
             self.optimizer.param_groups[0]), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
-            "train/loss_tokens": float(global_tokens)}
+            "train/loss_tokens": float(global_tokens), "train/consumed_tokens": float(self.consumed_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
         metrics.update(self.telemetry.step_metrics(step, batches, seconds))
         metrics.update(self.plan.step_info(step))

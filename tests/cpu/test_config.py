@@ -446,3 +446,19 @@ def test_expert_heads_and_vocab_checks_collected(good):
 def test_dense_model_and_mha_defaults(good):
     validate_against_model(good, num_layers=4, num_experts=None, num_attention_heads=4, num_query_groups=None,
                            vocab_size=100)
+
+
+@pytest.mark.parametrize("changes, world_size, expected", [
+    ({"trainer__global_batch_tokens": 40_000}, 1, 10),  # ceil(40000 / 4096)
+    ({"trainer__global_batch_tokens": 40_000}, 4, 12),  # DP 4
+    ({"trainer__global_batch_tokens": 4096, **TP2_SP}, 4, 2),  # DP 2: at least one per rank
+    ({"trainer__global_batch_tokens": 40_000, "parallel__pipeline_model_parallel_size": 2,
+      "parallel__virtual_pipeline_model_parallel_size": 2}, 4, 12),  # DP 2 x PP 2 for the interleaved schedule
+])
+def test_global_batch_in_tokens_derives_the_micro_batch_count(good, changes, world_size, expected):
+    from moe_sft.config.validate import resolve_global_batch
+
+    cfg = _with(good, **changes)
+    line = resolve_global_batch(cfg, world_size)
+    assert cfg.trainer.global_batch_size == expected and f"global_batch_size={expected}" in line
+    validate_config(cfg, world_size)  # the derived size passes every check

@@ -85,7 +85,7 @@ def test_killed_mid_save_and_sigterm_both_resume_exactly(model_dirs, straight):
 def test_async_saves_commit_in_the_background_and_resume_exactly(model_dirs, straight):
     """checkpoint.async_save on 2 ranks: the writer runs while training goes on, a save is committed
     only once written (killed at the step-4 commit: `latest` stays 2), and the resume from the
-    background-written step 2 continues with the straight run's losses."""
+    background-written step 2 continues with the straight run's losses and consumed-token count."""
     tmp = model_dirs
     ckpts = tmp / "async" / "checkpoints"
     died = torchrun(2, _overrides(tmp, "async", 4, "checkpoint.save_interval=2", "checkpoint.async_save=true"),
@@ -102,6 +102,8 @@ def test_async_saves_commit_in_the_background_and_resume_exactly(model_dirs, str
     second = step_metrics(resumed.stdout)
     assert sorted(second) == list(range(3, STRAIGHT_STEPS + 1))
     _assert_same_losses(straight, {**first, **second})
+    # the token count is restored with the step (2 ranks here, 1 straight: the same global batches)
+    assert second[STRAIGHT_STEPS]["consumed_tokens"] == straight[STRAIGHT_STEPS]["consumed_tokens"] > 0
 
 
 def test_stop_file_is_honoured_and_consumed(model_dirs, straight):
