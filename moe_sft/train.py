@@ -13,7 +13,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    if cfg.trainer.dry_run:  # the plan and every rank's role: no process group, no GPU
+        from moe_sft.plan import dry_run
+
+        return dry_run(cfg)
     from moe_sft.errors import user_errors
+    from moe_sft.trainer.guard import NonFiniteTrainingError
     from moe_sft.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -26,6 +31,9 @@ def main(argv: list[str]) -> int:
     except user_errors() as err:  # bad data, checkpoint or model files: one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteTrainingError as err:  # the last good checkpoint is intact
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     finally:
         trainer.close()
     return 0

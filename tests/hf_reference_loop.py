@@ -3,8 +3,8 @@
 It mirrors what `moe_sft`'s trainer does for one data-parallel rank, from the trainer's own
 resolved `config.yaml`, but with nothing of megatron in the training path:
 
-* data: the same `PackedBatchPlan` (tokenizer, files, max_seq_len, pack_length,
-  global_batch_size, seed, shuffle, pad_to as `Trainer._data` computes them for one rank);
+* data: the same train loader (`moe_sft.data.pipeline.build_pipeline` on the run's data section,
+  pad_to as `Trainer._data` computes it for one rank);
   each DOCUMENT of each packed micro-batch (split at `cu_seqlens`) is its own causal sequence,
   one row of a right-padded batch (the same as one forward per document: see `as_padded_rows`),
   so attention never crosses documents;
@@ -65,21 +65,29 @@ def trainer_lr_schedule(cfg: dict, shift: int = 0) -> list[float]:
 
 
 def trainer_plan(cfg: dict):
-    """The `PackedBatchPlan` and tokenizer `Trainer._data` builds for a one-rank run of `cfg`."""
+    """The train loader and tokenizer `Trainer._data` builds for a one-rank run of `cfg` (the same
+    cache, packing and order: moe_sft.data.pipeline.build_pipeline with the run's data section)."""
     from transformers import AutoTokenizer
 
-    from moe_sft.data.chat import tokenize_files
-    from moe_sft.data.loader import PackedBatchPlan
+    from moe_sft.config.schema import DataConfig
+    from moe_sft.data.pipeline import build_pipeline
 
     d, p = cfg["data"], cfg["parallel"]
     assert p["tensor_model_parallel_size"] == p["pipeline_model_parallel_size"] == 1, p
     assert p["expert_model_parallel_size"] == p["context_parallel_size"] == 1, p
-    tokenizer = AutoTokenizer.from_pretrained(d["tokenizer_path"] or str(Path(cfg["model"]["mcore_path"]) / "hf"))
-    files = [str(REPO / f) for f in d["train_files"]]  # the trainer runs with cwd = the repo
-    docs, _ = tokenize_files(tokenizer, files, d["max_seq_len"], d["overlong"])
-    plan = PackedBatchPlan(docs, d["pack_length"], cfg["trainer"]["global_batch_size"], seed=d["seed"],
-                           shuffle=d["shuffle"], pad_to=1, pad_token_id=tokenizer.pad_token_id or 0)
-    return plan, tokenizer
+
+    def in_repo(path):  # the trainer runs with cwd = the repo
+        return None if path is None else str(REPO / path)
+
+    tokenizer_path = in_repo(d["tokenizer_path"]) or str(Path(cfg["model"]["mcore_path"]) / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    data = DataConfig(**{**d, "train_files": [in_repo(f) for f in d["train_files"]],
+                         "eval_files": [in_repo(f) for f in d["eval_files"]], "cache_dir": in_repo(d["cache_dir"]),
+                         "chat_template": in_repo(d["chat_template"])})
+    pipeline = build_pipeline(data, tokenizer_path=tokenizer_path,
+                              global_batch_size=cfg["trainer"]["global_batch_size"], pad_to=1,
+                              pad_token_id=tokenizer.pad_token_id or 0, log=lambda message: None)
+    return pipeline.train, tokenizer
 
 
 def documents(mb):

@@ -54,6 +54,10 @@ class ModelConfig:
 
     hf_path: Optional[str] = _f(None, "HF checkpoint dir (the source; used for export and tiny-model creation)")
     mcore_path: Optional[str] = _f(None, "converted megatron dist-checkpoint dir; the trainer loads this")
+    hf_config: Optional[str] = _f(
+        None, "the model's HF config: a name under recipes/models/ (e.g. qwen3_235b_a22b) or a config.json "
+        "path; the planner uses it when no checkpoint is at hand, and the checkpoint must match it"
+    )
     create_tiny_if_missing: bool = _f(
         False, "quickstart only: make a tiny random HF model at hf_path and convert it to mcore_path when absent"
     )
@@ -96,6 +100,12 @@ class ModelConfig:
     mtp_loss_weight: float = _f(
         0.1, "multi-token-prediction loss weight (DeepSeek-V3: 0.3 early, 0.1 late); 0 = MTP layers not run"
     )
+    freeze_patterns: list[str] = _f(
+        [], "megatron parameter names to freeze (fnmatch, e.g. 'embedding.*', '*.mlp.router.weight'); "
+        "each must match something"
+    )
+    freeze_router: bool = _f(False, "freeze every MoE router's weights (and its expert bias)")
+    freeze_expert_bias: bool = _f(False, "keep the aux-loss-free expert bias (DeepSeek-V3) as loaded")
     freeze_mtp: bool = _f(False, "keep MTP layers frozen: loaded, not run, not updated, exported unchanged")
     attention_dropout: float = _f(0.0, "dropout on attention probabilities")
     hidden_dropout: float = _f(0.0, "dropout on the residual-branch outputs")
@@ -105,15 +115,36 @@ class ModelConfig:
 class DataConfig:
     """Where the conversations come from and how they are tokenized and packed."""
 
-    train_files: list[str] = _required("training data: list of .jsonl paths (relative to the cwd)")
-    eval_files: list[str] = _f([], "evaluation data: list of .jsonl paths; empty = no evaluation")
+    train_files: list[str] = _required(
+        "training data: .jsonl / .json / .parquet files or HF save_to_disk dirs (relative to the cwd)")
+    train_weights: list[float] = _f(
+        [], "mixture weight per train file = passes per epoch (2 = twice, 0.5 = a random half); [] = 1 each")
+    eval_files: list[str] = _f([], "evaluation data files (same kinds as train_files); empty = none")
+    eval_fraction: float = _f(0.0, "fraction of each train file held out for evaluation (e.g. 0.01); 0 = none")
     tokenizer_path: Optional[str] = _f(None, "tokenizer dir; null = the tokenizer saved with the converted checkpoint")
+    chat_template: Optional[str] = _f(None, "chat template file (.jinja) used instead of the tokenizer's; null = it")
+    format: str = _f("auto", "row format: auto (per row, from its keys) | messages | sharegpt | alpaca | "
+                     "prompt_completion", ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"))
+    fields: dict[str, str] = _f({}, "renamed row fields, canonical name: yours (e.g. {messages: chat, role: speaker})")
+    loss_on: str = _f("all_assistant", "trained turns: all_assistant | last_assistant; a message's numeric "
+                      "'weight' overrides", ("all_assistant", "last_assistant"))
+    end_of_turn: Optional[str] = _f(None, "string closing an assistant turn; null = eos token, <|im_end|> or <|eot_id|>")
     max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
     pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
+    pad_documents_to: Optional[int] = _f(
+        None, "pad each document to a multiple of this; null = what the layout needs (2*CP, times TP with SP). "
+        "Set it (a multiple of every layout's need) to resume across CP/TP layouts with the same batches")
+    pack_window: int = _f(8192, "samples packed together best-fit decreasing; larger = fuller micro-batches")
     overlong: str = _f("truncate", "what to do with conversations longer than max_seq_len: truncate | drop",
                        ("truncate", "drop"))
+    on_error: str = _f("fail", "bad rows (invalid JSON or UTF-8, wrong shape, unknown role, empty answer, ...): "
+                       "fail = stop at the first, naming file:line | skip = count and report each", ("fail", "skip"))
     shuffle: bool = _f(True, "shuffle conversations each epoch")
     seed: int = _f(1234, "data shuffling seed")
+    cache_dir: Optional[str] = _f(None, "pre-tokenized cache dir (shared FS for multi-node); null = "
+                                  "$MOE_SFT_DATA_CACHE or ~/.cache/moe_sft/data")
+    num_workers: int = _f(2, "processes that tokenize while the cache is built; 0 = in the training process")
+    prefetch: bool = _f(True, "build the next step's micro-batches in a background thread")
 
 
 @dataclass(kw_only=True)
@@ -150,6 +181,9 @@ class OptimizerConfig:
     lr: float = _f(1e-5, "peak learning rate (reached after warmup)")
     min_lr: float = _f(0.0, "learning rate at the end of decay")
     weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay")
+    no_weight_decay_patterns: list[str] = _f(
+        [], "parameters without weight decay besides megatron's default (biases and 1-D parameters such as "
+        "norms): fnmatch patterns on names with global layer numbers, e.g. ['*word_embeddings*', '*.router.*']")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
@@ -173,18 +207,32 @@ class TrainerConfig:
     output_dir: str = _required("run directory: checkpoints/, logs, resolved config, exported HF model")
     max_steps: int = _required("number of optimizer steps (> 0)")
     global_batch_size: int = _f(8, "packed micro-batches per optimizer step across all data-parallel ranks")
+    global_batch_tokens: Optional[int] = _f(
+        None, "the global batch in tokens instead: global_batch_size = ceil(tokens / data.pack_length), rounded "
+        "up to what the layout needs (a multiple of DP, times PP with VPP); null = use global_batch_size")
     seed: int = _f(42, "model/dropout RNG seed")
     device: str = _f("auto", "auto (cuda when available) | cuda | cpu", ("auto", "cuda", "cpu"))
     precision: str = _f("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32", ("auto", "bf16", "fp32"))
     log_interval: int = _f(1, "log metrics every N steps")
+    peak_tflops: float = _f(
+        0.0, "peak TFLOP/s per GPU for MFU; 0 = from the GPU name with bf16 (H100/H200 SXM: 989 dense), "
+        "none on CPU or fp32 (then MFU is not reported)"
+    )
     export_hf_at_end: bool = _f(
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
+    )
+    max_skipped_steps_in_a_row: int = _f(
+        3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after "
+        "this many in a row"
     )
     offload_between_steps: bool = _f(
         False, "move parameters, gradients and optimizer state to CPU memory after every step and back "
         "before the next: the GPU is free between steps for a co-located job (CUDA; costs the copies)"
     )
     eval_interval: int = _f(0, "evaluate every N steps; 0 = never (needs data.eval_files)")
+    dry_run: bool = _f(
+        False, "validate, print the memory plan and every rank's role, then exit: no GPU, no process group"
+    )
 
 
 @dataclass(kw_only=True)
@@ -192,6 +240,9 @@ class CheckpointConfig:
     """Periodic distributed checkpoints under trainer.output_dir/checkpoints."""
 
     save_interval: int = _f(0, "save every N steps; 0 = only at the end")
+    save_at_end: bool = _f(True, "save a checkpoint after the last step (benchmarks may turn it off)")
+    async_save: bool = _f(False, "write checkpoints in a background process while training goes on (needs host "
+                          "memory for a copy of this rank's model + optimizer shard); committed when written")
     keep_last: int = _f(2, "number of most recent checkpoints to keep (>= 1)")
     resume: str = _f("auto", "auto = resume from the latest checkpoint in output_dir/checkpoints if any | never",
                      ("auto", "never"))
@@ -199,8 +250,20 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class HardwareConfig:
+    """What the recipe is planned for (python -m moe_sft.plan, trainer.dry_run, recipes/slurm).
+
+    The trainer itself runs on torchrun's world; these fields only describe the intended machines.
+    """
+
+    nodes: int = _f(1, "number of nodes")
+    gpus_per_node: int = _f(1, "GPUs per node (ranks per node)")
+    gpu: str = _f("h100_80gb", "GPU kind: h100_80gb | h200_141gb (memory, kernels)", ("h100_80gb", "h200_141gb"))
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
-    """A full run: the six sections of a recipe."""
+    """A full run: the sections of a recipe."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig, metadata={"help": "model section"})
     data: DataConfig = _required("data section")
@@ -213,6 +276,9 @@ class TrainConfig:
     trainer: TrainerConfig = _required("trainer section")
     checkpoint: CheckpointConfig = dataclasses.field(
         default_factory=CheckpointConfig, metadata={"help": "checkpoint section"}
+    )
+    hardware: HardwareConfig = dataclasses.field(
+        default_factory=HardwareConfig, metadata={"help": "planned hardware (planner / dry run only)"}
     )
 
 

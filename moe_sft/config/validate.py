@@ -95,13 +95,20 @@ def check_model_parallel_divides_world(cfg: TrainConfig, world_size: int) -> lis
 
 
 def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
-    """megatron-core: world % (etp*ep*pp) == 0, the expert data-parallel size is integral."""
+    """megatron-core: world % (etp*ep*pp) == 0, the expert data-parallel size is integral.
+
+    megatron 0.16.1 lays experts out on their own grid (etp, ep, expert-dp, pp) with cp=1, so the
+    expert groups cut across the attention's TP, CP and DP ranks: etp*ep must divide
+    world/pp = tp*cp*dp (with CP, expert DP = tp*cp*dp / (etp*ep)).
+    """
     p = cfg.parallel
     etp, ep, pp = expert_tensor_parallel_size(p), p.expert_model_parallel_size, p.pipeline_model_parallel_size
     if min(etp, ep, pp, world_size) < 1 or expert_data_parallel_size(p, world_size) is not None:
         return []
     per_stage = world_size // pp if world_size % pp == 0 else None
     fit = f"; etp*ep must divide world_size/pp={per_stage}" if per_stage else ""
+    if per_stage and p.context_parallel_size > 1:
+        fit += f" (= tensor x context_parallel_size={p.context_parallel_size} x data parallel)"
     return [f"parallel.expert_tensor_parallel_size={etp} (null = TP) x expert_model_parallel_size={ep} x "
             f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide world_size={world_size}, "
             f"so the expert data-parallel size {world_size}/{etp * ep * pp} is not an integer{fit}; "
@@ -153,6 +160,13 @@ def check_pipeline_options(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def doc_multiple_for(tensor_parallel: int, context_parallel: int, sequence_parallel: bool) -> int:
+    """Per-document padding multiple: CP splits each document into 2*CP chunks, SP each share over TP."""
+    if context_parallel <= 1:
+        return 1
+    return 2 * context_parallel * (tensor_parallel if sequence_parallel else 1)
+
+
 def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
     d, p, errors = cfg.data, cfg.parallel, []
     for name in ("max_seq_len", "pack_length"):
@@ -161,14 +175,16 @@ def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
     if d.max_seq_len > d.pack_length:
         errors.append(f"data.max_seq_len={d.max_seq_len} > data.pack_length={d.pack_length}: a conversation "
                       f"must fit in one packed micro-batch; lower max_seq_len or raise pack_length")
-    # THD with CP splits each sequence into 2*cp chunks; SP splits tokens over TP ranks.
-    multiple = (2 * p.context_parallel_size if p.context_parallel_size > 1 else 1) * (
-        p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    need = doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel)
+    if d.pad_documents_to is not None and (d.pad_documents_to < 1 or d.pad_documents_to % need):
+        errors.append(f"data.pad_documents_to={d.pad_documents_to} must be a positive multiple of {need}, what "
+                      f"context_parallel_size={p.context_parallel_size} (x TP under sequence parallel) needs; "
+                      f"use {math.ceil(max(d.pad_documents_to, 1) / need) * need} or null")
+    # SP splits tokens over TP ranks. (CP's chunks: the loader pads each document, see above.)
+    multiple = p.tensor_model_parallel_size if p.sequence_parallel else 1
     if multiple > 1 and d.pack_length >= 1 and d.pack_length % multiple:
-        why = " x ".join(w for w, on in (("2*context_parallel_size", p.context_parallel_size > 1),
-                                         ("tensor_model_parallel_size (sequence_parallel)",
-                                          p.sequence_parallel)) if on)
-        errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} ({why}); "
+        errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} "
+                      f"(tensor_model_parallel_size (sequence_parallel)); "
                       f"use {math.ceil(d.pack_length / multiple) * multiple}")
     return errors
 
@@ -185,9 +201,37 @@ def check_data_files(cfg: TrainConfig, world_size: int) -> list[str]:
     if d.tokenizer_path is not None and not os.path.isdir(d.tokenizer_path):
         errors.append(f"data.tokenizer_path={d.tokenizer_path!r} is not a directory; "
                       f"fix it or use null (the tokenizer saved with the converted checkpoint)")
-    if cfg.trainer.eval_interval > 0 and not d.eval_files:
-        errors.append(f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty; "
-                      f"list eval files or set trainer.eval_interval=0")
+    if cfg.trainer.eval_interval > 0 and not d.eval_files and not d.eval_fraction > 0:
+        errors.append(f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty and "
+                      f"data.eval_fraction=0; list eval files, hold out a fraction or set trainer.eval_interval=0")
+    return errors
+
+
+def check_data_options(cfg: TrainConfig, world_size: int) -> list[str]:
+    """File kinds, mixture weights, held-out fraction, row fields, template file, worker counts."""
+    from moe_sft.data.formats import CANONICAL_FIELDS, SUPPORTED_SUFFIXES
+
+    d, errors = cfg.data, []
+    for name in ("train_files", "eval_files"):
+        for path in getattr(d, name):
+            if not os.path.isdir(path) and os.path.splitext(path)[1] not in SUPPORTED_SUFFIXES:
+                errors.append(f"data.{name} entry {path!r} is not a {' / '.join(SUPPORTED_SUFFIXES)} file or an HF "
+                              f"save_to_disk directory; convert it or remove it")
+    if d.train_weights and len(d.train_weights) != len(d.train_files):
+        errors.append(f"data.train_weights has {len(d.train_weights)} entries for {len(d.train_files)} "
+                      f"data.train_files; give one weight per file or [] (1 each)")
+    if any(w < 0 for w in d.train_weights) or (d.train_weights and not any(w > 0 for w in d.train_weights)):
+        errors.append(f"data.train_weights={list(d.train_weights)} must be >= 0 with at least one > 0")
+    if not 0 <= d.eval_fraction < 1:
+        errors.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1) (e.g. 0.01)")
+    unknown = sorted(set(d.fields) - set(CANONICAL_FIELDS))
+    if unknown:
+        errors.append(f"data.fields has unknown keys {unknown}; rename only {', '.join(CANONICAL_FIELDS)}")
+    if d.chat_template is not None and not os.path.isfile(d.chat_template):
+        errors.append(f"data.chat_template={d.chat_template!r} is not a file; give a .jinja file or null")
+    for name, low in (("pack_window", 1), ("num_workers", 0)):
+        if getattr(d, name) < low:
+            errors.append(f"data.{name}={getattr(d, name)} must be >= {low}")
     return errors
 
 
@@ -211,6 +255,8 @@ def check_optimizer(cfg: TrainConfig, world_size: int) -> list[str]:
     if o.optimizer_cpu_offload and not cfg.parallel.use_distributed_optimizer:
         errors.append("optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
                       "enable it or turn the offload off")
+    if o.optimizer_cpu_offload:
+        errors.extend(optimizer_offload_errors(cfg.trainer.device, cfg.trainer.precision))
     if cfg.trainer.offload_between_steps and not cfg.parallel.use_distributed_optimizer:
         errors.append("trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true "
                       "(megatron keeps the parameters in its offloadable buffers only then)")
@@ -231,9 +277,13 @@ def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"trainer.max_steps={t.max_steps} must be > 0")
     if t.log_interval < 1:
         errors.append(f"trainer.log_interval={t.log_interval} must be >= 1")
+    if t.peak_tflops < 0:
+        errors.append(f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the GPU name)")
     for name, value in (("trainer.eval_interval", t.eval_interval), ("checkpoint.save_interval", c.save_interval)):
         if value < 0:
             errors.append(f"{name}={value} must be >= 0 (0 = off / only at the end)")
+    if t.max_skipped_steps_in_a_row < 1:
+        errors.append(f"trainer.max_skipped_steps_in_a_row={t.max_skipped_steps_in_a_row} must be >= 1")
     if c.keep_last < 1:
         errors.append(f"checkpoint.keep_last={c.keep_last} must be >= 1")
     for name, value in (("trainer.seed", t.seed), ("data.seed", cfg.data.seed)):
@@ -274,11 +324,37 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
 
+def optimizer_offload_errors(device: str, precision: str) -> list[str]:
+    """Optimizer CPU offload on this device/precision ('auto' passes; the trainer re-checks the
+    resolved values). megatron's hybrid optimizer splits GPU tensors from CPU ones and steps the
+    fp32 main-param shards, which exist as separate tensors only for bf16 weights."""
+    errors = []
+    if device == "cpu":
+        errors.append("optimizer.optimizer_cpu_offload moves optimizer state from the GPU to the CPU; "
+                      "with trainer.device=cpu turn it off")
+    if precision == "fp32":
+        errors.append("optimizer.optimizer_cpu_offload needs trainer.precision=bf16 (with fp32 weights "
+                      "megatron's distributed optimizer hands the hybrid optimizer views of the model "
+                      "parameters, which torch optimizers refuse); use bf16 or turn the offload off")
+    return errors
+
+
+def _te_backend(backend: str) -> bool:
+    import importlib.util
+
+    return backend == "te" or (backend == "auto" and importlib.util.find_spec("transformer_engine") is not None)
+
+
 def _activation_offload_errors(cfg: TrainConfig) -> list[str]:
     m, errors = cfg.model, []
     unknown = sorted(set(m.activation_offload_modules) - set(OFFLOAD_MODULES))
     if unknown:
         errors.append(f"model.activation_offload_modules has {unknown}; choose from {list(OFFLOAD_MODULES)}")
+    if m.activation_offload_modules and not _te_backend(m.backend):
+        errors.append(f"model.activation_offload_modules={list(m.activation_offload_modules)} needs Transformer "
+                      f"Engine (megatron-core 0.16.1 offloads through TE's CPU offload; measured: 'TE CPU "
+                      f"offload is not available' with model.backend={m.backend!r}); use recompute "
+                      "instead (model.recompute_granularity) or install TE")
     if m.activation_offload_modules and cfg.trainer.device == "cpu":
         errors.append("model.activation_offload_modules moves activations from the GPU to the CPU; with "
                       "trainer.device=cpu set it to []")
@@ -338,6 +414,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("pipeline_options", check_pipeline_options),
     ("sequence_lengths", check_sequence_lengths),
     ("data_files", check_data_files),
+    ("data_options", check_data_options),
     ("optimizer", check_optimizer),
     ("trainer", check_trainer),
     ("model", check_model),
@@ -345,8 +422,25 @@ CHECKS: tuple[tuple[str, Check], ...] = (
 )
 
 
+def resolve_global_batch(cfg: TrainConfig, world_size: int) -> Optional[str]:
+    """trainer.global_batch_tokens -> trainer.global_batch_size (in place); a line saying how."""
+    t, p = cfg.trainer, cfg.parallel
+    dp = data_parallel_size(p, world_size)
+    if t.global_batch_tokens is None or not dp or cfg.data.pack_length < 1:
+        return None
+    if t.global_batch_tokens < 1:
+        raise ConfigError(f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1 (or null)")
+    unit = dp * (p.pipeline_model_parallel_size if p.virtual_pipeline_model_parallel_size else 1)
+    t.global_batch_size = math.ceil(t.global_batch_tokens / cfg.data.pack_length / unit) * unit
+    return (f"global batch: {t.global_batch_tokens:,} tokens -> global_batch_size={t.global_batch_size} micro-batches "
+            f"of data.pack_length={cfg.data.pack_length} (a multiple of {unit}) = "
+            f"{t.global_batch_size * cfg.data.pack_length:,} token slots per step")
+
+
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
-    """Run every named check; raise one ConfigError listing all failures."""
+    """Resolve trainer.global_batch_tokens, run every named check; raise one ConfigError listing
+    all failures."""
+    resolve_global_batch(cfg, world_size)
     errors = [f"[{name}] {msg}" for name, check in CHECKS for msg in check(cfg, world_size)]
     if errors:
         raise ConfigError(format_errors(errors))

@@ -70,3 +70,52 @@ def commit_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -> list[str]:
+    """What makes `ckpt_dir` unusable as a moe-sft checkpoint, one message per problem (no I/O
+    beyond listing and small JSON files: safe before any GPU work). [] when it looks complete.
+
+    Complete means: megatron's torch_dist files (`.metadata`, `metadata.json`, `*.distcp`), our
+    `moe_sft_meta.json` (written last, so a crash mid-write leaves none) and `hf/config.json`
+    agreeing with the meta.
+    """
+    path = Path(ckpt_dir)
+    where = f"{field}={str(ckpt_dir)!r}"
+    staging = path.with_name(path.name + ".tmp")
+    if not path.is_dir():
+        if staging.is_dir():
+            return [f"{where} does not exist but {staging} does: a conversion or save into it was "
+                    f"interrupted; rerun tools/convert_hf_to_mcore.py (it replaces the .tmp dir)"]
+        return []  # a missing path is reported by the config validation, with its fix
+    problems = []
+    missing = [n for n in (".metadata", "metadata.json") if not (path / n).is_file()]
+    if not any(path.glob("*.distcp")):
+        missing.append("*.distcp")
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        what = ("a megatron checkpoint without moe-sft's meta (not written by moe-sft, or its write was "
+                "interrupted)" if not missing else "not a moe-sft checkpoint")
+        return [f"{where} is {what}: no {META_FILE}; convert with tools/convert_hf_to_mcore.py"]
+    if missing:
+        problems.append(f"{where} is partial or corrupt: {', '.join(missing)} missing (megatron dist-checkpoint "
+                        f"files); reconvert, or resume from an older checkpoint")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return problems + [f"{where}: {META_FILE} is not valid JSON ({err}); the checkpoint is corrupt, reconvert it"]
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        problems.append(f"{where} was written by a newer moe-sft (format_version={meta.get('format_version')}, "
+                        f"this one reads {FORMAT_VERSION}); update moe-sft")
+    hf_config = path / HF_SUBDIR / "config.json"
+    if not hf_config.is_file():
+        return problems + [f"{where}: {HF_SUBDIR}/config.json is missing (training and export read it); reconvert"]
+    try:
+        hf = json.loads(hf_config.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return problems + [f"{where}: {HF_SUBDIR}/config.json is not valid JSON ({err}); reconvert"]
+    for key, hf_key in (("model_type", "model_type"), ("vocab_size", "vocab_size")):
+        if key in meta and meta[key] != hf.get(hf_key):
+            problems.append(f"{where}: {META_FILE} says {key}={meta[key]!r} but {HF_SUBDIR}/config.json says "
+                            f"{hf.get(hf_key)!r}; the directory mixes two models, reconvert it")
+    return problems

@@ -1,47 +1,63 @@
-"""Conversation → token ids + assistant mask, through the tokenizer's own chat template.
+"""Conversation → token ids + a loss weight per token, through the chat template.
 
-The mask is True on the tokens the model must learn to produce: each assistant message's content
-and the end-of-turn token that closes it (`<|im_end|>` in ChatML), nothing else: not the role
-header, not system/user/tool text, not the newline after the end token.
+The weight is > 0 on the tokens the model must learn to produce: each trained assistant turn
+from the end of its header (what `add_generation_prompt` emits) through the end-of-turn token
+that closes it (`<|im_end|>`, `<|eot_id|>`, ...), nothing else: not the role header, not
+system/user/tool text, not the newline after the end token. Which assistant turns are trained:
+`loss_on="all_assistant"` (default) or `"last_assistant"`; a message's own `"weight"` (a number
+>= 0) overrides that default for the message.
 
-Two ways to find those tokens:
+Everything is computed on the text the template renders for the *whole* conversation, and
+tokens are mapped to it by character offsets. Templates may render history differently from
+how the turn was generated (Qwen3 and DeepSeek-R1 drop the reasoning of earlier turns), so
+per-turn rendering + concatenation would train on text the model never sees; we never do that.
+Assistant spans in the rendered text are found one of two ways:
 
-* Generation markers. Templates that wrap assistant output in `{% generation %}...{% endgeneration %}`
-  let transformers compute the mask (`apply_chat_template(..., return_assistant_tokens_mask=True)`).
-* Prefix diff, for templates without markers (Qwen3's, Llama 3's). The text rendered for
-  `messages[:i]` with `add_generation_prompt=True` ends exactly where assistant message `i` starts;
-  the message ends at the first end-of-turn string after that point. This survives templates that
-  restyle the *last* turns (Qwen3 adds an empty `<think></think>` block to turns after the last user
-  query): that block comes after the generation prompt, so it is trained on, as the model must
-  emit it at inference too.
-
-Both produce character spans in the rendered text; the tokens overlapping a span are masked.
+* Generation markers. A template that wraps assistant output in `{% generation %}` blocks gives
+  the spans directly (transformers' `render_jinja_template(..., return_assistant_tokens_mask=True)`).
+* Prefix diff, for templates without markers. The text rendered for `messages[:i]` with the
+  generation prompt ends exactly where assistant message `i` starts when it is a prefix of the
+  full text. When it is not (the template re-rendered earlier turns, e.g. stripped their
+  reasoning), the full conversation is rendered again with message `i`'s content replaced by a
+  sentinel; the two texts agree up to where message `i`'s own text starts, and its header is the
+  last occurrence of the generation prompt (or its longest prefix, for templates whose prompt
+  also opens a `<think>` block) before that point. The turn ends at the first end-of-turn
+  string after its start. Template-inserted text after the header (Qwen3's empty
+  `<think></think>` on the last turn) is trained on, as the model must emit it at inference.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from jinja2 import TemplateError
 
-from moe_sft.data.formats import DataFormatError, iter_conversations
+from moe_sft.data.formats import (NO_TRAINABLE_TOKENS, TEMPLATE_ERROR, DataFormatError, RowError, RowFormat,
+                                  decode_payload, iter_records, to_conversation)
+from moe_sft.data.report import DataStats
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_FALLBACK_END_OF_TURN = "<|im_end|>"
+_FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
+_SENTINEL = "\u2063moe-sft-sentinel\u2063"  # content no real row has (U+2063: invisible separator)
+LOSS_ON = ("all_assistant", "last_assistant")
 
 Overlong = Literal["truncate", "drop"]
 
 
 @dataclass(frozen=True)
 class TokenizedDoc:
-    """One tokenized conversation: ids and, per id, whether the model is trained to produce it."""
+    """One tokenized conversation: ids and, per id, the loss weight of producing it (0 = not trained).
 
-    input_ids: list[int]
-    assistant_mask: list[bool]
+    `input_ids` / `loss_weights` are lists, or 1-D numpy arrays when read from the token cache.
+    """
+
+    input_ids: Sequence[int]
+    loss_weights: Sequence[float]  # bools are accepted (True = 1.0)
     source: str = ""  # "path:line" of the row, for error messages
     truncated: bool = False
 
@@ -49,25 +65,52 @@ class TokenizedDoc:
         return len(self.input_ids)
 
     @property
+    def assistant_mask(self) -> list[bool]:
+        return [bool(w > 0) for w in self.loss_weights]
+
+    @property
     def num_loss_tokens(self) -> int:
         """Positions with a loss once labels are shifted: token i is predicted from i-1, so token 0 never is."""
-        return sum(self.assistant_mask[1:])
+        return int(np.count_nonzero(np.asarray(self.loss_weights[1:], dtype=np.float32)))
+
+    @property
+    def loss_weight_sum(self) -> float:
+        """Σ of the shifted weights: this document's share of the loss normaliser."""
+        return float(np.asarray(self.loss_weights[1:], dtype=np.float64).sum())
 
 
-@dataclass
-class TokenizeStats:
-    n_rows: int = 0  # rows read
-    n_truncated: int = 0  # rows kept but cut to max_seq_len
-    n_dropped: int = 0  # rows not kept (overlong with overlong="drop", or no assistant token left after truncation)
-    n_tokens: int = 0  # tokens in kept documents
-    n_loss_tokens: int = 0  # loss positions in kept documents (TokenizedDoc.num_loss_tokens)
+@dataclass(frozen=True)
+class ChatOptions:
+    """Everything besides the tokenizer that decides a conversation's tokens and weights."""
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    max_seq_len: int = 2048
+    overlong: str = "truncate"  # truncate | drop conversations longer than max_seq_len
+    loss_on: str = "all_assistant"  # all_assistant | last_assistant (a message "weight" overrides)
+    end_of_turn: str | None = None  # string closing an assistant turn; None = eos token or a known one
+    chat_template: str | None = None  # template text; None = the tokenizer's
+
+    def check(self) -> None:
+        if self.overlong not in ("truncate", "drop"):
+            raise ValueError(f"overlong={self.overlong!r} is not supported; use 'truncate' or 'drop'")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on={self.loss_on!r} is not supported; use one of {', '.join(LOSS_ON)}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len={self.max_seq_len} leaves nothing to learn; use at least 2 "
+                             "(typically 2048 or more)")
 
 
 def has_generation_markers(chat_template: str | None) -> bool:
     return bool(chat_template) and _GENERATION_TAG.search(chat_template) is not None
+
+
+def read_chat_template(path: str | Path | None) -> str | None:
+    """The text of a template file a recipe names (data.chat_template), or None."""
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        raise DataFormatError(f"data.chat_template={str(path)!r} is not a file; give a .jinja template file or null")
+    return path.read_text(encoding="utf-8")
 
 
 def tokenize_conversation(
@@ -78,104 +121,235 @@ def tokenize_conversation(
     *,
     source: str = "",
     end_of_turn: str | None = None,
+    loss_on: str = "all_assistant",
+    tools: list | None = None,
+    chat_template: str | None = None,
 ) -> TokenizedDoc | None:
-    """Tokenize one conversation; None when it is dropped.
+    """Tokenize one conversation; None when it is dropped (overlong).
 
     overlong="truncate" keeps the first `max_seq_len` tokens; a conversation whose truncated part
     has no loss position left is dropped, as it would only cost compute. overlong="drop" drops
-    every conversation longer than `max_seq_len`. `end_of_turn` (prefix-diff path only) overrides
-    the string that closes an assistant turn; by default the first eos token or `<|im_end|>`.
+    every conversation longer than `max_seq_len`. Raises RowError (a DataFormatError) for a row
+    the template cannot render or that has nothing to train on.
     """
-    if overlong not in ("truncate", "drop"):
-        raise ValueError(f"overlong={overlong!r} is not supported; use 'truncate' or 'drop'")
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len={max_seq_len} leaves nothing to learn; use at least 2 (typically 2048 or more)")
-    if not tokenizer.chat_template:
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an instruct model's "
-            "tokenizer (data.tokenizer_path) or set tokenizer.chat_template"
-        )
+    options = ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, chat_template)
+    options.check()
+    return _tokenize(tokenizer, options, messages, tools, source)
+
+
+def _tokenize(tokenizer, options: ChatOptions, messages: list[dict], tools, source: str) -> TokenizedDoc | None:
+    rendered = render_conversation(tokenizer, options, messages, tools, source)
+    encoding = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+    return finish(rendered, encoding["input_ids"], encoding["offset_mapping"], options)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation rendered by the template: its text and (start, end, loss weight) per trained span."""
+
+    text: str
+    spans: list[tuple[int, int, float]]
+    source: str
+
+
+def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], tools, source: str) -> Rendered:
+    """The rendered text and the character span of each assistant turn with its loss weight."""
+    where = source or "conversation"
+    template = options.chat_template or tokenizer.chat_template
+    if not template:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an "
+                         "instruct model's tokenizer (data.tokenizer_path) or name a template file (data.chat_template)")
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as apply_chat_template does
+    weights = message_weights(messages, options.loss_on)
+    plain = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
     try:
-        if has_generation_markers(tokenizer.chat_template):
-            input_ids, mask = assistant_mask_from_markers(tokenizer, messages)
+        if has_generation_markers(template):
+            text, spans = spans_from_markers(tokenizer, template, plain, tools, weights, where)
         else:
-            input_ids, mask = assistant_mask_from_prefixes(tokenizer, messages, source=source, end_of_turn=end_of_turn)
+            ends = [options.end_of_turn] if options.end_of_turn else _default_ends(tokenizer)
+            text, spans = spans_from_prefixes(tokenizer, template, plain, tools, ends, where)
     except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
-        raise DataFormatError(f"{source or 'conversation'}: the chat template rejected this row: {e}") from e
-    if not any(mask):
-        raise DataFormatError(
-            f"{source or 'conversation'}: the chat template marked no assistant token; check that it renders "
-            "assistant messages (and, if it uses {% generation %}, that the block wraps their content)"
-        )
-    doc = TokenizedDoc(input_ids, mask, source)
-    if len(input_ids) <= max_seq_len:
-        return doc
-    if overlong == "drop":
+        raise RowError(TEMPLATE_ERROR, f"{where}: the chat template rejected this row: {e}") from e
+    if not spans:
+        raise RowError(TEMPLATE_ERROR, f"{where}: the chat template marked no assistant token; check that it renders "
+                                       "assistant messages (and, if it uses {% generation %}, that the block wraps "
+                                       "their content)")
+    return Rendered(text, [(s, e, weights[i]) for s, e, i in spans], source)
+
+
+def finish(rendered: Rendered, input_ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+           options: ChatOptions) -> TokenizedDoc | None:
+    """Token weights from the spans, then truncation or dropping by max_seq_len (None = dropped)."""
+    token_weights = weights_from_spans(offsets, rendered.spans)
+    if not any(w > 0 for w in token_weights[1:]):
+        raise RowError(NO_TRAINABLE_TOKENS, f"{rendered.source or 'conversation'}: no assistant token has a loss "
+                                            f"weight > 0 (loss_on={options.loss_on}, message weights); nothing to learn")
+    ids, source = list(input_ids), rendered.source
+    if len(ids) <= options.max_seq_len:
+        return TokenizedDoc(ids, token_weights, source)
+    if options.overlong == "drop":
         return None
-    doc = TokenizedDoc(input_ids[:max_seq_len], mask[:max_seq_len], source, truncated=True)
+    doc = TokenizedDoc(ids[: options.max_seq_len], token_weights[: options.max_seq_len], source, truncated=True)
     return doc if doc.num_loss_tokens > 0 else None
 
 
-def assistant_mask_from_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """Ids and mask from a template with `{% generation %}` markers (transformers computes the mask)."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+def message_weights(messages: Sequence[dict], loss_on: str) -> list[float]:
+    """Loss weight per message: 0 for non-assistant ones, the mode's default or the message's "weight"."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    last = assistants[-1] if assistants else -1
+    out = []
+    for i, m in enumerate(messages):
+        default = 1.0 if m["role"] == "assistant" and (loss_on == "all_assistant" or i == last) else 0.0
+        out.append(float(m.get("weight", default)) if m["role"] == "assistant" else 0.0)
+    return out
 
 
-def assistant_mask_from_prefixes(
-    tokenizer, messages: list[dict], *, source: str = "", end_of_turn: str | None = None
-) -> tuple[list[int], list[bool]]:
-    """Ids and mask for templates without generation markers, by rendering prefixes (see module doc)."""
-    where = source or "conversation"
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    defaults = (tokenizer.eos_token, _FALLBACK_END_OF_TURN)
-    ends = [end_of_turn] if end_of_turn else list(dict.fromkeys(t for t in defaults if t))
-    spans = []
+def _default_ends(tokenizer) -> list[str]:
+    return list(dict.fromkeys(t for t in (tokenizer.eos_token, *_FALLBACK_END_OF_TURN) if t))
+
+
+def _render(tokenizer, template: str, messages: list[dict], tools, generation_prompt: bool = False,
+            markers: bool = False):
+    """transformers' own renderer (what apply_chat_template calls), without its per-call wrapping."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, indices = render_jinja_template(
+        conversations=[messages], tools=tools, chat_template=template, return_assistant_tokens_mask=markers,
+        add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+    return (rendered[0], indices[0]) if markers else rendered[0]
+
+
+def spans_from_markers(tokenizer, template: str, messages: list[dict], tools, weights: Sequence[float],
+                       where: str) -> tuple[str, list[tuple[int, int, int]]]:
+    """Rendered text and (start, end, message index) of each `{% generation %}` block."""
+    text, blocks = _render(tokenizer, template, messages, tools, markers=True)
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(blocks) == len(assistants):
+        return text, [(s, e, i) for (s, e), i in zip(blocks, assistants)]
+    if len({weights[i] for i in assistants}) > 1:
+        raise RowError(TEMPLATE_ERROR, f"{where}: the template has {len(blocks)} {{% generation %}} blocks for "
+                                       f"{len(assistants)} assistant messages, so per-message weights (or "
+                                       "loss_on=last_assistant) cannot be assigned; use equal weights")
+    return text, [(s, e, assistants[0]) for s, e in blocks]
+
+
+def spans_from_prefixes(tokenizer, template: str, messages: list[dict], tools, ends: list[str],
+                        where: str) -> tuple[str, list[tuple[int, int, int]]]:
+    """Rendered text and (start, end, message index) of each assistant turn (see module doc)."""
+    full = _render(tokenizer, template, messages, tools)
+    spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         if i == 0:
-            raise DataFormatError(
-                f"{where}: messages[0] is an assistant message; without {{% generation %}} markers in the chat "
-                "template its start cannot be found. Add a system or user message before it, or add the markers"
-            )
-        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        if not text.startswith(prefix):
-            raise DataFormatError(
-                f"{where}: the chat template renders messages[:{i}] + generation prompt differently from the start "
-                "of the full conversation, so assistant tokens cannot be located; use a template with "
-                "{% generation %}...{% endgeneration %} around assistant content"
-            )
-        spans.append((len(prefix), _turn_end(text, len(prefix), ends, f"{where}: messages[{i}]")))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(encoding["input_ids"]), _mask_from_spans(encoding["offset_mapping"], spans)
+            raise RowError(TEMPLATE_ERROR, f"{where}: messages[0] is an assistant message; without {{% generation %}} "
+                                           "markers in the chat template its start cannot be found. Add a system or "
+                                           "user message before it, or add the markers")
+        prefix = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
+        if full.startswith(prefix) and len(prefix) >= cursor:
+            start = len(prefix)
+        else:
+            start = _start_after_rerendered_history(tokenizer, template, messages, tools, i, full, cursor, where)
+        end = _turn_end(full, start, ends, f"{where}: messages[{i}]")
+        spans.append((start, end, i))
+        cursor = end
+    return full, spans
+
+
+def _start_after_rerendered_history(tokenizer, template: str, messages: list[dict], tools, i: int, full: str,
+                                    cursor: int, where: str) -> int:
+    """Where assistant turn `i` starts in `full` when the prefix render is not a prefix of it."""
+    bare = _render(tokenizer, template, messages[:i], tools)
+    prompt = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
+    header = prompt[len(bare):] if prompt.startswith(bare) else ""
+    probe = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1:]]
+    other = _render(tokenizer, template, probe, tools)
+    limit = next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
+    if header and limit < len(full):
+        pos = full.rfind(header, cursor, limit)
+        if pos >= 0:
+            return pos + len(header)
+        # A generation prompt that also opens a block the history does not show (DeepSeek-R1's
+        # "<think>\n"): a prefix of it, at least half, directly followed by the turn's own text.
+        for cut in range(len(header) - 1, (len(header) + 1) // 2 - 1, -1):
+            if limit - cut >= cursor and full.startswith(header[:cut], limit - cut):
+                return limit
+    raise RowError(TEMPLATE_ERROR, f"{where}: the chat template renders messages[:{i}] + generation prompt "
+                                   "differently from the start of the full conversation, and the turn's header "
+                                   "could not be found in the full text, so assistant tokens cannot be located; "
+                                   "use a template with {% generation %}...{% endgeneration %} around assistant "
+                                   "content")
 
 
 def _turn_end(text: str, start: int, ends: list[str], where: str) -> int:
     """Index just past the end-of-turn string closing the assistant turn that starts at `start`.
 
-    Candidates are the eos token and ChatML's `<|im_end|>`, and the *earliest* one found wins: a
-    base-model tokenizer (Qwen3 base: eos `<|endoftext|>`) ships a ChatML template whose turns end
-    with `<|im_end|>`, while the eos may appear only later, or not at all.
+    Candidates are the eos token and known end-of-turn tokens, and the *earliest* one found wins:
+    a base-model tokenizer (Qwen3 base: eos `<|endoftext|>`) ships a ChatML template whose turns
+    end with `<|im_end|>`, while the eos may appear only later, or not at all.
     """
-    found = [(text.find(end, start), end) for end in ends]
-    found = [(pos, end) for pos, end in found if pos >= 0]
+    found = [(pos, end) for end in ends if (pos := text.find(end, start)) >= 0]
     if not found:
-        raise DataFormatError(
-            f"{where}: the assistant turn is not closed by any of {ends}; pass end_of_turn='<your end token>'"
-        )
+        raise RowError(TEMPLATE_ERROR, f"{where}: the assistant turn is not closed by any of {ends}; set "
+                                       "data.end_of_turn to your template's end-of-turn string")
     pos, end = min(found)
     return pos + len(end)
 
 
-def _mask_from_spans(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
-    """True for each token whose character range overlaps one of the sorted, disjoint `spans`."""
-    mask, k = [], 0
-    for start, stop in offsets:
-        while k < len(spans) and spans[k][1] <= start:
-            k += 1
-        mask.append(k < len(spans) and start < spans[k][1] and stop > spans[k][0])
-    return mask
+def weights_from_spans(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int, float]]) -> list[float]:
+    """Per token: the weight of the sorted, disjoint span its character range overlaps, else 0."""
+    if not len(offsets):
+        return []
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts = np.array([s for s, _, _ in spans], dtype=np.int64)
+    ends = np.array([e for _, e, _ in spans], dtype=np.int64)
+    k = np.searchsorted(ends, bounds[:, 0], side="right")  # first span ending after the token starts
+    inside = k < len(spans)
+    k = np.minimum(k, len(spans) - 1)
+    hit = inside & (bounds[:, 1] > starts[k]) & (bounds[:, 0] < ends[k]) if len(spans) else inside
+    weights = np.array([w for _, _, w in spans] or [0.0], dtype=np.float64)
+    return np.where(hit, weights[k] if len(spans) else 0.0, 0.0).tolist()
+
+
+class RowTokenizer:
+    """Rows (file records) → TokenizedDocs: decode, convert the format, validate, render, tokenize.
+
+    Used by the cache builder's worker processes and by `tokenize_files`. `many` encodes the
+    rendered texts of a chunk in one batched tokenizer call (less per-call overhead).
+    """
+
+    def __init__(self, tokenizer, options: ChatOptions, fmt: RowFormat | None = None):
+        options.check()
+        self.tokenizer, self.options, self.fmt = tokenizer, options, fmt or RowFormat()
+
+    def render(self, payload: object, where: str) -> Rendered:
+        conversation = to_conversation(decode_payload(payload, where), self.fmt, where)
+        return render_conversation(self.tokenizer, self.options, conversation.messages, conversation.tools, where)
+
+    def __call__(self, payload: object, where: str) -> TokenizedDoc | None:
+        rendered = self.render(payload, where)
+        encoding = self.tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+        return finish(rendered, encoding["input_ids"], encoding["offset_mapping"], self.options)
+
+    def many(self, records: Sequence[tuple[str, object]]) -> list[TokenizedDoc | None | RowError]:
+        """Per (where, payload): the document, None (dropped), or the RowError it raised."""
+        out: list = []
+        for where, payload in records:
+            try:
+                out.append(self.render(payload, where))
+            except RowError as e:
+                out.append(e)
+        texts = [r.text for r in out if isinstance(r, Rendered)]
+        encodings = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+        k = 0
+        for i, r in enumerate(out):
+            if isinstance(r, Rendered):
+                try:
+                    out[i] = finish(r, encodings["input_ids"][k], encodings["offset_mapping"][k], self.options)
+                except RowError as e:
+                    out[i] = e
+                k += 1
+        return out
 
 
 def tokenize_files(
@@ -185,19 +359,20 @@ def tokenize_files(
     overlong: Overlong = "truncate",
     *,
     end_of_turn: str | None = None,
-) -> tuple[list[TokenizedDoc], TokenizeStats]:
-    """Read, validate and tokenize every row of `paths`; returns the kept documents and counts."""
-    docs, stats = [], TokenizeStats()
-    for conversation in iter_conversations(paths):
-        stats.n_rows += 1
-        doc = tokenize_conversation(
-            tokenizer, conversation.messages, max_seq_len, overlong, source=conversation.source, end_of_turn=end_of_turn
-        )
-        if doc is None:
-            stats.n_dropped += 1
-            continue
-        stats.n_truncated += doc.truncated
-        stats.n_tokens += len(doc)
-        stats.n_loss_tokens += doc.num_loss_tokens
-        docs.append(doc)
+    loss_on: str = "all_assistant",
+    fmt: RowFormat | None = None,
+) -> tuple[list[TokenizedDoc], DataStats]:
+    """Every row of `paths` tokenized in memory, fail-fast (small data and tests; training uses
+    the on-disk cache of moe_sft.data.cache). Returns the kept documents and their statistics."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    rows = RowTokenizer(tokenizer, ChatOptions(max_seq_len, overlong, loss_on, end_of_turn), fmt)
+    docs, stats = [], DataStats.empty(max_seq_len)
+    for path in paths:
+        for line, payload in iter_records(path):
+            where = f"{path}:{line}"
+            doc = rows(payload, where)
+            stats.add_row(doc)
+            if doc is not None:
+                docs.append(doc)
     return docs, stats

@@ -1,223 +1,353 @@
-"""A deterministic, resumable plan: optimizer step → the packed micro-batches of that step.
+"""Optimizer step → this data-parallel rank's packed micro-batches, resumable exactly.
 
-Per epoch e the documents are permuted with a seed derived from (seed, e), packed first-fit into
-micro-batches of at most `pack_length` tokens, and the micro-batches are cut into steps of
-`global_batch_size` (micro-batches per optimizer step across all data-parallel ranks). The last
-incomplete step of an epoch is dropped; since every epoch has its own permutation, a different
-handful of documents is skipped each epoch, and no step mixes two epochs (so "epoch" stays exact).
+The global stream (the same on every rank, whatever the DP size):
 
-Everything is a function of (documents, pack_length, global_batch_size, seed, shuffle), so:
-* any rank computes any step without communication, including the loss normalizer: the number
-  of assistant tokens in the *whole* global batch (loss = sum(token_loss * mask) / that count);
-* resuming is exact: the state is just the next step index, plus checks that the data and the
-  settings are the same as when the state was saved;
-* the data-parallel size may change between runs: the global batch, not the rank, is the unit.
+1. Epoch e has N samples (moe_sft.data.sampling: mixture weights, held-out split). Position j of
+   the epoch is sample `permute(j, N, key(seed, e))` (or j without shuffling).
+2. Positions are cut into windows of `window` samples; each window is packed best-fit
+   decreasing into micro-batches of at most `pack_length` tokens (documents padded to
+   `doc_multiple` first), and the window's micro-batches are shuffled. Packing over a window
+   of thousands of samples, not one global batch, is what keeps packing efficiency >= 95% on
+   long-tailed length distributions (docs/data.md).
+3. The epoch's micro-batches, window after window, are cut into steps of `global_batch_size`;
+   the last incomplete step of an epoch is dropped (a different handful of samples each epoch).
+4. DP rank r of `dp` takes the r-th contiguous block of global_batch_size / dp micro-batches, so
+   CP/TP/PP ranks of one DP rank get the same micro-batches and every sample of an epoch goes
+   to exactly one rank.
+
+The position in the stream is (epoch, window, micro-batch within the window): that and the
+settings are the state a checkpoint saves. A resume continues with exactly the samples an
+uninterrupted run would have seen, with any DP size, because nothing above depends on the
+rank. Every rank also knows the global batch's loss-weight sum (the loss normaliser) without
+communication.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
-from array import array
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from moe_sft.data.packing import Doc, PackedMicroBatch, build_micro_batch, pack_documents
+import numpy as np
 
-STATE_VERSION = 1
-_CACHED_EPOCHS = 2  # a run reads epochs in order; keep the current and the previous one
+from moe_sft.data.chat import TokenizedDoc
+from moe_sft.data.packing import PackedMicroBatch, best_fit_decreasing, build_micro_batch, padded_length
+from moe_sft.data.sampling import Mixture, derive_key, holdout_count, permute, split_index
+from moe_sft.data.store import DocStore, MemoryDocs
+
+STATE_VERSION = 2
+_KEEP = 8  # recent steps / windows remembered (the trainer asks in order)
 
 
 class DataPlanError(ValueError):
-    """Settings or a saved state the plan cannot honour; the message names field, value and fix."""
+    """Settings or a saved state the loader cannot honour; the message names field, value and fix."""
 
 
-def dataset_fingerprint(docs: Sequence[Doc]) -> str:
-    """sha256 over every document's ids and mask, in order: resuming on other data is then an error."""
-    digest = hashlib.sha256()
-    for doc in docs:
-        digest.update(len(doc.input_ids).to_bytes(8, "little"))
-        digest.update(array("q", doc.input_ids).tobytes())
-        digest.update(bytes(bool(m) for m in doc.assistant_mask))
-    return digest.hexdigest()[:16]
+@dataclass(frozen=True)
+class Cursor:
+    epoch: int = 0
+    window: int = 0
+    pack: int = 0
 
 
-def epoch_order(n_docs: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """Document order for one epoch.
+@dataclass(frozen=True)
+class Pack:
+    """One micro-batch's samples: epoch positions, and which document of which source each is."""
 
-    Seeding `random.Random` with a string hashes it with sha512 (not Python's salted `hash`), so
-    the order is the same in every process and run; random.shuffle's algorithm is stable across
-    Python 3 releases.
-    """
-    order = list(range(n_docs))
-    if shuffle:
-        random.Random(f"moe_sft.data:{seed}:{epoch}").shuffle(order)
-    return order
+    epoch: int
+    positions: np.ndarray
+    sources: np.ndarray
+    docs: np.ndarray
+    tokens: int  # real (non-padding) tokens
+    loss: float  # Σ loss weights
 
 
-class PackedBatchPlan:
-    """Step-indexed access to packed global batches; see the module docstring.
+class PackedLoader:
+    """See the module doc. `next_step` is set by the trainer after each step (it is what
+    `state_dict` saves); `batches_for_step` is a function of the step alone."""
 
-    The trainer sets `next_step` after each optimizer step (it is what `state_dict` saves);
-    `batches_for_step` itself is stateless.
-    """
-
-    def __init__(
-        self,
-        docs: Sequence[Doc],
-        pack_length: int,
-        global_batch_size: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        pad_to: int = 1,
-        pad_token_id: int = 0,
-    ):
-        _check_settings(docs, pack_length, global_batch_size, pad_to)
-        self.docs = docs
-        self.pack_length = pack_length
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.pad_to = pad_to
-        self.pad_token_id = pad_token_id
+    def __init__(self, store: DocStore | Sequence[TokenizedDoc], pack_length: int, global_batch_size: int, *,
+                 seed: int = 0, shuffle: bool = True, window: int = 8192, weights: Sequence[float] | None = None,
+                 eval_fraction: float = 0.0, pad_to: int = 1, doc_multiple: int = 1, pad_token_id: int = 0,
+                 prefetch: bool = True):
+        self.store = store if isinstance(store, DocStore) else MemoryDocs(list(store))
+        self.pack_length, self.global_batch_size, self.seed, self.shuffle = pack_length, global_batch_size, seed, shuffle
+        self.window, self.eval_fraction = window, eval_fraction
+        self.pad_to, self.doc_multiple, self.pad_token_id = pad_to, doc_multiple, pad_token_id
+        self.weights = [1.0] * len(self.store.sizes) if not weights else [float(w) for w in weights]
+        _check_settings(self)
+        self.train_sizes = [n - holdout_count(n, eval_fraction) for n in self.store.sizes]
+        try:
+            self.mixture = Mixture(self.train_sizes, self.weights, seed)
+        except ValueError as e:
+            raise DataPlanError(f"data.train_weights: {e}") from None
+        self.num_samples = self.mixture.num_samples
+        self.num_windows = -(-self.num_samples // window)
         self.next_step = 0
-        self._lengths = [len(doc.input_ids) for doc in docs]
-        self._loss_tokens = [sum(bool(m) for m in doc.assistant_mask[1:]) for doc in docs]
-        self._packs: dict[int, list[list[int]]] = {}
-        self._steps_in_epoch: dict[int, int] = {}
-        self._fingerprint: str | None = None
-        if self.steps_per_epoch == 0:
-            raise DataPlanError(
-                f"the {len(docs)} documents pack into {len(self.epoch_packs(0))} micro-batches of pack_length="
-                f"{pack_length}, fewer than global_batch_size={global_batch_size}: no full step; lower "
-                "global_batch_size or pack_length, or add data"
-            )
+        self._cursors: dict[int, Cursor] = {0: Cursor()}
+        self._steps: OrderedDict[int, list[Pack]] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], list[Pack]] = OrderedDict()
+        self._lock = threading.RLock()
+        self._prefetch = prefetch
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[tuple, Future] = {}
+        if isinstance(self.store, MemoryDocs):
+            self._check_lengths()
+        self.step_packs(0)  # fails now, not at step 0, when an epoch has no full step
 
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:  # computed lazily: it reads every token once
-            self._fingerprint = dataset_fingerprint(self.docs)
-        return self._fingerprint
+    # ------------------------------------------------------------------ the global stream
+    def window_packs(self, epoch: int, window: int) -> list[Pack]:
+        """The shuffled micro-batches of one window (cached: the trainer reads windows in order)."""
+        key = (epoch, window)
+        with self._lock:
+            if key not in self._windows:
+                self._windows[key] = self._pack_window(epoch, window)
+                while len(self._windows) > _KEEP:
+                    self._windows.popitem(last=False)
+            return self._windows[key]
 
-    @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in epoch 0. Later epochs may differ by a step or so (packing depends on order)."""
-        return self.steps_in_epoch(0)
+    def _pack_window(self, epoch: int, window: int) -> list[Pack]:
+        positions = np.arange(window * self.window, min((window + 1) * self.window, self.num_samples))
+        slots = permute(positions, self.num_samples, derive_key(self.seed, "order", epoch)) \
+            if self.shuffle else positions
+        sources, train_idx = self.mixture.locate(slots, epoch)
+        docs = np.empty_like(train_idx)
+        lengths, loss = np.empty(len(slots), np.int64), np.empty(len(slots), np.float64)
+        for f in np.unique(sources):
+            sel = sources == f
+            docs[sel] = split_index(self.store.sizes[f], self.eval_fraction, self.seed, int(f), train_idx[sel])
+            lengths[sel] = self.store.lengths(int(f), docs[sel])
+            loss[sel] = self.store.loss_sums(int(f), docs[sel])
+        need = -(-lengths // self.doc_multiple) * self.doc_multiple
+        if len(need) and need.max() > self.pack_length:
+            k = int(np.argmax(need))
+            raise DataPlanError(f"{self.store.names[sources[k]]} document {docs[k]} has {lengths[k]} tokens > "
+                                f"pack_length={self.pack_length}; set max_seq_len <= pack_length so long "
+                                "conversations are truncated or dropped")
+        bins = best_fit_decreasing(need.tolist(), self.pack_length)
+        if self.shuffle:
+            rng = np.random.default_rng(derive_key(self.seed, "packs", epoch, window))
+            bins = [bins[i] for i in rng.permutation(len(bins))]
+        return [Pack(epoch, positions[b], sources[b], docs[b], int(lengths[b].sum()), float(loss[b].sum()))
+                for b in map(np.asarray, bins)]
 
-    def steps_in_epoch(self, epoch: int) -> int:
-        if epoch not in self._steps_in_epoch:
-            self._steps_in_epoch[epoch] = len(self.epoch_packs(epoch)) // self.global_batch_size
-        return self._steps_in_epoch[epoch]
+    def _advance(self, cursor: Cursor) -> tuple[list[Pack], Cursor]:
+        """The global batch starting at `cursor`, and the cursor after it (drop-last per epoch)."""
+        epoch, window, pack = cursor.epoch, cursor.window, cursor.pack
+        packs: list[Pack] = []
+        epoch_start = window == 0 and pack == 0
+        while len(packs) < self.global_batch_size:
+            if window >= self.num_windows:  # the epoch ended: its incomplete step is dropped
+                if epoch_start:
+                    raise DataPlanError(
+                        f"the {self.num_samples} samples of an epoch pack into fewer than global_batch_size="
+                        f"{self.global_batch_size} micro-batches of pack_length={self.pack_length}: no full step; "
+                        "lower global_batch_size or pack_length, or add data")
+                epoch, window, pack, packs, epoch_start = epoch + 1, 0, 0, [], True
+                continue
+            available = self.window_packs(epoch, window)
+            take = min(self.global_batch_size - len(packs), len(available) - pack)
+            packs += available[pack:pack + take]
+            pack += take
+            if pack == len(available):
+                window, pack = window + 1, 0
+        return packs, Cursor(epoch, window, pack)
 
-    def total_steps(self, num_epochs: int) -> int:
-        """Optimizer steps in the first `num_epochs` epochs."""
-        return sum(self.steps_in_epoch(e) for e in range(num_epochs))
+    def _cursor_for(self, step: int) -> Cursor:
+        with self._lock:
+            if step not in self._cursors:
+                known = max(s for s in self._cursors if s <= step)
+                while known < step:  # replay (lengths only) from the nearest known position
+                    self._remember(known, *self._advance(self._cursors[known]))
+                    known += 1
+            return self._cursors[step]
 
-    def epoch_packs(self, epoch: int) -> list[list[int]]:
-        """The micro-batches of `epoch`, as lists of document indices (drop-last not yet applied)."""
-        if epoch not in self._packs:
-            order = epoch_order(len(self.docs), self.seed, epoch, self.shuffle)
-            if len(self._packs) >= _CACHED_EPOCHS:
-                del self._packs[min(self._packs)]
-            self._packs[epoch] = pack_documents(self._lengths, self.pack_length, order)
-        return self._packs[epoch]
+    def _remember(self, step: int, packs: list[Pack], after: Cursor) -> None:
+        self._steps[step] = packs
+        while len(self._steps) > _KEEP:
+            self._steps.popitem(last=False)
+        self._cursors[step + 1] = after
+        for old in [s for s in self._cursors if 0 < s < step - _KEEP and s != self.next_step]:
+            del self._cursors[old]
 
-    def locate(self, step: int) -> tuple[int, int]:
-        """(epoch, step within that epoch) of global optimizer step `step` (0-based)."""
+    def step_packs(self, step: int) -> list[Pack]:
+        """The global batch of `step` (all DP ranks' micro-batches, in rank order)."""
         if step < 0:
             raise DataPlanError(f"step={step} must be >= 0")
-        epoch = 0
-        while step >= self.steps_in_epoch(epoch):
-            if self.steps_in_epoch(epoch) == 0:
-                raise DataPlanError(
-                    f"epoch {epoch} packs into fewer than global_batch_size={self.global_batch_size} micro-batches; "
-                    "lower global_batch_size or pack_length"
-                )
-            step -= self.steps_in_epoch(epoch)
-            epoch += 1
-        return epoch, step
+        with self._lock:
+            if step not in self._steps:
+                self._remember(step, *self._advance(self._cursor_for(step)))
+            return self._steps[step]
 
-    def step_doc_indices(self, step: int) -> list[list[int]]:
-        """Document indices of the `global_batch_size` micro-batches of `step`, all ranks."""
-        epoch, offset = self.locate(step)
-        start = offset * self.global_batch_size
-        return self.epoch_packs(epoch)[start : start + self.global_batch_size]
+    # ------------------------------------------------------------------ per rank
+    def batches_for_step(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[list[PackedMicroBatch], float]:
+        """This rank's micro-batches of `step` and the loss-weight sum of the whole global batch."""
+        future = self._pending.pop((step, dp_rank, dp_size), None)
+        return future.result() if future is not None else self._build(step, dp_rank, dp_size)
 
-    def batches_for_step(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[list[PackedMicroBatch], int]:
-        """This rank's micro-batches for `step` and the assistant-token count of the whole global batch.
+    def prefetch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> None:
+        """Build `step`'s micro-batches in a background thread (while the current step trains)."""
+        if not self._prefetch or (step, dp_rank, dp_size) in self._pending:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-sft-data")
+        self._pending = {k: f for k, f in self._pending.items() if k[0] >= step - 1}
+        self._pending[(step, dp_rank, dp_size)] = self._pool.submit(self._build, step, dp_rank, dp_size)
 
-        Rank r gets the r-th contiguous block of global_batch_size / dp_size micro-batches.
-        """
+    def _build(self, step: int, dp_rank: int, dp_size: int) -> tuple[list[PackedMicroBatch], float]:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise DataPlanError(f"dp_rank={dp_rank}, dp_size={dp_size}: need dp_size >= 1 and 0 <= dp_rank < dp_size")
         if self.global_batch_size % dp_size:
             raise DataPlanError(
                 f"global_batch_size={self.global_batch_size} is not divisible by the data-parallel size {dp_size}; "
-                f"use a multiple of {dp_size}"
-            )
-        packs = self.step_doc_indices(step)
-        global_loss_tokens = sum(self._loss_tokens[i] for pack in packs for i in pack)
+                f"use a multiple of {dp_size}")
+        packs = self.step_packs(step)
         per_rank = self.global_batch_size // dp_size
-        mine = packs[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        batches = [
-            build_micro_batch([self.docs[i] for i in pack], pad_to=self.pad_to, pad_token_id=self.pad_token_id)
-            for pack in mine
-        ]
-        return batches, global_loss_tokens
+        mine = packs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return [self.micro_batch(p) for p in mine], sum(p.loss for p in packs)
 
+    def micro_batch(self, pack: Pack) -> PackedMicroBatch:
+        docs = [self.store.doc(int(f), int(d)) for f, d in zip(pack.sources, pack.docs)]
+        return build_micro_batch(docs, pad_to=self.pad_to, pad_token_id=self.pad_token_id,
+                                 doc_multiple=self.doc_multiple)
+
+    # ------------------------------------------------------------------ reporting
+    def step_info(self, step: int) -> dict[str, float]:
+        """Packing efficiency (real tokens / capacity) and the epoch (fractional) of `step`."""
+        packs, cursor = self.step_packs(step), self._cursor_for(step)
+        real = sum(p.tokens for p in packs)
+        done = cursor.window
+        if cursor.window < self.num_windows:
+            done += cursor.pack / len(self.window_packs(cursor.epoch, cursor.window))
+        return {"data/packing_efficiency": real / (len(packs) * self.pack_length),
+                "data/epoch": cursor.epoch + done / self.num_windows}
+
+    def sample_ids(self, step: int) -> list[list[tuple[int, int]]]:
+        """Per micro-batch of the global batch: (source, document) of each sample."""
+        return [list(zip(p.sources.tolist(), p.docs.tolist())) for p in self.step_packs(step)]
+
+    def epoch_packs(self, epoch: int) -> list[Pack]:
+        """Every micro-batch of `epoch`, before the last incomplete step is dropped."""
+        return [p for w in range(self.num_windows) for p in self.window_packs(epoch, w)]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self.epoch_packs(epoch)) // self.global_batch_size
+
+    def estimate_steps_per_epoch(self) -> float:
+        """From the first window's packing (exact when one window holds the epoch)."""
+        packs = self.window_packs(0, 0)
+        share = sum(len(p.positions) for p in packs) / max(self.num_samples, 1)
+        return len(packs) / max(share, 1e-12) / self.global_batch_size
+
+    # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
-        """The data position plus what must match to resume it (pad_to and dp_size may change)."""
-        return {
-            "version": STATE_VERSION,
-            "next_step": self.next_step,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "pack_length": self.pack_length,
-            "global_batch_size": self.global_batch_size,
-            "num_docs": len(self.docs),
-            "fingerprint": self.fingerprint,
-        }
+        """The data position plus what must match to resume it (pad_to and the DP size may change)."""
+        cursor = self._cursor_for(self.next_step)
+        return {"version": STATE_VERSION, "next_step": self.next_step,
+                "cursor": [cursor.epoch, cursor.window, cursor.pack], **self._settings()}
+
+    def _settings(self) -> dict:
+        return {"seed": self.seed, "shuffle": self.shuffle, "pack_length": self.pack_length,
+                "global_batch_size": self.global_batch_size, "window": self.window,
+                "doc_multiple": self.doc_multiple, "weights": self.weights, "eval_fraction": self.eval_fraction,
+                "num_docs": list(self.store.sizes), "fingerprint": self.store.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `next_step`; any mismatch of data or packing settings is an error naming the field."""
+        """Restore the position; any mismatch of data or packing settings is an error naming the field."""
         if state.get("version") != STATE_VERSION:
             raise DataPlanError(
-                f"data state version {state.get('version')!r} is not {STATE_VERSION}; it was written by another moe_sft"
-            )
-        current = self.state_dict()
+                f"data state version {state.get('version')!r} is not {STATE_VERSION}; it was written by another "
+                "moe_sft data loader, whose sample order this one cannot reproduce; start a new run "
+                "(checkpoint.resume=never) or resume with that version")
+        current = self._settings()
         missing = sorted(set(current) - set(state))
         if missing:
-            raise DataPlanError(f"data state lacks {missing}; it is not a PackedBatchPlan.state_dict()")
+            raise DataPlanError(f"data state lacks {missing}; it is not a PackedLoader.state_dict()")
         for key in ("num_docs", "fingerprint"):
             if state[key] != current[key]:
                 raise DataPlanError(
-                    f"the checkpoint's data differs from this run's ({key}: saved {state[key]!r}, "
-                    f"now {current[key]!r}); "
-                    "resume with the same data files, tokenizer and max_seq_len, or start a new run"
-                )
-        for key in ("seed", "shuffle", "pack_length", "global_batch_size"):
+                    f"the checkpoint's data differs from this run's ({key}: saved {state[key]!r}, now {current[key]!r}); "
+                    "resume with the same data files, tokenizer and data settings, or start a new run")
+        for key in ("seed", "shuffle", "pack_length", "global_batch_size", "window", "doc_multiple", "weights",
+                    "eval_fraction"):
             if state[key] != current[key]:
+                name = {"window": "pack_window", "weights": "train_weights", "global_batch_size":
+                        "global_batch_size", "doc_multiple": "pad_documents_to"}.get(key, key)
                 raise DataPlanError(
-                    f"data.{key}={current[key]!r} but the checkpoint was saved with {key}={state[key]!r}; set it back "
-                    "to resume (the data position of one setting does not map to another), or start a new run"
-                )
-        self.next_step = int(state["next_step"])
+                    f"data.{name}={current[key]!r} but the checkpoint was saved with {name}={state[key]!r}; set it back "
+                    "to resume (the data position of one setting does not map to another), or start a new run")
+        with self._lock:
+            self.next_step = int(state["next_step"])
+            self._cursors = {0: Cursor(), self.next_step: Cursor(*state["cursor"])}
+            self._steps.clear()
+            self._pending.clear()
+
+    def _check_lengths(self) -> None:
+        for f, n in enumerate(self.store.sizes):
+            lengths = self.store.lengths(f, np.arange(n))
+            if n and lengths.max() > self.pack_length:
+                k = int(np.argmax(lengths))
+                doc = self.store.doc(f, k)
+                raise DataPlanError(f"{getattr(doc, 'source', '') or f'document {k}'} has {lengths[k]} tokens > "
+                                    f"pack_length={self.pack_length}; set max_seq_len <= pack_length so long "
+                                    "conversations are truncated or dropped")
 
 
-def _check_settings(docs: Sequence[Doc], pack_length: int, global_batch_size: int, pad_to: int) -> None:
-    if not docs:
+def _check_settings(loader: PackedLoader) -> None:
+    if not sum(loader.store.sizes):
         raise DataPlanError("no documents to train on; check the data paths and the overlong/max_seq_len settings")
-    if global_batch_size < 1:
-        raise DataPlanError(f"global_batch_size={global_batch_size} must be >= 1")
-    if pad_to < 1 or pack_length < 1 or pack_length % pad_to:
+    if loader.global_batch_size < 1:
+        raise DataPlanError(f"global_batch_size={loader.global_batch_size} must be >= 1")
+    if loader.window < 1:
+        raise DataPlanError(f"data.pack_window={loader.window} must be >= 1")
+    m = loader.doc_multiple
+    if loader.pad_to < 1 or m < 1 or loader.pack_length < 1 or loader.pack_length % loader.pad_to \
+            or loader.pack_length % m:
         raise DataPlanError(
-            f"pack_length={pack_length} must be a positive multiple of pad_to={pad_to}, so padded micro-batches "
-            "never exceed pack_length"
-        )
-    longest = max(range(len(docs)), key=lambda i: len(docs[i].input_ids))
-    if len(docs[longest].input_ids) > pack_length:
-        source = getattr(docs[longest], "source", "") or f"document {longest}"
-        raise DataPlanError(
-            f"{source} has {len(docs[longest].input_ids)} tokens > pack_length={pack_length}; "
-            "set max_seq_len <= pack_length so long conversations are truncated or dropped"
-        )
+            f"pack_length={loader.pack_length} must be a positive multiple of pad_to={loader.pad_to} and of the "
+            f"per-document multiple {m}, so padded micro-batches never exceed pack_length")
+    if len(loader.weights) != len(loader.store.sizes):
+        raise DataPlanError(f"data.train_weights has {len(loader.weights)} entries for {len(loader.store.sizes)} "
+                            "train files; give one weight per file (or none)")
+    if not 0 <= loader.eval_fraction < 1:
+        raise DataPlanError(f"data.eval_fraction={loader.eval_fraction} must be in [0, 1)")
+
+
+class EvalBatches:
+    """The evaluation set packed once (best-fit decreasing, fixed order) and dealt to DP ranks.
+
+    Every rank gets the same number of micro-batches (ranks short of one get a padding-only
+    micro-batch with weight 0), because expert-parallel and pipeline schedules need all ranks of
+    a step to run the same number of micro-batches.
+    """
+
+    def __init__(self, store: DocStore, refs: Sequence[tuple[int, int]], pack_length: int, *, window: int = 8192,
+                 pad_to: int = 1, doc_multiple: int = 1, pad_token_id: int = 0):
+        self.store, self.pad_to, self.doc_multiple, self.pad_token_id = store, pad_to, doc_multiple, pad_token_id
+        refs = np.asarray(list(refs), dtype=np.int64).reshape(-1, 2)
+        self.num_samples, self.num_tokens, self.packs = len(refs), 0, []
+        for lo in range(0, len(refs), window):
+            part = refs[lo:lo + window]
+            lengths = np.empty(len(part), dtype=np.int64)
+            for f in np.unique(part[:, 0]):
+                sel = part[:, 0] == f
+                lengths[sel] = self.store.lengths(int(f), part[sel, 1])
+            self.num_tokens += int(lengths.sum())
+            need = [padded_length(int(n), doc_multiple) for n in lengths]
+            self.packs += [part[np.asarray(b)] for b in best_fit_decreasing(need, pack_length)]
+
+    def for_rank(self, dp_rank: int, dp_size: int, per_call: int) -> Iterator[list[PackedMicroBatch]]:
+        """Groups of `per_call` micro-batches (one forward-only schedule call each; the same count on
+        every rank and per call, as pipeline schedules need)."""
+        per_rank = padded_length(-(-len(self.packs) // dp_size), per_call)
+        mine = self.packs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        for lo in range(0, per_rank, per_call):
+            yield [self._micro_batch(mine[i] if i < len(mine) else None) for i in range(lo, min(lo + per_call, per_rank))]
+
+    def _micro_batch(self, pack: np.ndarray | None) -> PackedMicroBatch:
+        docs = [TokenizedDoc([self.pad_token_id], [0.0])] if pack is None else \
+            [self.store.doc(int(f), int(d)) for f, d in pack]
+        return build_micro_batch(docs, pad_to=self.pad_to, pad_token_id=self.pad_token_id,
+                                 doc_multiple=self.doc_multiple)

@@ -9,6 +9,8 @@ so the torch-native spec uses this module instead. Kernels, best first:
   head dim the kernels refuse) — the reference the fast paths are tested against.
 
 Inputs follow megatron's SelfAttention: THD `[t, heads, dim]` when packed, else `[s, b, heads, dim]`.
+With context_parallel_size > 1 (THD only) the same kernels run over all-gathered K/V:
+moe_sft/layers/context_parallel.py.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from moe_sft.layers.context_parallel import (
+    context_parallel_attention, plan_cp_attention, sdpa_bottom_right)
 
 try:  # flash-attn is optional: the field's standard kernel when installed.
     from flash_attn import flash_attn_varlen_func
@@ -61,19 +67,35 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
     return out
 
 
-def _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale):
+def _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    """Causal varlen attention; with seqlen_q < seqlen_k (context parallel) the causal mask is
+    bottom-right aligned in both kernels (flash-attn's `causal=True`; window (-1, 0) of torch's)."""
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:
         # MLA: v head dim (128) < q/k head dim (192), which the flash kernels refuse. Zero-padding
         # v gives softmax(qkᵀ)·[v, 0] = [out, 0]; the slice keeps exact values and gradients.
         v = F.pad(v, (0, q.shape[-1] - v_dim))
-        return _varlen_cuda(q, k, v, cu_seqlens, max_seqlen, scale)[..., :v_dim]
+        return _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            scale)[..., :v_dim]
     if flash_attn_varlen_func is not None:
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=scale, causal=True)
     extra = {"enable_gqa": True} if ("enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]) else {}
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                        window_size=(-1, 0), **extra)
+
+
+def _has_cuda_kernel(q) -> bool:
+    return q.is_cuda and (flash_attn_varlen_func is not None or varlen_attn is not None)
+
+
+def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    """The context-parallel kernel: varlen (separate q/k cu_seqlens) on CUDA, else SDPA with a
+    bottom-right causal mask."""
+    if _has_cuda_kernel(q):
+        return _varlen_cuda(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+                            max_seqlen_q, max_seqlen_k, scale)
+    return sdpa_bottom_right(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
 class VarlenCoreAttention(MegatronModule):
@@ -87,9 +109,11 @@ class VarlenCoreAttention(MegatronModule):
         # MLA passes k_channels/v_channels (q/k head dim ≠ v head dim); the kernels read the
         # head dims from the tensors, so only the default softmax scale needs k_channels.
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context_parallel_size > 1 needs the Transformer Engine backend "
-                             "(model.backend=te); the torch-native attention has no CP ring.")
+        self.cp_size = config.context_parallel_size
+        self.cp_group = getattr(pg_collection, "cp", None)
+        if self.cp_size > 1 and self.cp_group is None:
+            from megatron.core import parallel_state
+            self.cp_group = parallel_state.get_context_parallel_group()
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"VarlenCoreAttention supports causal masks only, got {attn_mask_type}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -106,9 +130,18 @@ class VarlenCoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            if self.cp_size > 1:  # cu_seqlens are global (padded for CP); q/k/v are this rank's rows
+                plan = getattr(packed_seq_params, "cp_plan", None) or plan_cp_attention(
+                    cu.tolist(), self.cp_size, dist.get_rank(self.cp_group)).to(query.device)
+                out = context_parallel_attention(query, key, value, plan, self.softmax_scale,
+                                                 self.cp_group, cp_kernel)
+                return out.reshape(out.shape[0], -1)
             max_len = int(packed_seq_params.max_seqlen_q)
             out = self._thd(query, key, value, cu, max_len)
             return out.reshape(out.shape[0], -1)
+        if self.cp_size > 1:
+            raise ValueError("context parallel needs packed THD batches (packed_seq_params with "
+                             "qkv_format='thd'); the trainer always packs")
         # [s, b, h, d]: each batch row is one document.
         s, b = query.shape[:2]
         to_thd = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])
@@ -117,6 +150,7 @@ class VarlenCoreAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _thd(self, q, k, v, cu_seqlens, max_seqlen):
-        if q.is_cuda and (flash_attn_varlen_func is not None or varlen_attn is not None):
-            return _varlen_cuda(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, self.softmax_scale)
+        if _has_cuda_kernel(q):
+            cu = cu_seqlens.to(torch.int32)
+            return _varlen_cuda(q, k, v, cu, cu, max_seqlen, max_seqlen, self.softmax_scale)
         return sdpa_varlen_reference(q, k, v, cu_seqlens, self.softmax_scale)

@@ -56,11 +56,13 @@ class SFTGPTModel(GPTModel):
         return torch.cat(logits, dim=0).transpose(0, 1).contiguous()
 
 
-def shift_targets(labels: torch.Tensor, loss_mask: torch.Tensor, packed_seq_params):
+def shift_targets(labels: torch.Tensor, loss_mask: torch.Tensor, packed_seq_params, cp_group=None):
     """Labels and loss mask one more token ahead, within each packed document (megatron's roll).
 
     The last position of every document gets label 0 and mask 0: no next-next token there.
+    With context parallel (`cp_group`), megatron's roll exchanges chunk boundaries between ranks.
     """
-    labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
-    loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
+    labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+    loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
+                               packed_seq_params=packed_seq_params)
     return labels, loss_mask

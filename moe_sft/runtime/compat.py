@@ -57,6 +57,9 @@ def apply_megatron_fixes() -> list[str]:
         _fix_mla_without_te(applied)
         _fix_fully_reshardable_step_load()
         applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")
+        _fix_hybrid_optimizer_main_params()
+        applied.append("HybridDeviceOptimizer (optimizer CPU offload): main params and their CPU copies "
+                       "follow loaded weights")
         _fix_expert_bias_padding_mask()
         applied.append("TopKRouter: expert-bias token counts exclude padding (mask broadcast per expert)")
         if _fix_output_discarding_checkpoint_without_te():
@@ -137,6 +140,53 @@ def _fix_fully_reshardable_step_load() -> None:
         return result
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _fix_hybrid_optimizer_main_params() -> None:
+    """Optimizer CPU offload (megatron's HybridDeviceOptimizer, HDO) without the precision-aware
+    optimizer: the HDO steps the distributed optimizer's fp32 main-param shards, and copies the
+    offloaded share to CPU when it is built. megatron 0.16.1 then loses loaded weights twice:
+    `_copy_model_params_to_main_params` (reload_model_params, after loading a checkpoint's weights)
+    returns early for an HDO, so the main params keep the values they had when the optimizer was
+    built and the first step writes those back into the model (on H200: step-3 loss 6.139 with
+    offload vs 6.188 without); and after a resume loads the main params, the HDO refreshes only
+    precision-aware fp32 copies, not the CPU copies it steps (a KeyError here). Copy model -> main
+    params as without offload, then main -> each CPU copy."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._copy_model_params_to_main_params
+    if getattr(original, "_moe_sft_fixed", False):
+        return
+
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        hdo = self.optimizer
+        if not isinstance(hdo, HybridDeviceOptimizer) or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, state_dict)
+        self.optimizer = None  # megatron's path without an HDO: model params -> fp32 main shards
+        try:
+            original(self, state_dict)
+        finally:
+            self.optimizer = hdo
+        hdo.refresh_cpu_copies()
+
+    _copy_model_params_to_main_params._moe_sft_fixed = True
+    DistributedOptimizer._copy_model_params_to_main_params = _copy_model_params_to_main_params
+
+    def refresh_cpu_copies(self):
+        for main_param, cpu_copy in self.gpu_params_map_cpu_copy.items():
+            if main_param not in self.param_to_fp32_param:  # precision-aware copies: original path
+                cpu_copy.data.copy_(main_param.data)
+
+    def _update_fp32_params_by_new_state(self):
+        if self.param_update_in_fp32:
+            for param, state in self.state.items():
+                if param in self.param_to_fp32_param:
+                    self.param_to_fp32_param[param].data.copy_(state["master_param"])
+        self.refresh_cpu_copies()
+
+    HybridDeviceOptimizer.refresh_cpu_copies = refresh_cpu_copies
+    HybridDeviceOptimizer._update_fp32_params_by_new_state = _update_fp32_params_by_new_state
 
 
 def _fix_expert_bias_padding_mask() -> None:

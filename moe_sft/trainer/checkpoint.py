@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
+from moe_sft.trainer.guard import injected_fault
 
 _STEP_DIR = re.compile(r"step_(\d{7})$")
 
@@ -137,27 +139,84 @@ def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loadi
     return state
 
 
-def save(root: Path, step: int, model_chunks, optimizer, scheduler, extra: dict, meta: dict,
-         hf_side_dir: Path, keep_last: int) -> Path:
-    root = Path(root)
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(full_sharded_state(model_chunks, optimizer, scheduler, extra), str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        mcore_io.copy_hf_side_files(hf_side_dir, tmp / mcore_io.HF_SUBDIR)
-        mcore_io.write_meta(tmp, dict(meta, step=step))
-        mcore_io.commit_dir(tmp, final)
-        pointer_tmp = root / "latest.tmp"
-        pointer_tmp.write_text(str(step))
-        os.replace(pointer_tmp, root / "latest")
-        _prune(root, keep_last)
-    dist.barrier()
-    return final
+class Saver:
+    """Writes checkpoints: in this process, or (async_save) in a writer process per save.
+
+    An async save snapshots the state at the save step (megatron copies it to host memory and
+    forks the writer), training goes on, and the checkpoint is committed (meta, hf side files,
+    rename, `latest`) by the first `poll()` or `wait()` after the writer finished. One save is in
+    flight at a time. `poll()` and `wait()` are collectives while a save is in flight: every rank
+    calls them at the same points.
+    """
+
+    def __init__(self, root: Path, hf_side_dir: Path, keep_last: int, async_save: bool = False):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.root, self.hf_side_dir, self.keep_last = Path(root), hf_side_dir, keep_last
+        self.queue = AsyncCallsQueue() if async_save else None
+
+    def save(self, step: int, model_chunks, optimizer, scheduler, extra: dict, meta: dict) -> Path:
+        self.wait()
+        final = step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        started = time.perf_counter()
+        request = dist_checkpointing.save(full_sharded_state(model_chunks, optimizer, scheduler, extra),
+                                          str(tmp), async_sharded_save=self.queue is not None)
+
+        def commit() -> None:
+            dist.barrier()  # every rank's files are written
+            self._commit(step, tmp, final, meta, time.perf_counter() - started)
+
+        if self.queue is None:
+            commit()
+        else:
+            request.add_finalize_fn(commit)
+            self.queue.schedule_async_request(request)
+            if dist.get_rank() == 0:
+                print(f"[moe-sft] checkpoint step {step}: writing in the background; training was blocked "
+                      f"{time.perf_counter() - started:.1f}s", flush=True)
+        return final
+
+    def _commit(self, step: int, tmp: Path, final: Path, meta: dict, seconds: float) -> None:
+        if injected_fault("kill_in_save", step):  # test hook: die with the files written, uncommitted
+            _die_like_sigkill()
+        if dist.get_rank() == 0:
+            size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            print(f"[moe-sft] checkpoint step {step}: {size / 1e9:.3f} GB written in {seconds:.1f}s "
+                  f"({size / 1e9 / max(seconds, 1e-9):.3g} GB/s, all ranks"
+                  f"{', in the background' if self.queue is not None else ''})", flush=True)
+            mcore_io.copy_hf_side_files(self.hf_side_dir, tmp / mcore_io.HF_SUBDIR)
+            mcore_io.write_meta(tmp, dict(meta, step=step))
+            mcore_io.commit_dir(tmp, final)
+            pointer_tmp = self.root / "latest.tmp"
+            pointer_tmp.write_text(str(step))
+            os.replace(pointer_tmp, self.root / "latest")
+            _prune(self.root, self.keep_last)
+        dist.barrier()
+
+    def poll(self) -> None:
+        """Commit a background save whose writer finished (collective while one is in flight)."""
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until a background save is written and committed."""
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+
+def _die_like_sigkill() -> None:
+    """What `kill -9` of the job does: this process and its helpers (dist_checkpointing's
+    multiprocessing manager would otherwise outlive it holding the launcher's pipes) stop now."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(137)
 
 
 def _prune(root: Path, keep_last: int) -> None:

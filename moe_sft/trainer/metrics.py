@@ -1,8 +1,15 @@
-"""Metrics: TensorBoard scalars and one console line per log interval (rank 0 only)."""
+"""Metrics: TensorBoard scalars and one console line per log interval (rank 0 only).
+
+Names are `section/name`; the console line shows `name=value` for those, and names with more
+parts (`moe/layer_3/max_load_ratio`, `moe/summary/load_entropy`) go to TensorBoard only, so the
+line stays short whatever the number of layers. `Histogram` values go to TensorBoard only.
+Metric definitions: docs/telemetry.md.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +57,29 @@ def moe_aux_losses(config, num_microbatches: int) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Histogram:
+    """Counts per integer bin 0..n-1 (e.g. tokens per expert id), written as a TensorBoard
+    histogram with one bucket per bin, so the exact counts read back from the event file."""
+
+    counts: list[float]
+
+    def write(self, writer, tag: str, step: int) -> None:
+        ids = [i for i, c in enumerate(self.counts) if c]
+        if not ids:
+            return
+        writer.add_histogram_raw(
+            tag, min=float(ids[0]), max=float(ids[-1]), num=float(sum(self.counts)),
+            sum=float(sum(i * c for i, c in enumerate(self.counts))),
+            sum_squares=float(sum(i * i * c for i, c in enumerate(self.counts))),
+            bucket_limits=[i + 0.5 for i in range(len(self.counts))], bucket_counts=list(self.counts),
+            global_step=step)
+
+
+def on_console(name: str) -> bool:
+    return name.count("/") <= 1
+
+
 class MetricsLogger:
     def __init__(self, log_dir: Path, enabled: bool):
         self.enabled = enabled
@@ -60,14 +90,18 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(log_dir))
         self._last = time.time()
 
-    def log(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, max_steps: int, metrics: dict[str, float], label: str = "step") -> None:
         if not self.enabled:
             return
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
+            if isinstance(value, Histogram):
+                value.write(self.writer, name, step)
+            else:
+                self.writer.add_scalar(name, value, step)
         self.writer.flush()
-        shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items())
-        print(f"step {step}/{max_steps} {shown}", flush=True)
+        shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()
+                         if on_console(k) and not isinstance(v, Histogram))
+        print(f"{label} {step}/{max_steps} {shown}", flush=True)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -90,3 +124,21 @@ class Throughput:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - self._start
         return tokens / max(seconds, 1e-9), seconds
+
+
+def peak_memory_per_rank(device: str) -> list[tuple[float, float]]:
+    """(peak allocated, peak reserved) GiB of every rank since the last reset; [] unless on CUDA.
+
+    A collective (all ranks call it). The planner's calibration (tests/gpu/plan_calibration.py)
+    compares these with `python -m moe_sft.plan`'s per-stage prediction.
+    """
+    import torch.distributed as dist
+
+    if device != "cuda":
+        return []
+    mine = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+                        dtype=torch.float64, device="cuda") / 2**30
+    every = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64, device="cuda")
+    dist.all_gather_into_tensor(every, mine)
+    values = every.tolist()
+    return [(values[2 * r], values[2 * r + 1]) for r in range(dist.get_world_size())]

@@ -1,11 +1,17 @@
 """One training step around megatron-core's pipeline schedule.
 
-Loss normalisation: loss = Σ assistant-token losses / (assistant tokens in the whole global
-batch). The batch plan gives every rank that global count without communication. megatron's
+Loss normalisation: loss = Σ w_t · token loss_t / Σ w_t over the whole global batch, w_t being
+the token's loss weight (1 on assistant tokens, 0 elsewhere, or per-message weights; `loss_mask`).
+The batch plan gives every rank that global weight sum without communication. megatron's
 schedule divides each micro-batch loss by `num_microbatches` and DDP averages gradients over the
 data-parallel group, so each micro-batch returns `local_sum / global_tokens * num_mb * dp` —
 after both reductions the gradient is exactly that of the global per-token mean (not a mean
 of per-micro-batch means, which overweights short micro-batches).
+
+Context parallel (moe_sft/trainer/context_parallel.py): each CP rank returns the loss sum over
+its own tokens with the same scale. megatron 0.16.1's `forward_step_calc_loss` multiplies a
+two-output loss by the CP size and DDP divides gradients by the dp×cp group size, so the two
+cancel and the gradient is again Σ over all dp×cp ranks of local sums / global tokens.
 
 Multi-token prediction (DeepSeek-V3): with D MTP depths the model returns D + 1 logit blocks;
 depth k is scored against the labels k tokens further ahead within each document, and the loss
@@ -25,13 +31,15 @@ from megatron.core.utils import get_attr_wrapped_model
 from moe_sft.data.packing import PackedMicroBatch
 from moe_sft.models.forward import packed_seq_params
 from moe_sft.models.mtp import shift_targets
+from moe_sft.trainer import context_parallel
 
 
 def _to_device(mb: PackedMicroBatch, device: str) -> dict:
+    if isinstance(mb, context_parallel.CPShard):
+        return mb.to_device(device)
     padding = None
-    if mb.num_padding:  # padding tokens must not be routed nor counted in the router's aux loss
-        padding = torch.zeros(1, len(mb.tokens), dtype=torch.bool, device=device)
-        padding[:, len(mb.tokens) - mb.num_padding:] = True
+    if mb.num_padding:  # padding tokens (per document and trailing) must not be routed nor counted in the aux loss
+        padding = mb.padding_mask[None].to(device)
     return dict(tokens=mb.tokens[None].to(device), labels=mb.labels[None].to(device),
                 loss_mask=mb.loss_mask[None].to(device), position_ids=mb.position_ids[None].to(device),
                 params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen), padding=padding)
@@ -65,7 +73,7 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
     count = mask.sum().detach()
     mtp_sum = torch.zeros_like(local_sum)
     for depth in range(1, mtp_depths + 1):
-        labels, mask = shift_targets(labels, mask, batch["params"])
+        labels, mask = shift_targets(labels, mask, batch["params"], _cp_group())
         mtp_sum = mtp_sum + (masked_token_losses(blocks[depth], labels, vocab_size) * mask).sum()
     total = local_sum
     if mtp_depths:
@@ -73,6 +81,12 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
         total = local_sum + mtp_weight * mtp_sum
     reported = torch.stack([local_sum.detach(), count, mtp_sum.detach()])
     return total * scale, {"lm_loss": reported}
+
+
+def _cp_group():
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def _sequence_parallel_slice(padding: torch.Tensor, model) -> torch.Tensor:
@@ -104,14 +118,22 @@ def make_forward_step(device: str, scale: float, vocab_size: int, mtp_depths: in
 
 def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, device: str,
                          vocab_size: int, seq_length: int, forward_only: bool = False,
-                         mtp_weight: float = 0.0):
+                         mtp_weight: float = 0.0, fixed_shape: bool = False):
     """Forward+backward over this rank's micro-batches.
 
+    `fixed_shape`: every micro-batch of every rank has `seq_length` tokens (pipeline p2p,
+    allgather expert dispatch); context parallel then pads them all to one common length.
     Returns the local [loss sum, loss tokens, MTP loss sum (mean over depths)].
     """
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        config = get_attr_wrapped_model(model_chunks[0], "config")
+        micro_batches, seq_length = context_parallel.shard_micro_batches(
+            micro_batches, cp, parallel_state.get_context_parallel_rank(),
+            config.tensor_model_parallel_size if config.sequence_parallel else 1, fixed_shape, device)
     num_mb = len(micro_batches)
     dp = parallel_state.get_data_parallel_world_size()
-    scale = num_mb * dp / max(global_loss_tokens, 1)
+    scale = num_mb * dp / max(global_loss_tokens, 1e-12)  # a float weight sum may be < 1
     mtp_depths = get_attr_wrapped_model(model_chunks[-1], "mtp_depths")()
     iterators = [iter(micro_batches) for _ in model_chunks]
     fb = get_forward_backward_func()
@@ -127,11 +149,11 @@ def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, d
 
 
 def global_loss(local_total: torch.Tensor) -> tuple[float, float]:
-    """(loss, MTP loss): Σ / Σ tokens over the data-parallel replicas of the last pipeline stage."""
+    """(loss, MTP loss): Σ / Σ tokens over the data- and context-parallel ranks of the last
+    pipeline stage (each CP rank holds the sums over its own tokens)."""
     counted = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-               and parallel_state.get_tensor_model_parallel_rank() == 0
-               and parallel_state.get_context_parallel_rank() == 0)
+               and parallel_state.get_tensor_model_parallel_rank() == 0)
     total = local_total if counted else torch.zeros_like(local_total)
     dist.all_reduce(total)
-    tokens = total[1].clamp(min=1)
+    tokens = total[1].clamp(min=1e-12)  # Σ loss weights (float)
     return (total[0] / tokens).item(), (total[2] / tokens).item()

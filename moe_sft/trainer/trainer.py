@@ -22,14 +22,18 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from moe_sft.config import TrainConfig, save_resolved_config, validate_against_model, validate_config
+from moe_sft.config import (ConfigError, TrainConfig, save_resolved_config, validate_against_model,
+                            validate_config)
+from moe_sft.config.validate import optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
+from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import checkpoint, offload, overlap, step as train_step
-from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses
+from moe_sft.trainer import checkpoint, freeze, guard, offload, overlap, step as train_step
+from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
+from moe_sft.trainer.telemetry import Telemetry
 
 # The demo tokenizer shipped in the repo (made by tools/make_demo_assets.py); the quickstart's
 # tiny model is built for it when the recipe names no other tokenizer.
@@ -59,6 +63,7 @@ class Trainer:
         self.out = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.start_step = 0
+        self.consumed_tokens = 0  # real (non-padding) tokens trained on, all DP ranks; checkpointed
 
     # ---------------------------------------------------------------- phases
     def setup(self) -> "Trainer":
@@ -69,11 +74,16 @@ class Trainer:
         self._model()
         self._optimizer()
         self._resume()
+        self.telemetry = Telemetry.for_trainer(self)  # after loading: expert-bias drift starts here
         return self
 
     def _runtime(self) -> None:
         t = self.cfg.trainer
         self.rt = rdevice.choose_runtime(t.device, t.precision, self.cfg.model.backend)
+        if self.cfg.optimizer.optimizer_cpu_offload:  # the recipe's 'auto' values, resolved
+            errors = optimizer_offload_errors(self.rt.device, self.rt.precision)
+            if errors:
+                raise ConfigError(f"device={self.rt.device} precision={self.rt.precision}: " + "; ".join(errors))
         applied = rdevice.prepare_runtime(self.rt)
         if os.environ.get("RANK", "0") == "0":
             print(f"[moe-sft] {self.rt.describe()}", flush=True)
@@ -83,7 +93,11 @@ class Trainer:
 
     def _distributed(self) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        batch_line = resolve_global_batch(self.cfg, world)
+        if batch_line and int(os.environ.get("RANK", "0")) == 0:
+            print(f"[moe-sft] {batch_line}", flush=True)
         validate_config(self.cfg, world)
+        trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
         distributed.init_process_group(self.rt.device)
         p = self.cfg.parallel
         distributed.init_model_parallel(
@@ -94,6 +108,10 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         _say(f"world={world} tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} "
              f"ep={p.expert_model_parallel_size} cp={p.context_parallel_size} dp={self.dp_size}")
+        if p.context_parallel_size > 1 and self.rt.backend == "torch":
+            _say(f"context parallel: documents padded to a multiple of {2 * p.context_parallel_size}, "
+                 f"load-balanced chunks, all-gathered K/V, {attention_kernel_name(self.rt.device)} "
+                 f"with separate q/k cu_seqlens (bottom-right causal)")
         if dist.get_rank() == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.cfg, self.out / "config.yaml")
@@ -133,7 +151,9 @@ class Trainer:
             moe_expert_capacity_factor=m.moe_expert_capacity_factor,
             recompute_granularity=m.recompute_granularity,
             extra={k: v for k, v in (("moe_router_enable_expert_bias", m.moe_router_enable_expert_bias),
-                                     ("moe_router_bias_update_rate", m.moe_router_bias_update_rate),
+                                     ("moe_router_bias_update_rate",
+                                      0.0 if m.freeze_expert_bias or m.freeze_router
+                                      else m.moe_router_bias_update_rate),
                                      ("recompute_method", m.recompute_method),
                                      ("recompute_num_layers", m.recompute_num_layers),
                                      ("recompute_modules", m.recompute_modules),
@@ -146,6 +166,10 @@ class Trainer:
         self.tconfig = build_transformer_config(self.family, self.hf_cfg, self.opts)
         chunks = build_model_chunks(self.family, self.hf_cfg, self.tconfig, self.opts)
         self._setup_mtp(chunks)
+        patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
+        frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
+        if patterns:
+            _say(f"froze {patterns}: {len(names)} tensors, {frozen / 1e6:.2f}M parameters on rank 0")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
             overlap_param_gather=p.overlap_param_gather,
@@ -182,8 +206,17 @@ class Trainer:
             clip_grad=o.clip_grad, bf16=bf16, params_dtype=self.tconfig.params_dtype,
             use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
             optimizer_cpu_offload=o.optimizer_cpu_offload,
-            optimizer_offload_fraction=o.optimizer_offload_fraction)
-        self.optimizer = get_megatron_optimizer(oc, self.model)
+            # megatron's default fraction is 0.0: offload on, nothing moved (docs/planner.md)
+            optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
+        patterns = list(o.no_weight_decay_patterns)
+        overrides, excluded = freeze.weight_decay_overrides(oc, checkpoint.unwrap(self.model), patterns, self.rt.device)
+        if patterns:
+            _say(f"no weight decay on {excluded} parameter tensor(s) matching {patterns} on rank 0 (besides "
+                 "biases and 1-D parameters)")
+        self.optimizer = get_megatron_optimizer(oc, self.model, config_overrides=overrides)
+        if o.optimizer_cpu_offload:
+            _say(f"optimizer CPU offload: {o.optimizer_offload_fraction:.0%} of this rank's fp32 optimizer "
+                 "shard (main params, Adam moments) is stepped on the CPU (megatron's HybridDeviceOptimizer)")
         # megatron's scheduler needs warmup < decay steps; a short run may end inside warmup
         steps = max(self.cfg.trainer.max_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
@@ -200,13 +233,12 @@ class Trainer:
     def _data(self) -> None:
         from transformers import AutoTokenizer
 
-        from moe_sft.data.chat import tokenize_files
-        from moe_sft.data.loader import PackedBatchPlan
+        from moe_sft.config.validate import doc_multiple_for
+        from moe_sft.data.pipeline import build_pipeline
 
         d, p = self.cfg.data, self.cfg.parallel
-        self.tokenizer = AutoTokenizer.from_pretrained(d.tokenizer_path or str(self.hf_side))
-        docs, stats = tokenize_files(self.tokenizer, d.train_files, d.max_seq_len, d.overlong)
-        _say(f"data: {stats.as_dict()}")
+        tokenizer_path = d.tokenizer_path or str(self.hf_side)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
         # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
         # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
@@ -214,14 +246,20 @@ class Trainer:
         allgather = dispatcher == "allgather" or (dispatcher == "auto" and self.rt.device == "cpu")
         expert_group = p.expert_model_parallel_size * (p.expert_tensor_parallel_size
                                                        or p.tensor_model_parallel_size)
-        if p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1):
+        self.fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
+        if self.fixed_shape:
             pad_to = d.pack_length
         self.seq_length = d.pack_length
-        self.plan = PackedBatchPlan(docs, d.pack_length, self.cfg.trainer.global_batch_size,
-                                    seed=d.seed, shuffle=d.shuffle, pad_to=pad_to,
-                                    pad_token_id=self.tokenizer.pad_token_id or 0)
-        _say(f"{self.plan.steps_per_epoch} steps per epoch of {self.cfg.trainer.global_batch_size} "
-             f"packed micro-batches x {d.pack_length} tokens")
+        # CP ranks of one DP rank get the same micro-batches (dp_rank excludes CP); each document is
+        # padded to the multiple CP's 2*CP-chunk split (and SP) needs.
+        self.data = build_pipeline(
+            d, tokenizer_path=tokenizer_path, global_batch_size=self.cfg.trainer.global_batch_size, pad_to=pad_to,
+            doc_multiple=d.pad_documents_to or doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size,
+                                                                p.sequence_parallel),
+            pad_token_id=self.tokenizer.pad_token_id or 0)
+        self.plan = self.data.train
+        for line in self.data.summary:
+            _say(line)
 
     def _resume(self) -> None:
         latest = checkpoint.latest_step(self.ckpt_root)
@@ -231,7 +269,8 @@ class Trainer:
                                          self._extra_state(), self.cfg.checkpoint.load_optimizer)
             self.plan.load_state_dict(state["data_state"])
             self.start_step = int(state["step"])
-            _say(f"resumed from {path} at step {self.start_step}")
+            self.consumed_tokens = int(state.get("consumed_tokens", 0))
+            _say(f"resumed from {path} at step {self.start_step} ({self.consumed_tokens:,} tokens consumed)")
             if self.cfg.checkpoint.load_optimizer:
                 return  # the fp32 main params came with the optimizer state: keep their precision
         else:
@@ -241,19 +280,21 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def _extra_state(self) -> dict:
-        return {"data_state": self.plan.state_dict(), "step": self.plan.next_step}
+        return {"data_state": self.plan.state_dict(), "step": self.plan.next_step,
+                "consumed_tokens": self.consumed_tokens}
 
     def _save(self, step: int) -> Path:
         meta = dict(self.meta, step=step)
         with overlap.params_synced(self.model):
-            path = checkpoint.save(self.ckpt_root, step, self.model, self.optimizer, self.scheduler,
-                                   self._extra_state(), meta, self.hf_side,
-                                   self.cfg.checkpoint.keep_last)
-        _say(f"saved checkpoint {path}")
+            path = self.saver.save(step, self.model, self.optimizer, self.scheduler, self._extra_state(), meta)
+        if not self.cfg.checkpoint.async_save:
+            _say(f"saved checkpoint {path}")
         return path
 
     def train_one_step(self, step: int) -> dict[str, float]:
         batches, global_tokens = self.plan.batches_for_step(step, self.dp_rank, self.dp_size)
+        if step + 1 < self.cfg.trainer.max_steps:
+            self.plan.prefetch(step + 1, self.dp_rank, self.dp_size)  # built while this step trains
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -262,47 +303,104 @@ class Trainer:
         timer.start()
         local = train_step.run_forward_backward(self.model, batches, global_tokens, self.rt.device,
                                                 self.hf_cfg.vocab_size, self.seq_length,
-                                                mtp_weight=self.cfg.model.mtp_loss_weight)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        tokens = torch.tensor([sum(len(b.tokens) for b in batches)], device=self.rt.device)
-        dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
-        tokens_per_s, seconds = timer.stop(int(tokens.item()))
+                                                mtp_weight=self.cfg.model.mtp_loss_weight,
+                                                fixed_shape=self.fixed_shape)
         loss, mtp_loss = train_step.global_loss(local)
+        if guard.injected_fault("nan_loss", step + 1):
+            loss = float("nan")
+        if guard.injected_fault("nan_grad", step + 1):
+            next(p for c in self.model for p in c.parameters() if p.requires_grad).main_grad.fill_(
+                float("nan"))
+        stepped, grad_norm = guard.step_unless_non_finite(self.optimizer, loss)
+        if stepped:  # a skipped step does not advance the LR schedule (as in Megatron-LM)
+            self.scheduler.step(increment=1)
+        self.skips.record(step + 1, stepped, loss, grad_norm)
+        tokens = torch.tensor([sum(len(b.tokens) for b in batches), sum(len(b.tokens) - b.num_padding for b in batches)],
+                              device=self.rt.device)
+        dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+        tokens_per_s, seconds = timer.stop(int(tokens[0].item()))
+        self.consumed_tokens += int(tokens[1].item())
         metrics = {"train/loss": loss, "train/lr": self.scheduler.get_lr(
-            self.optimizer.param_groups[0]), "train/grad_norm": float(grad_norm or 0.0),
+            self.optimizer.param_groups[0]), "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s, "train/step_seconds": seconds,
-            "train/loss_tokens": float(global_tokens)}
+            "train/loss_tokens": float(global_tokens), "train/consumed_tokens": float(self.consumed_tokens)}
         metrics.update(moe_aux_losses(self.tconfig, len(batches)))
+        metrics.update(self.telemetry.step_metrics(step, batches, seconds))
+        metrics.update(self.plan.step_info(step))
         if self.train_mtp:
             metrics["train/mtp_loss"] = mtp_loss
-        if not ok:
-            metrics["train/skipped"] = 1.0
+        if self.skips.total:
+            metrics["train/skipped_steps"] = float(self.skips.total)
         return metrics
 
     def train(self) -> None:
         t, c = self.cfg.trainer, self.cfg.checkpoint
         logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
         last_saved = self.start_step if self.start_step else None
+        self.skips = guard.SkipCounter(t.max_skipped_steps_in_a_row)
+        stop = guard.StopRequest(self.out / "STOP")
+        self.saver = checkpoint.Saver(self.ckpt_root, self.hf_side, c.keep_last, c.async_save)
+        if self.rt.device == "cuda":  # training peaks only, not the checkpoint load's
+            torch.cuda.reset_peak_memory_stats()
         for step in range(self.start_step, t.max_steps):
             if t.offload_between_steps and step > self.start_step:
                 offload.reload_to_gpu(self.model, self.optimizer)
             metrics = self.train_one_step(step)
             self.plan.next_step = step + 1
+            self.saver.poll()  # commits a background save that has finished
             if c.save_interval and (step + 1) % c.save_interval == 0:
                 self._save(step + 1)
                 last_saved = step + 1
+            if t.eval_interval and self.data.eval and (step + 1) % t.eval_interval == 0:
+                with overlap.params_synced(self.model):
+                    logger.log(step + 1, t.max_steps, self.evaluate(), label="eval")
             if t.offload_between_steps and step + 1 < t.max_steps:
                 metrics["memory/gpu_allocated_offloaded_gib"] = offload.offload_to_cpu(
                     self.model, self.optimizer)
             if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
                 logger.log(step + 1, t.max_steps, metrics)
+            if step + 1 < t.max_steps and stop.agreed(self.rt.device):
+                if last_saved != step + 1:
+                    if t.offload_between_steps:
+                        offload.reload_to_gpu(self.model, self.optimizer)
+                    self._save(step + 1)
+                self.saver.wait()
+                logger.close()
+                stop.consume()
+                _say(f"stopped by {stop.received or 'a signal on another rank'} after step {step + 1}; "
+                     "checkpoint saved: run the same command again to resume")
+                return
         logger.close()
+        peaks = peak_memory_per_rank(self.rt.device)
+        if peaks:
+            _say("peak memory per rank (GiB allocated/reserved): " + " ".join(
+                f"{r}:{a:.2f}/{b:.2f}" for r, (a, b) in enumerate(peaks)))
         final = max(t.max_steps, self.start_step)
+        if not c.save_at_end:
+            self.saver.wait()
+            return
         if last_saved != final:
             self._save(final)
+        self.saver.wait()
         if t.export_hf_at_end:
             self.export(checkpoint.step_dir(self.ckpt_root, final))
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss over the whole evaluation set: eval mode, no gradients, no update, Σ w·loss / Σ w."""
+        from megatron.core.transformer.moe import moe_utils
+
+        for chunk in self.model:
+            chunk.eval()
+        per_call = max(self.cfg.trainer.global_batch_size // self.dp_size, 1)
+        total = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
+        with torch.no_grad():
+            for batches in self.data.eval.for_rank(self.dp_rank, self.dp_size, per_call):
+                total += train_step.run_forward_backward(
+                    self.model, batches, 1.0, self.rt.device, self.hf_cfg.vocab_size, self.seq_length,
+                    forward_only=True, mtp_weight=self.cfg.model.mtp_loss_weight)
+        moe_utils.clear_aux_losses_tracker()
+        loss, mtp_loss = train_step.global_loss(total)
+        return {"eval/loss": loss, **({"eval/mtp_loss": mtp_loss} if self.train_mtp else {})}
 
     def export(self, ckpt: Path) -> None:
         if dist.get_rank() == 0:

@@ -1,4 +1,6 @@
-"""Assistant-only masks from the demo tokenizer's chat template: generation markers and prefix diff."""
+"""Assistant-only loss weights from chat templates: generation markers and prefix diff, on the demo
+template and on real-world-style templates (ChatML/Qwen2.5 with tools, Llama 3 headers, Qwen3 that
+strips earlier turns' reasoning, DeepSeek-R1 whose generation prompt opens a think block)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,18 @@ from itertools import groupby
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from moe_sft.data.chat import (
+    _render,
     has_generation_markers,
     tokenize_conversation,
     tokenize_files,
+    weights_from_spans,
 )
-from moe_sft.data.formats import DataFormatError
+from moe_sft.data.formats import NO_TRAINABLE_TOKENS, TEMPLATE_ERROR, DataFormatError, RowError
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo"
 
@@ -64,13 +70,14 @@ def tok_plain(tok):
     return _load(plain)
 
 
-def masked_runs(tok, doc) -> list[str]:
-    """Decoded text of each maximal run of masked tokens."""
+def masked_runs(tok, doc, with_weights: bool = False) -> list:
+    """Decoded text of each maximal run of tokens with the same loss weight > 0 (and the weight)."""
     runs, pos = [], 0
-    for masked, group in groupby(doc.assistant_mask):
+    for weight, group in groupby(doc.loss_weights):
         n = len(list(group))
-        if masked:
-            runs.append(tok.decode(doc.input_ids[pos : pos + n], skip_special_tokens=False))
+        if weight > 0:
+            text = tok.decode(doc.input_ids[pos : pos + n], skip_special_tokens=False)
+            runs.append((text, weight) if with_weights else text)
         pos += n
     return runs
 
@@ -158,7 +165,7 @@ def test_prefix_diff_end_of_turn_is_eos_or_im_end(tok_plain):
     mistral.eos_token = "<|endoftext|>"
     doc = tokenize_conversation(mistral, CONVERSATION[1:], 1024)
     assert masked_runs(mistral, doc) == [" Reversed: sun dog cat<|endoftext|>", " Reversed: egg fox owl<|endoftext|>"]
-    with pytest.raises(DataFormatError, match=r"messages\[1\]: .*not closed by any of \['</s>'\].*end_of_turn"):
+    with pytest.raises(DataFormatError, match=r"messages\[1\]: .*not closed by any of \['</s>'\].*data\.end_of_turn"):
         tokenize_conversation(mistral, CONVERSATION[1:], 1024, end_of_turn="</s>")
 
 
@@ -192,7 +199,255 @@ def test_tokenize_files_counts(tok, tmp_path):
     )
     docs, stats = tokenize_files(tok, [path], max_seq_len=40)
     assert [len(d) for d in docs] == [40, 20, 31]
-    assert stats.as_dict() == {"n_rows": 3, "n_truncated": 1, "n_dropped": 0, "n_tokens": 91, "n_loss_tokens": 18}
+    assert (stats.rows, stats.samples, stats.truncated, stats.dropped, stats.tokens, stats.loss_tokens) == \
+        (3, 3, 1, 0, 91, 18)
+    assert stats.histogram[:2] == [2, 1]  # 20 and 31 tokens <= 32; 40 in 33-40
     assert docs[1].source == f"{path}:2"
     docs, stats = tokenize_files(tok, [path], max_seq_len=40, overlong="drop")
-    assert stats.as_dict() == {"n_rows": 3, "n_truncated": 0, "n_dropped": 1, "n_tokens": 51, "n_loss_tokens": 12}
+    assert (stats.rows, stats.samples, stats.truncated, stats.dropped, stats.tokens, stats.loss_tokens) == \
+        (3, 2, 0, 1, 51, 12)
+
+
+# ----------------------------------------------------------------------------- loss modes and weights
+
+
+@pytest.mark.parametrize("which", ["markers", "prefix_diff"])
+def test_last_turn_only_and_per_message_weights(tok, tok_plain, which):
+    tokenizer = tok if which == "markers" else tok_plain
+    last = tokenize_conversation(tokenizer, CONVERSATION, 1024, loss_on="last_assistant")
+    assert masked_runs(tokenizer, last, with_weights=True) == [("Reversed: egg fox owl<|im_end|>", 1.0)]
+    weighted = [dict(m) for m in CONVERSATION]
+    weighted[2]["weight"], weighted[4]["weight"] = 0.25, 2.0
+    doc = tokenize_conversation(tokenizer, weighted, 1024)
+    assert masked_runs(tokenizer, doc, with_weights=True) == [
+        ("Reversed: sun dog cat<|im_end|>", 0.25), ("Reversed: egg fox owl<|im_end|>", 2.0)]
+    assert doc.loss_weight_sum == pytest.approx(6 * 0.25 + 6 * 2.0) and doc.num_loss_tokens == 12
+    # An explicit weight wins over last_assistant; weight 0 everywhere leaves nothing to learn.
+    weighted[4]["weight"] = 0.0
+    doc = tokenize_conversation(tokenizer, weighted, 1024, loss_on="last_assistant")
+    assert masked_runs(tokenizer, doc, with_weights=True) == [("Reversed: sun dog cat<|im_end|>", 0.25)]
+    weighted[2]["weight"] = 0
+    with pytest.raises(RowError, match=r"^row\.jsonl:9: no assistant token has a loss weight > 0") as err:
+        tokenize_conversation(tokenizer, weighted, 1024, source="row.jsonl:9")
+    assert err.value.category == NO_TRAINABLE_TOKENS
+
+
+# ----------------------------------------------------------------------------- real-world-style templates
+
+
+def _with_tokens(tokens: list[str], template: str, eos: str | None = None, bos: str | None = None):
+    tokenizer = _load(template)
+    tokenizer.add_tokens(tokens, special_tokens=True)
+    if eos:
+        tokenizer.eos_token = eos
+    if bos:
+        tokenizer.bos_token = bos
+    return tokenizer
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+TOOL_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+AGENT = [
+    {"role": "system", "content": "You are a weather bot."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.", "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "content": '{"sky": "sunny"}'},
+    {"role": "assistant", "content": "It is sunny in Paris.", "reasoning_content": "The tool says sunny."},
+    {"role": "user", "content": "Thanks! And tomorrow?"},
+    {"role": "assistant", "content": "I cannot forecast.", "reasoning_content": "No forecast tool."},
+]
+CALL_JSON = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+# Qwen2.5's template (ChatML, tools in the system turn, tool calls inline, tool results as user turns).
+QWEN25_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}"
+    "{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Llama 3.1's layout: bos, header blocks, a dated system block, trimmed content, <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' }}"
+    "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    "{{- '}' }}{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+# Qwen3's template (abridged to its message loop): reasoning is shown only for assistant turns after
+# the last real user query; earlier turns are re-rendered without it.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and "
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}"
+    "{%- set content = '' %}{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- else %}{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
+    "{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
+    "{{- tool_call.arguments | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# DeepSeek-R1's: the reasoning of every assistant turn is cut at </think>; the generation prompt
+# opens a think block that the rendered history never shows.
+R1_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '<｜User｜>' + message['content'] }}{% elif message['role'] == 'assistant' %}"
+    "{% set content = message['content'] %}{% if '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+
+
+def _prefix_matches(tokenizer, messages, i, tools=None) -> bool:
+    full = _render(tokenizer, tokenizer.chat_template, messages, tools)
+    return full.startswith(_render(tokenizer, tokenizer.chat_template, messages[:i], tools, generation_prompt=True))
+
+
+def test_chatml_qwen25_template_with_tool_calls():
+    tokenizer = _load(QWEN25_TEMPLATE)
+    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in AGENT]
+    doc = tokenize_conversation(tokenizer, messages, 4096, tools=[WEATHER_TOOL])
+    text = tokenizer.decode(doc.input_ids, skip_special_tokens=False)
+    assert '<tools>\n{"type": "function"' in text and "<tool_response>\n{\"sky\": \"sunny\"}" in text
+    # The tool call is produced by the model (trained); the tool's answer and the tools list are not.
+    assert masked_runs(tokenizer, doc) == [
+        f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>",
+        "It is sunny in Paris.<|im_end|>",
+        "I cannot forecast.<|im_end|>",
+    ]
+
+
+def test_llama3_header_template_trims_content():
+    tokenizer = _with_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                             LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>")
+    messages = [dict(m) for m in CONVERSATION]
+    messages[2]["content"] = "  Reversed: sun dog cat \n"  # the template trims; the mask follows the text
+    doc = tokenize_conversation(tokenizer, messages, 4096)
+    text = tokenizer.decode(doc.input_ids, skip_special_tokens=False)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge")
+    assert masked_runs(tokenizer, doc) == ["Reversed: sun dog cat<|eot_id|>", "Reversed: egg fox owl<|eot_id|>"]
+    call = [AGENT[1], {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}, AGENT[3], AGENT[4]]
+    doc = tokenize_conversation(tokenizer, call, 4096)
+    assert masked_runs(tokenizer, doc) == [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny in Paris.<|eot_id|>"]
+
+
+def test_qwen3_template_that_strips_earlier_reasoning():
+    tokenizer = _load(QWEN3_TEMPLATE)
+    doc = tokenize_conversation(tokenizer, AGENT, 4096)
+    text = tokenizer.decode(doc.input_ids, skip_special_tokens=False)
+    # History (before the last user query) is re-rendered without its reasoning ...
+    assert "I should call the tool." not in text and "The tool says sunny." not in text
+    # ... while the prefix the model saw when writing turn 4 still had it: the plain prefix diff fails here.
+    assert not _prefix_matches(tokenizer, AGENT, 4)
+    assert masked_runs(tokenizer, doc) == [
+        f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>",
+        "It is sunny in Paris.<|im_end|>",
+        "<think>\nNo forecast tool.\n</think>\n\nI cannot forecast.<|im_end|>",
+    ]
+    # Reasoning written inline in the content (no reasoning_content field) is handled the same way.
+    inline = [dict(m) for m in AGENT]
+    for m in inline:
+        if m["role"] == "assistant":
+            m["content"] = f"<think>\n{m.pop('reasoning_content')}\n</think>\n\n{m['content']}"
+    assert masked_runs(tokenizer, tokenize_conversation(tokenizer, inline, 4096)) == masked_runs(tokenizer, doc)
+
+
+def test_deepseek_r1_template_whose_prompt_opens_a_think_block():
+    tokenizer = _with_tokens(["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+                             R1_TEMPLATE, eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>")
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+                {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"}]
+    assert not _prefix_matches(tokenizer, messages, 1)
+    doc = tokenize_conversation(tokenizer, messages, 4096)
+    assert masked_runs(tokenizer, doc) == ["\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>"]
+
+
+def test_template_errors_are_row_errors():
+    tokenizer = _load(QWEN25_TEMPLATE)
+    with pytest.raises(RowError, match=r"^x\.jsonl:2: .*not closed by any of \['<END>'\]") as err:
+        tokenize_conversation(tokenizer, CONVERSATION, 1024, source="x.jsonl:2", end_of_turn="<END>")
+    assert err.value.category == TEMPLATE_ERROR
+
+
+def _weights_reference(offsets, spans):
+    """The definition: a token takes the weight of the span its [start, stop) range overlaps."""
+    return [next((w for s, e, w in spans if start < e and stop > s), 0.0) for start, stop in offsets]
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(0, 60), min_size=1, max_size=30), marks=st.lists(st.integers(0, 60), max_size=8),
+       data=st.data())
+def test_weights_from_spans_matches_the_definition(cuts, marks, data):
+    cuts = sorted(set(cuts) | {0})
+    offsets = list(zip(cuts, cuts[1:])) + [(cuts[-1], cuts[-1])]  # contiguous tokens, one zero-width
+    points = sorted(set(marks))
+    spans = [(a, b, data.draw(st.sampled_from([0.5, 1.0, 2.0]))) for a, b in zip(points[::2], points[1::2]) if b > a]
+    assert weights_from_spans(offsets, spans) == _weights_reference(offsets, spans)

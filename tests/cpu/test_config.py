@@ -262,6 +262,11 @@ TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_paralle
     ({"parallel__overlap_grad_reduce": True, "parallel__overlap_param_gather": True,
       "model__recompute_granularity": "selective", "model__recompute_modules": ["core_attn", "moe"],
       "optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 0.5}, 2),
+    # the loader pads each document to 2*cp: any pack_length works
+    ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2),
+    ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 16}, 4),
+    ({**TP2_SP, "parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4,
+      "parallel__expert_tensor_parallel_size": 1}, 4),
 ])
 def test_good_configs_pass(good, changes, world_size):
     validate_config(_with(good, **changes), world_size)
@@ -288,8 +293,15 @@ def test_good_configs_pass(good, changes, world_size):
     ({"parallel__num_layers_in_last_pipeline_stage": 3}, 1,
      "parallel.num_layers_in_last_pipeline_stage=3 needs pipeline_model_parallel_size>1"),
     ({"data__max_seq_len": 8192}, 1, "[sequence_lengths] data.max_seq_len=8192 > data.pack_length=4096"),
-    ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2,
-     "data.pack_length=4098 must be a multiple of 4 (2*context_parallel_size); use 4100"),
+    ({**TP2_SP, "data__pack_length": 4097}, 2,
+     "data.pack_length=4097 must be a multiple of 2 (tensor_model_parallel_size (sequence_parallel)); use 4098"),
+    ({"parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4}, 2,
+     "etp*ep must divide world_size/pp=2 (= tensor x context_parallel_size=2 x data parallel)"),
+    ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 4}, 4,
+     "data.pad_documents_to=4 must be a positive multiple of 8, what context_parallel_size=2 (x TP under "
+     "sequence parallel) needs; use 8 or null"),
+    ({"parallel__context_parallel_size": 3}, 4,
+     "x context_parallel_size=3 = 3 does not divide world_size=4"),
     ({"trainer__device": "tpu"}, 1, "[choices] trainer.device='tpu' is not one of auto | cuda | cpu"),
     ({"trainer__precision": "fp16"}, 1, "trainer.precision='fp16' is not one of auto | bf16 | fp32"),
     ({"model__backend": "apex"}, 1, "model.backend='apex' is not one of auto | te | torch"),
@@ -302,9 +314,25 @@ def test_good_configs_pass(good, changes, world_size):
     ({"data__train_files": ["/nonexistent/x.jsonl"]}, 1,
      "data.train_files entry '/nonexistent/x.jsonl' does not exist"),
     ({"trainer__eval_interval": 5}, 1, "trainer.eval_interval=5 but data.eval_files is empty"),
+    ({"data__train_files": ["/tmp/rows.csv"]}, 1,
+     "[data_options] data.train_files entry '/tmp/rows.csv' is not a .jsonl / .json / .parquet file"),
+    ({"data__train_weights": [1.0, 2.0]}, 1, "data.train_weights has 2 entries for 1 data.train_files"),
+    ({"data__train_weights": [0.0]}, 1, "data.train_weights=[0.0] must be >= 0 with at least one > 0"),
+    ({"data__eval_fraction": 1.0}, 1, "data.eval_fraction=1.0 must be in [0, 1)"),
+    ({"data__fields": {"speaker": "x"}}, 1, "data.fields has unknown keys ['speaker']; rename only messages"),
+    ({"data__chat_template": "/nonexistent/t.jinja"}, 1, "data.chat_template='/nonexistent/t.jinja' is not a file"),
+    ({"data__pack_window": 0}, 1, "data.pack_window=0 must be >= 1"),
+    ({"data__num_workers": -1}, 1, "data.num_workers=-1 must be >= 0"),
+    ({"data__on_error": "ignore"}, 1, "data.on_error='ignore' is not one of fail | skip"),
+    ({"data__loss_on": "all"}, 1, "data.loss_on='all' is not one of all_assistant | last_assistant"),
+    ({"data__format": "csv"}, 1, "data.format='csv' is not one of auto | messages | sharegpt"),
     ({"optimizer__lr": 0.0}, 1, "[optimizer] optimizer.lr=0.0 must be > 0"),
     ({"optimizer__min_lr": 1.0}, 1, "optimizer.min_lr=1.0 must be in [0, optimizer.lr="),
     ({"optimizer__lr_warmup_steps": -1}, 1, "optimizer.lr_warmup_steps=-1 must be >= 0"),
+    ({"optimizer__optimizer_cpu_offload": True, "trainer__precision": "fp32"}, 1,
+     "optimizer.optimizer_cpu_offload needs trainer.precision=bf16"),
+    ({"optimizer__optimizer_cpu_offload": True, "trainer__device": "cpu"}, 1,
+     "with trainer.device=cpu turn it off"),
     ({"optimizer__optimizer_cpu_offload": True, "parallel__use_distributed_optimizer": False}, 1,
      "needs parallel.use_distributed_optimizer=true"),
     ({"trainer__max_steps": 0}, 1, "[trainer] trainer.max_steps=0 must be > 0"),
@@ -318,6 +346,8 @@ def test_good_configs_pass(good, changes, world_size):
      "model.recompute_modules has ['attention']; choose from ['core_attn'"),
     ({"model__activation_offload_modules": ["attn_proj"], "trainer__device": "cuda"}, 1,
      "attn_proj needs core_attn too"),
+    ({"model__activation_offload_modules": ["core_attn"], "model__backend": "torch"}, 1,
+     "needs Transformer Engine (megatron-core 0.16.1 offloads through TE's CPU offload"),
     ({"model__activation_offload_modules": ["core_attn"], "trainer__device": "cpu"}, 1,
      "with trainer.device=cpu set it to []"),
     ({"model__activation_offload_modules": ["experts"]}, 1,
@@ -335,6 +365,10 @@ def test_good_configs_pass(good, changes, world_size):
 def test_each_check_fires_with_field_value_and_fix(good, changes, world_size, expected):
     msg = _error(validate_config, _with(good, **changes), world_size)
     assert expected in msg, msg
+
+
+def test_eval_from_a_held_out_fraction_needs_no_eval_files(good):
+    validate_config(_with(good, trainer__eval_interval=5, data__eval_fraction=0.01), 1)
 
 
 def test_suggested_batch_size_fix_passes(good):
@@ -412,3 +446,19 @@ def test_expert_heads_and_vocab_checks_collected(good):
 def test_dense_model_and_mha_defaults(good):
     validate_against_model(good, num_layers=4, num_experts=None, num_attention_heads=4, num_query_groups=None,
                            vocab_size=100)
+
+
+@pytest.mark.parametrize("changes, world_size, expected", [
+    ({"trainer__global_batch_tokens": 40_000}, 1, 10),  # ceil(40000 / 4096)
+    ({"trainer__global_batch_tokens": 40_000}, 4, 12),  # DP 4
+    ({"trainer__global_batch_tokens": 4096, **TP2_SP}, 4, 2),  # DP 2: at least one per rank
+    ({"trainer__global_batch_tokens": 40_000, "parallel__pipeline_model_parallel_size": 2,
+      "parallel__virtual_pipeline_model_parallel_size": 2}, 4, 12),  # DP 2 x PP 2 for the interleaved schedule
+])
+def test_global_batch_in_tokens_derives_the_micro_batch_count(good, changes, world_size, expected):
+    from moe_sft.config.validate import resolve_global_batch
+
+    cfg = _with(good, **changes)
+    line = resolve_global_batch(cfg, world_size)
+    assert cfg.trainer.global_batch_size == expected and f"global_batch_size={expected}" in line
+    validate_config(cfg, world_size)  # the derived size passes every check

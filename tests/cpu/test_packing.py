@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_sft.data.chat import TokenizedDoc
-from moe_sft.data.packing import PackingError, build_micro_batch, first_fit, pack_documents, padded_length
+from moe_sft.data.packing import (PackingError, best_fit_decreasing, build_micro_batch, first_fit, pack_documents,
+                                  padded_length)
 
 
 def naive_first_fit(lengths, capacity, order):
@@ -132,3 +133,95 @@ def test_oversized_or_empty_document_is_a_clear_error():
         build_micro_batch([])
     with pytest.raises(PackingError, match="pad_to=0"):
         build_micro_batch([TokenizedDoc([1], [True])], pad_to=0)
+
+
+# ----------------------------------------------------------------------------- best-fit decreasing
+
+
+def naive_best_fit_decreasing(lengths, capacity):
+    """Reference: longest first (stable), into the open bin with the least room that fits (oldest on ties)."""
+    bins, free = [], []
+    for doc in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b in range(len(bins)) if free[b] >= lengths[doc]]
+        if fits:
+            b = min(fits, key=lambda b: (free[b], b))
+            bins[b].append(doc)
+            free[b] -= lengths[doc]
+        else:
+            bins.append([doc])
+            free.append(capacity - lengths[doc])
+    return bins
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), min_size=0, max_size=80), capacity=st.integers(50, 120))
+def test_best_fit_decreasing_matches_reference_and_respects_capacity(lengths, capacity):
+    bins = best_fit_decreasing(lengths, capacity)
+    assert bins == naive_best_fit_decreasing(lengths, capacity)
+    assert sorted(d for b in bins for d in b) == list(range(len(lengths)))  # every document exactly once
+    assert all(sum(lengths[d] for d in b) <= capacity for b in bins)
+    # Any-fit: a bin is opened only for a document no open bin can take, so any two bins together
+    # exceed the capacity (at most one bin is half empty or less).
+    loads = [sum(lengths[d] for d in b) for b in bins]
+    assert all(loads[i] + loads[j] > capacity for i in range(len(loads)) for j in range(i + 1, len(loads)))
+
+
+def test_best_fit_decreasing_concrete():
+    # Longest first: 6 -> bin0, 6 -> bin1, 5 -> bin2; 4 fits bin0 and bin1 (free 4) and bin2 (free 5): the
+    # tightest, oldest is bin0; 3 -> bin1 (free 4 beats 5); 1 -> bin1 (free 1 is the tightest).
+    assert best_fit_decreasing([6, 6, 4, 5, 3, 1], 10) == [[0, 2], [1, 4, 5], [3]]
+    assert best_fit_decreasing([7, 2, 3, 8], 10) == [[3, 1], [0, 2]]
+
+
+# ----------------------------------------------------------------------------- per-document padding, weights
+
+
+@st.composite
+def weighted_documents(draw, max_docs=8, max_len=20):
+    docs = []
+    for d in range(draw(st.integers(1, max_docs))):
+        n = draw(st.integers(1, max_len))
+        weights = draw(st.lists(st.sampled_from([0.0, 0.0, 1.0, 0.5, 2.0]), min_size=n, max_size=n))
+        docs.append(TokenizedDoc([d * 1000 + p + 1 for p in range(n)], weights))
+    return docs
+
+
+@settings(max_examples=150, deadline=None)
+@given(docs=weighted_documents(), doc_multiple=st.sampled_from([1, 2, 4, 8]), pad_factor=st.sampled_from([1, 2, 4]))
+def test_micro_batch_with_per_document_padding(docs, doc_multiple, pad_factor):
+    pad_to = doc_multiple * pad_factor
+    mb = build_micro_batch(docs, pad_to=pad_to, pad_token_id=0, doc_multiple=doc_multiple)
+    T, n_real = mb.tokens.numel(), sum(len(d) for d in docs)
+    assert T % pad_to == 0
+    cu, cu_real = mb.cu_seqlens.tolist(), mb.cu_seqlens_unpadded.tolist()
+    seg = [b - a for a, b in zip(cu, cu[1:])]
+    real = [b - a for a, b in zip(cu_real, cu_real[1:])]
+    # CP needs every segment (documents and the trailing padding) to be a multiple of doc_multiple.
+    assert all(s % doc_multiple == 0 for s in seg)
+    assert real[: len(docs)] == [len(d) for d in docs] and all(r == 0 for r in real[len(docs):])
+    assert all(s - r < doc_multiple for s, r in zip(seg[: len(docs)], real)) and len(seg) - len(docs) <= 1
+    # The real tokens, in order, exactly where padding_mask is False; padding is the rest.
+    assert mb.num_padding == T - n_real == int(mb.padding_mask.sum())
+    assert mb.tokens[~mb.padding_mask].tolist() == [t for d in docs for t in d.input_ids]
+    assert mb.tokens[mb.padding_mask].tolist() == [0] * (T - n_real)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        assert mb.position_ids[a:b].tolist() == list(range(b - a))
+        if i < len(docs):
+            ids, w = docs[i].input_ids, docs[i].loss_weights
+            assert mb.labels[a:b].tolist() == ids[1:] + [0] * (b - a - len(ids) + 1)
+            assert mb.loss_mask[a:b].tolist() == list(w[1:]) + [0.0] * (b - a - len(ids) + 1)
+    assert mb.loss_weight_sum == pytest.approx(sum(sum(d.loss_weights[1:]) for d in docs))
+    assert mb.num_loss_tokens == sum(sum(1 for w in d.loss_weights[1:] if w > 0) for d in docs)
+    assert not mb.loss_mask[mb.padding_mask].any()
+
+
+def test_per_document_padding_concrete_values():
+    docs = [TokenizedDoc([5, 6, 7], [0.0, 1.0, 0.5]), TokenizedDoc([8, 9], [0.0, 2.0])]
+    mb = build_micro_batch(docs, pad_to=8, pad_token_id=99, doc_multiple=4)
+    assert mb.tokens.tolist() == [5, 6, 7, 99, 8, 9, 99, 99]
+    assert mb.labels.tolist() == [6, 7, 0, 0, 9, 0, 0, 0]
+    assert mb.loss_mask.tolist() == [1.0, 0.5, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert mb.cu_seqlens.tolist() == [0, 4, 8] and mb.cu_seqlens_unpadded.tolist() == [0, 3, 5]
+    assert mb.padding_mask.tolist() == [False, False, False, True, False, False, True, True]
+    assert (mb.num_padding, mb.num_loss_tokens, mb.loss_weight_sum, mb.max_seqlen) == (3, 3, 3.5, 4)

@@ -107,3 +107,51 @@ def test_padding_is_kept_out_of_routing_and_aux_loss(model_and_batches):
         run_forward_backward([model], [batch], batch.num_loss_tokens, "cpu", hf_cfg.vocab_size, seq_length=0)
         grads.append(_grads(model).clone())
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_float_loss_weights_are_normalised_by_their_sum(model_and_batches):
+    """Per-message weights reach the loss as a float weight per token: loss = Σ w·CE / Σ w, also when
+    Σ w < 1 (a clamp of the normaliser at 1, right for token counts, would be wrong here)."""
+    from moe_sft.data.chat import TokenizedDoc
+    from moe_sft.trainer.step import run_forward_backward
+
+    model, hf_cfg, _ = model_and_batches
+    model.config.moe_aux_loss_coeff = 0.0
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (24, 17)]
+    docs = [TokenizedDoc(ids[0], [0.0] * 10 + [0.02] * 8 + [0.05] * 6), TokenizedDoc(ids[1], [0.0] * 9 + [0.01] * 8)]
+    batch = build_micro_batch(docs)
+    weight = batch.loss_weight_sum
+    assert weight == pytest.approx(0.02 * 8 + 0.05 * 6 + 0.01 * 8) and weight < 1  # labels shifted: w[1:]
+    model.zero_grad(set_to_none=True)
+    totals = run_forward_backward([model], [batch], weight, "cpu", hf_cfg.vocab_size, seq_length=0)
+    ours = _grads(model).clone()
+    model.zero_grad(set_to_none=True)
+    from moe_sft.models.forward import packed_seq_params
+
+    logits = model(input_ids=batch.tokens[None], position_ids=batch.position_ids[None], attention_mask=None,
+                   packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.max_seqlen))[0, :, :hf_cfg.vocab_size]
+    ce = torch.nn.functional.cross_entropy(logits.float(), batch.labels, reduction="none")
+    ref = (ce * batch.loss_mask).sum() / batch.loss_mask.sum()
+    ref.backward()
+    assert (totals[0] / totals[1]).item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(ours, _grads(model), rtol=1e-4, atol=1e-7)
+
+
+def test_per_document_padding_changes_no_gradient(model_and_batches):
+    """Context parallelism pads every document to a multiple of 2*CP*TP; the padding sits inside the
+    documents' segments, so it is masked out of routing and the loss wherever it is."""
+    from moe_sft.trainer.step import run_forward_backward
+
+    model, hf_cfg, _ = model_and_batches
+    model.config.moe_aux_loss_coeff = 0.01
+    g = torch.Generator().manual_seed(4)
+    docs = [_Doc(torch.randint(0, 300, (n,), generator=g).tolist(), [i >= 3 for i in range(n)]) for n in (21, 30, 9)]
+    grads = []
+    for doc_multiple in (1, 8):
+        batch = build_micro_batch(docs, pad_to=16, doc_multiple=doc_multiple)
+        assert batch.num_padding == (4 if doc_multiple == 1 else 3 + 2 + 7 + 8)  # 24 + 32 + 16 -> 80
+        model.zero_grad(set_to_none=True)
+        run_forward_backward([model], [batch], batch.loss_weight_sum, "cpu", hf_cfg.vocab_size, seq_length=0)
+        grads.append(_grads(model).clone())
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)

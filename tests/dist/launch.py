@@ -20,11 +20,15 @@ def clean_env() -> dict:
             if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
 
 
+def torchrun_cmd(nproc: int, overrides, recipe: str = "quickstart") -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", recipe, *overrides]
+
+
 def torchrun(nproc: int, overrides, recipe: str = "quickstart", check: bool = True,
-             timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", recipe, *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+             timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(torchrun_cmd(nproc, overrides, recipe), cwd=REPO, env={**clean_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -41,3 +45,13 @@ def step_metrics(stdout: str) -> dict[int, dict[str, float]]:
 
 def losses(stdout: str) -> dict[int, float]:
     return {step: metrics["loss"] for step, metrics in step_metrics(stdout).items()}
+
+
+def make_tiny_model(tmp: Path, **config_overrides) -> Path:
+    """The quickstart's tiny Qwen3-MoE (demo tokenizer) in tmp/hf, converted into tmp/mcore."""
+    from moe_sft.conversion.convert import convert
+    from moe_sft.quickstart_model import create_tiny_hf
+
+    create_tiny_hf(tmp / "hf", REPO / "recipes/demo/tokenizer", **config_overrides)
+    convert(tmp / "hf", tmp / "mcore")
+    return tmp

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import step_metrics, torchrun
+from tests.dist.launch import make_tiny_model, step_metrics, torchrun
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -36,14 +36,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from moe_sft.conversion.convert import convert
-    from moe_sft.quickstart_model import create_tiny_hf
-    from tests.dist.launch import REPO
-
-    tmp = tmp_path_factory.mktemp("layouts")
-    create_tiny_hf(tmp / "hf", REPO / "recipes/demo/tokenizer", num_hidden_layers=4)
-    convert(tmp / "hf", tmp / "mcore")
-    return tmp
+    return make_tiny_model(tmp_path_factory.mktemp("layouts"), num_hidden_layers=4)
 
 
 def _train(tmp, name, nproc, overrides, max_steps=STEPS, extra=()):

@@ -1,15 +1,17 @@
 """The quickstart end to end through torchrun on CPU (gloo, fp32): convert → train → checkpoint →
 resume → export → load with plain transformers. Also resume equivalence:
-4 steps straight vs 2 + resume + 2 give the same losses."""
+4 steps straight vs 2 + resume + 2 give the same losses; the straight run also evaluates every 2
+steps, so the equality shows that evaluation changes neither the model nor the data position."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dist.launch import losses, torchrun
+from tests.dist.launch import losses, step_metrics, torchrun
 
 
 def run_train(tmp: Path, run_name: str, max_steps: int, extra=()) -> str:
@@ -21,9 +23,9 @@ def run_train(tmp: Path, run_name: str, max_steps: int, extra=()) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quickstart")
-    straight = run_train(tmp, "straight", 4)
-    first_half = run_train(tmp, "resumed", 2)
-    second_half = run_train(tmp, "resumed", 4)
+    straight = run_train(tmp, "straight", 4, ["trainer.eval_interval=2"])
+    first_half = run_train(tmp, "resumed", 2, ["trainer.eval_interval=0"])
+    second_half = run_train(tmp, "resumed", 4, ["trainer.eval_interval=0"])
     return tmp, straight, first_half, second_half
 
 
@@ -35,6 +37,17 @@ def test_straight_run_trains_and_loss_falls(runs):
     assert "creating the tiny demo model" in straight
     assert (tmp / "tiny_mcore" / "moe_sft_meta.json").is_file()
     assert (tmp / "straight" / "config.yaml").is_file()
+    # The data summary: counts and the length histogram, then per-step packing efficiency.
+    assert "train data: 1 file(s), 3,000 rows -> 3,000 samples, 128,040 tokens" in straight
+    assert "length histogram" in straight and "eval set: 200 samples" in straight
+    assert all(m["packing_efficiency"] > 0.95 for m in step_metrics(straight).values())
+
+
+def test_eval_loss_is_logged_and_falls(runs):
+    _, straight, first_half, _ = runs
+    evals = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^eval (\d+)/4 loss=(\S+)", straight, re.M)}
+    assert sorted(evals) == [2, 4] and evals[4] < evals[2], evals
+    assert not re.search(r"^eval \d", first_half, re.M)  # trainer.eval_interval=0: no evaluation
 
 
 def test_resume_continues_step_count_and_matches_straight_run(runs):
@@ -86,6 +99,7 @@ def test_tensorboard_has_the_training_scalars(runs):
     acc = EventAccumulator(str(tmp / "straight" / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "moe/load_balancing_loss"):
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "moe/load_balancing_loss",
+                "data/packing_efficiency", "eval/loss"):
         assert tag in tags, tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]

@@ -32,19 +32,24 @@ run pp2 2 parallel.pipeline_model_parallel_size=2
 run pp2_vpp2 2 parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2
 run tp2_ep2_etp1 2 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 parallel.expert_tensor_parallel_size=1
 # Options that must not change the math (same table): overlap + selective recompute, full
-# recompute, activation offload, fractional optimizer offload, offload between steps.
+# recompute, fractional optimizer offload, offload between steps. (Activation offload needs TE.)
 run opt_overlap_recompute 2 parallel.overlap_grad_reduce=true parallel.overlap_param_gather=true \
   model.recompute_granularity=selective "model.recompute_modules=[core_attn,moe,layernorm]"
 run opt_full_recompute 1 model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1
-run opt_activation_offload 1 "model.activation_offload_modules=[attn_norm,core_attn,mlp_norm]"
 run opt_optimizer_offload_half 1 optimizer.optimizer_cpu_offload=true optimizer.optimizer_offload_fraction=0.5
 run opt_offload_between_steps 1 trainer.offload_between_steps=true
+CP="parallel.context_parallel_size=2"
+run cp2 2 $CP
+run cp2_ep2 2 $CP parallel.expert_model_parallel_size=2
 if [ "$gpus" -ge 4 ]; then
   run tp2_pp2 4 parallel.tensor_model_parallel_size=2 $SP parallel.pipeline_model_parallel_size=2
   run ep4 4 parallel.expert_model_parallel_size=4
   run tp2_ep2_pp2_vpp2 4 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 \
     parallel.expert_tensor_parallel_size=1 parallel.pipeline_model_parallel_size=2 parallel.virtual_pipeline_model_parallel_size=2
   run tp2_etp2_ep2 4 parallel.tensor_model_parallel_size=2 $SP parallel.expert_model_parallel_size=2 parallel.expert_tensor_parallel_size=2
+  run cp2_tp2 4 $CP parallel.tensor_model_parallel_size=2 $SP
+  run cp2_pp2 4 $CP parallel.pipeline_model_parallel_size=2
+  run cp4 4 parallel.context_parallel_size=4
 fi
 python3 - "$log" <<'PY'
 import re, sys, statistics

@@ -1,0 +1,224 @@
+"""Per-GPU memory of one pipeline stage: weights, grads, optimizer, activations, buffers, overhead.
+
+Every term is written out in docs/planner.md with its source. In short (bf16 training, bytes):
+
+    weights    2 x params of the stage (megatron DDP's bf16 param buffer)
+    grads      4 x trainable params (DDP main grads, grad_reduce_in_fp32=True: full, not sharded)
+    optimizer  distributed optimizer: (4 fp32 master + 8 Adam m,v) x dense / (DP x CP)
+               + the same x expert params / expert-DP; CPU offload of a fraction f moves Adam's
+               m,v of that fraction (the fp32 master stays on the GPU without TE's precision-aware
+               optimizer, which megatron 0.16.1 only enables with TE)
+    activations (saved for backward per micro-batch) x micro-batches in flight (1F1B / interleaved)
+               + one layer's working set during its backward (twice that with full recompute)
+               + logits and cross entropy on the last stage
+    overhead   not in torch's allocator counters: CUDA context, NCCL buffers; plus fragmentation
+
+Activations per layer are the tensors autograd saves in our torch-native layer spec (measured
+with saved-tensor hooks and matched exactly by tests/cpu/test_plan.py on tiny models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from moe_sft.plan.layout import Layout, stage_layers
+from moe_sft.plan.params import Count, stage_params
+from moe_sft.plan.shapes import ModelShape
+
+GIB = 2 ** 30
+# Assumptions beyond the model (docs/planner.md; refine them with tests/gpu/plan_calibration.py).
+FRAGMENTATION = 0.10        # reserved / allocated - 1 of torch's caching allocator under MoE churn
+RUNTIME_OVERHEAD_GIB = 1.5  # CUDA context (~0.5-0.7 GiB) + NCCL communicator buffers, outside torch
+LOGITS_BYTES = 8            # per token x padded vocab / TP on the last stage: see logits_bytes()
+
+
+@dataclass
+class Training:
+    """What the memory depends on besides model and layout."""
+
+    tokens: int                          # tokens per micro-batch (pack_length)
+    micro_batches: int                   # per data-parallel rank and step (global batch / DP)
+    recompute: Optional[str] = None      # None | selective | full
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    precision: str = "bf16"
+    distributed_optimizer: bool = True
+    offload_fraction: float = 0.0        # share of optimizer state on the CPU (0 = none)
+    mtp_trained: bool = True             # False: MTP frozen (weights only)
+    backend: str = "torch"
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _norm(tokens: int, width: int) -> int:
+    """Our RMSNorm in bf16 keeps the fp32 input copy, the bf16 normalised value and 1/rms."""
+    return tokens * (6 * width + 4)
+
+
+def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: Optional[str]) -> int:
+    """Saved bytes of one layer's attention block for t tokens (after CP) on one rank."""
+    tsp = t // lay.tp if lay.tp > 1 else t   # sequence-parallel region (norms, linear inputs)
+    heads = s.num_heads // lay.tp
+    lse = 0 if recompute == "selective" else t * heads * 4  # selective recomputes core attention
+    out = _norm(tsp, s.hidden) + tsp * 2 * s.hidden            # input norm; first linear's input
+    if s.mla is None:
+        groups = s.num_kv_heads // lay.tp
+        d = s.head_dim
+        out += t * (heads + 2 * groups) * d * 2                # QKV output, kept alive by v (a view)
+        if s.qk_norm:
+            out += _norm(t * heads, d) + _norm(t * groups, d)
+        out += 4 * t * d * 2                                   # RoPE cos/sin for q and k
+        out += t * (heads + groups) * d * 2                    # q, k after RoPE (kernel inputs)
+        return out + t * heads * d * 2 + lse                   # attention output (= proj input)
+    m = s.mla
+    qhd = m.qk_nope + m.qk_rope
+    # the compressed q / kv stay in the sequence-parallel region (megatron gathers after the up-proj)
+    if m.q_lora:
+        out += _norm(tsp, m.q_lora) + tsp * m.q_lora * 2       # q norm; q_up input
+    out += _norm(tsp, m.kv_lora) + tsp * m.kv_lora * 2         # kv norm; kv_up input
+    out += 4 * t * m.qk_rope * 2                               # RoPE cos/sin
+    out += 2 * t * heads * qhd * 2                             # q, k (nope ++ rope)
+    if m.v_head != qhd:  # the varlen kernels need one head dim: v and the output are padded to qhd
+        out += t * heads * qhd * 2 * 2 + t * heads * m.v_head * 2   # padded v, padded out, out slice
+    else:
+        out += 2 * t * heads * m.v_head * 2
+    return out + lse
+
+
+def mlp_activation(s: ModelShape, lay: Layout, t: int, moe: bool, imbalance: float = 1.0) -> int:
+    """Saved bytes of one layer's MLP block (pre-MLP norm included)."""
+    tsp = t // lay.tp if lay.tp > 1 else t
+    h = s.hidden
+    out = _norm(tsp, h) + tsp * 2 * h                          # pre-MLP norm; MLP / router input
+    if not moe:
+        return out + t * 5 * s.ffn // lay.tp * 2               # fc1 out (2f), act parts, fc2 input
+    if s.shared_ffn:
+        out += t * 5 * s.shared_ffn // lay.tp * 2
+    e, k = s.num_experts, s.topk
+    out += tsp * (e * (4 + 1 + 4) + k * (8 + 4 + 8 + 8))       # scores, routing map, probs, indices
+    routed = int(tsp * k * lay.etp * imbalance)                # tokens this rank's experts process
+    return out + routed * (2 * h + 8 * s.moe_ffn // lay.etp + 2)   # input, fc1 out, act, scaled; probs
+
+
+def layer_activation(s: ModelShape, lay: Layout, t: int, moe: bool, recompute: Optional[str] = None,
+                     imbalance: float = 1.0) -> int:
+    return attention_activation(s, lay, t, recompute) + mlp_activation(s, lay, t, moe, imbalance)
+
+
+def mtp_activation(s: ModelShape, lay: Layout, t: int, imbalance: float = 1.0) -> int:
+    """One MTP depth: enorm, hnorm, eh_proj input (2h), its gathered output, a layer, final norm."""
+    tsp = t // lay.tp if lay.tp > 1 else t
+    h = s.hidden
+    return (3 * _norm(tsp, h) + tsp * 4 * h + t * 2 * h
+            + layer_activation(s, lay, t, s.moe_layers[-1], None, imbalance))
+
+
+def logits_bytes(s: ModelShape, lay: Layout, t: int, depths: int = 0) -> int:
+    """Logits + vocab-parallel cross entropy of one micro-batch, main head plus `depths` MTP heads.
+
+    Peak during the loss: bf16 logits and their transposed copy (2 + 2 bytes) and the fp32 copy
+    that the cross entropy turns into its saved softmax (4): LOGITS_BYTES x t x vocab / TP.
+    """
+    return LOGITS_BYTES * t * (s.padded_vocab // lay.tp) * (1 + depths)
+
+
+def in_flight(lay: Layout, pp_rank: int, micro_batches: int) -> float:
+    """Forward passes whose activations one pipeline rank holds at its peak, in units of the
+    rank's whole stage (all its virtual chunks). megatron 0.16.1 schedules: warmup = pp-rank-1
+    (1F1B) or 2(pp-rank-1) + (vpp-1)pp chunk-forwards (interleaved), plus the one in flight."""
+    if lay.pp == 1:
+        return 1.0
+    if not lay.vpp:
+        return float(min(lay.pp - pp_rank, micro_batches))
+    chunks = min(2 * (lay.pp - pp_rank - 1) + (lay.vpp - 1) * lay.pp + 1, micro_batches * lay.vpp)
+    return chunks / lay.vpp
+
+
+@dataclass
+class StageMemory:
+    pp_rank: int
+    params: Count
+    weights: float
+    grads: float
+    optimizer: float
+    optimizer_offloaded: float      # on the CPU (host memory), not counted in the GPU total
+    activations: float              # saved for backward, all in-flight micro-batches
+    working: float                  # backward working set (+ recomputed layers)
+    logits: float
+    pipeline_buffers: float
+    layers: list = field(default_factory=list)
+    in_flight: float = 1.0
+
+    @property
+    def allocated(self) -> float:
+        """Peak bytes in torch's allocator (compare with torch.cuda.max_memory_allocated)."""
+        return (self.weights + self.grads + self.optimizer + self.activations + self.working
+                + self.logits + self.pipeline_buffers)
+
+    @property
+    def total(self) -> float:
+        """What the GPU must have: allocated x (1 + fragmentation) + context and NCCL."""
+        return self.allocated * (1 + FRAGMENTATION) + RUNTIME_OVERHEAD_GIB * GIB
+
+
+def _opt_bytes(train: Training) -> tuple[float, float]:
+    """(bytes per sharded param on the GPU, on the CPU) of the optimizer state."""
+    if train.precision == "bf16":
+        master, moments = 4.0, 8.0
+    else:  # fp32 params are their own master copy
+        master, moments = 0.0, 8.0
+    f = train.offload_fraction
+    return master + moments * (1 - f), moments * f
+
+
+def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imbalance: float = 1.0) -> StageMemory:
+    count = stage_params(s, lay, pp_rank, train.backend, mtp_frozen=not train.mtp_trained)
+    wbytes = 2 if train.precision == "bf16" else 4
+    trainable = count.dense + count.expert
+    gpu_opt, cpu_opt = _opt_bytes(train)
+    dense_shard = lay.dp * lay.cp if train.distributed_optimizer else 1
+    expert_shard = lay.edp if train.distributed_optimizer else 1
+    sharded = count.dense / dense_shard + count.expert / expert_shard
+    t = train.tokens // lay.cp
+    tsp = t // lay.tp if lay.tp > 1 else t
+    chunks = stage_layers(s.num_layers, lay, pp_rank)
+    layer_ids = [i for r in chunks for i in r]
+    acts = [layer_activation(s, lay, t, s.moe_layers[i], train.recompute, imbalance) for i in layer_ids]
+    last = pp_rank == lay.pp - 1
+    mtp_depths = s.mtp_layers if (last and train.mtp_trained) else 0
+    mtp = [mtp_activation(s, lay, t, imbalance)] * mtp_depths  # not recomputed
+    biggest = max(acts + mtp, default=0)
+    flight = in_flight(lay, pp_rank, train.micro_batches)
+    if train.recompute == "full":
+        n = max(1, train.recompute_num_layers)
+        if train.recompute_method == "block":  # the first n layers of each chunk recomputed
+            kept = sum(a for c in _split(acts, chunks) for a in c[n:])
+            saved = kept + sum(min(n, len(c)) for c in chunks) * tsp * 2 * s.hidden
+            working = biggest * 2
+        else:  # uniform: every group of n layers stores its input only
+            saved = -(-len(acts) // n) * tsp * 2 * s.hidden
+            working = biggest * (n + 1)
+    else:
+        saved, working = sum(acts), biggest
+    saved += sum(mtp)
+    logit = logits_bytes(s, lay, t, mtp_depths) if last else 0
+    return StageMemory(
+        pp_rank=pp_rank, params=count, weights=count.total * wbytes, grads=trainable * 4,
+        optimizer=sharded * gpu_opt, optimizer_offloaded=sharded * cpu_opt,
+        activations=saved * flight, working=working, logits=logit,
+        pipeline_buffers=(2 * tsp * s.hidden * wbytes * flight * lay.vp) if lay.pp > 1 else 0.0,
+        layers=layer_ids, in_flight=flight)
+
+
+def _split(acts: list, chunks: list) -> list:
+    out, i = [], 0
+    for r in chunks:
+        out.append(acts[i:i + len(r)])
+        i += len(r)
+    return out
+
+
+def all_stages(s: ModelShape, lay: Layout, train: Training, imbalance: float = 1.0) -> list[StageMemory]:
+    return [stage_memory(s, lay, r, train, imbalance) for r in range(lay.pp)]

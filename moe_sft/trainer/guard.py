@@ -1,0 +1,107 @@
+"""Steps with a non-finite loss or gradient norm are skipped, counted, and end the run when they
+repeat; SIGTERM / SIGUSR1 (slurm pre-emption, `sbatch --signal`) or a STOP file in the output
+directory end it after a checkpoint.
+
+Skipping happens inside megatron's own `optimizer.step()`: its gradient norm is an all-reduce, so
+every rank sees the same value and skips together, after gradients are prepared and before any
+parameter changes. The LR schedule does not advance on a skipped step (as in Megatron-LM); the
+data position does (the batch is consumed, not retried).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class _NonFiniteGradNorm(Exception):
+    def __init__(self, norm: float):
+        self.norm = norm
+
+
+def step_unless_non_finite(optimizer, loss: float) -> tuple[bool, float]:
+    """(stepped, grad norm). A non-finite loss skips without touching the optimizer at all."""
+    if not math.isfinite(loss):
+        return False, float("nan")
+    compute_norm = optimizer.get_grad_norm
+
+    def checked_norm():
+        norm = compute_norm()
+        if norm is not None and not math.isfinite(norm):
+            raise _NonFiniteGradNorm(norm)
+        return norm
+
+    optimizer.get_grad_norm = checked_norm  # the instance attribute shadows the method
+    try:
+        ok, grad_norm, _ = optimizer.step()
+    except _NonFiniteGradNorm as err:
+        return False, err.norm
+    finally:
+        del optimizer.get_grad_norm
+    return bool(ok), float(grad_norm if grad_norm is not None else float("nan"))
+
+
+class SkipCounter:
+    """Counts skipped steps; raises once `max_in_a_row` consecutive steps were skipped."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.in_a_row: list[int] = []
+
+    def record(self, step: int, stepped: bool, loss: float, grad_norm: float) -> None:
+        if stepped:
+            self.in_a_row = []
+            return
+        self.total += 1
+        self.in_a_row.append(step)
+        if len(self.in_a_row) >= self.max_in_a_row:
+            raise NonFiniteTrainingError(
+                f"steps {self.in_a_row[0]}..{self.in_a_row[-1]}: {len(self.in_a_row)} steps in a row "
+                f"had a non-finite loss or gradient norm (last: loss={loss}, grad_norm={grad_norm}); "
+                "the run stops rather than train on garbage. Lower optimizer.lr, check the data of "
+                "these steps, or raise trainer.max_skipped_steps_in_a_row")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    pass
+
+
+class StopRequest:
+    """A stop asked for by SIGTERM/SIGUSR1 on any rank, or by a file `stop_file` (what a batch
+    script can create from its own signal trap without knowing the worker PIDs: torchrun itself
+    dies of SIGUSR1). `agreed()` makes every rank stop after the same step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, stop_file: Path):
+        self.received: str | None = None
+        self.stop_file = Path(stop_file)
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, device: str) -> bool:
+        if self.received is None and dist.get_rank() == 0 and self.stop_file.exists():
+            self.received = f"file {self.stop_file}"
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def consume(self) -> None:
+        """The next launch must not stop at once."""
+        if dist.get_rank() == 0:
+            self.stop_file.unlink(missing_ok=True)
+
+
+def injected_fault(name: str, step: int) -> bool:
+    """Test hook: MOE_SFT_FAULT_<NAME>=3,4 fires at those steps (1-based, as logged)."""
+    value = os.environ.get(f"MOE_SFT_FAULT_{name.upper()}", "")
+    return str(step) in value.split(",")
