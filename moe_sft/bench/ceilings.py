@@ -60,6 +60,7 @@ def grouped(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype, 
     rows = tokens * topk
     counts = torch.full((experts,), rows // experts, dtype=torch.long)
     counts[: rows - int(counts.sum())] += 1
+    counts = counts.to(device)  # on the device, as the model's: no host-to-device copy per call
     x = torch.randn(rows, hidden, dtype=dtype, device=device, requires_grad=backward)
     w1 = (torch.randn(experts, hidden, 2 * ffn, dtype=dtype, device=device) * 0.02).requires_grad_(backward)
     w2 = (torch.randn(experts, ffn, hidden, dtype=dtype, device=device) * 0.02).requires_grad_(backward)
