@@ -79,6 +79,15 @@ def write_tiny_deepseek_with_mtp(path: Path, vocab_size: int, seed: int = 0, **o
 
 
 @torch.no_grad()
+def converted_tiny_deepseek_with_mtp(tmp: Path, vocab_size: int):
+    """(HF model, reference MTP, tmp): the tiny model written to tmp/hf, converted to tmp/mcore."""
+    from moe_sft.conversion.convert import convert
+
+    hf, ref = write_tiny_deepseek_with_mtp(tmp / "hf", vocab_size)
+    convert(tmp / "hf", tmp / "mcore")
+    return hf, ref, tmp
+
+
 def reference_logits(hf, mtp: ReferenceMTP, doc: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(main logits [T, V], MTP logits [T - 1, V]) of one document, run alone."""
     captured = {}

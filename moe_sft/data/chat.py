@@ -24,6 +24,11 @@ Assistant spans in the rendered text are found one of two ways:
   also opens a `<think>` block) before that point. The turn ends at the first end-of-turn
   string after its start. Template-inserted text after the header (Qwen3's empty
   `<think></think>` on the last turn) is trained on, as the model must emit it at inference.
+* Suffix alignment, when there is no header to search for (Mistral's templates have no generation
+  prompt and move the system prompt and tools list to the last user message) or the turn's
+  content is not rendered (a tool-call-only turn): the render of `messages[:i]` still ends with
+  the previous message as the full text shows it, and the turn starts where the longest common
+  suffix of the two ends.
 """
 
 from __future__ import annotations
@@ -274,11 +279,55 @@ def _start_after_rerendered_history(tokenizer, template: str, messages: list[dic
         for cut in range(len(header) - 1, (len(header) + 1) // 2 - 1, -1):
             if limit - cut >= cursor and full.startswith(header[:cut], limit - cut):
                 return limit
+    start = _start_after_aligned_history(full, bare, header, cursor, limit, messages[i - 1])
+    if start is not None:
+        return start
     raise RowError(TEMPLATE_ERROR, f"{where}: the chat template renders messages[:{i}] + generation prompt "
                                    "differently from the start of the full conversation, and the turn's header "
                                    "could not be found in the full text, so assistant tokens cannot be located; "
                                    "use a template with {% generation %}...{% endgeneration %} around assistant "
                                    "content")
+
+
+def _start_after_aligned_history(full: str, bare: str, header: str, cursor: int, limit: int,
+                                 previous: dict) -> int | None:
+    """Turn start for templates whose generation prompt is empty or absent from the history.
+
+    Mistral's templates have no generation prompt and move the system prompt and the tools list to
+    the last user message, so neither a prefix render nor a header marks the turn. The history
+    render `bare` (messages[:i]) still ends with the previous message as the full text shows it:
+    the turn starts where the longest common suffix of `bare` and `full[:s]` ends (s in
+    [cursor, limit], the earliest on ties), after the generation prompt if there is one. The match
+    must cover the previous message's text and be followed by the whole prompt, else None.
+    """
+    best, best_len = None, 0
+    s = full.find(bare[-1], cursor, limit) if bare else -1
+    while s >= 0:
+        n = _common_suffix(bare, full, s + 1)
+        if n > best_len:
+            best, best_len = s + 1, n
+        s = full.find(bare[-1], s + 1, limit)
+    content = previous.get("content")
+    if best is None or (isinstance(content, str) and content.strip() not in bare[len(bare) - best_len:]):
+        return None
+    start = best + len(header)
+    return start if full.startswith(header, best) and start <= limit else None
+
+
+def _common_suffix(a: str, text: str, end: int) -> int:
+    """Length of the longest common suffix of `a` and `text[:end]`: doubling while the suffixes match,
+    then bisection (suffix equality is monotone), so the cost follows the match, not the text."""
+    def match(n: int) -> bool:
+        return a[len(a) - n:] == text[end - n:end]
+
+    most, lo, hi = min(len(a), end), 0, 1
+    while hi <= most and match(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, most + 1)  # the shortest length known not to match (most + 1: none)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if match(mid) else (lo, mid)
+    return lo
 
 
 def _turn_end(text: str, start: int, ends: list[str], where: str) -> int:

@@ -56,9 +56,12 @@ def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: 
     if start + local_vocab > vocab_size:
         pad = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
         logits = logits.masked_fill(pad, float("-inf"))
-    # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]
-    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).float().contiguous(),
-                                                          labels.transpose(0, 1).contiguous())
+    # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]. It works in place on its
+    # input, so it gets a copy: in fp32 with an unpadded vocab, `.float().contiguous()` of [1, s, V]
+    # returned a view of the model output, and with MTP one depth's in-place softmax then broke the
+    # other depths' backward (bf16 converts, so this costs no extra copy on GPU).
+    losses = tensor_parallel.vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).to(torch.float32, copy=True).contiguous(), labels.transpose(0, 1).contiguous())
     return losses.transpose(0, 1)
 
 

@@ -96,8 +96,7 @@ class Trainer:
         batch_line = resolve_global_batch(self.cfg, world)
         if batch_line and int(os.environ.get("RANK", "0")) == 0:
             print(f"[moe-sft] {batch_line}", flush=True)
-        validate_config(self.cfg, world)
-        trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
+        self._preflight(world)
         distributed.init_process_group(self.rt.device)
         p = self.cfg.parallel
         distributed.init_model_parallel(
@@ -115,6 +114,10 @@ class Trainer:
         if dist.get_rank() == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.cfg, self.out / "config.yaml")
+
+    def _preflight(self, world: int) -> None:
+        validate_config(self.cfg, world)
+        trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
 
     def _model_source(self) -> None:
         m = self.cfg.model
@@ -239,6 +242,21 @@ class Trainer:
         d, p = self.cfg.data, self.cfg.parallel
         tokenizer_path = d.tokenizer_path or str(self.hf_side)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        pad_to = self._micro_batch_shape()
+        # CP ranks of one DP rank get the same micro-batches (dp_rank excludes CP); each document is
+        # padded to the multiple CP's 2*CP-chunk split (and SP) needs.
+        self.data = build_pipeline(
+            d, tokenizer_path=tokenizer_path, global_batch_size=self.cfg.trainer.global_batch_size, pad_to=pad_to,
+            doc_multiple=d.pad_documents_to or doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size,
+                                                                p.sequence_parallel),
+            pad_token_id=self.tokenizer.pad_token_id or 0)
+        self.plan = self.data.train
+        for line in self.data.summary:
+            _say(line)
+
+    def _micro_batch_shape(self) -> int:
+        """Sets `fixed_shape` and `seq_length`; returns the multiple micro-batches are padded to."""
+        d, p = self.cfg.data, self.cfg.parallel
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
         # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
         # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
@@ -250,16 +268,7 @@ class Trainer:
         if self.fixed_shape:
             pad_to = d.pack_length
         self.seq_length = d.pack_length
-        # CP ranks of one DP rank get the same micro-batches (dp_rank excludes CP); each document is
-        # padded to the multiple CP's 2*CP-chunk split (and SP) needs.
-        self.data = build_pipeline(
-            d, tokenizer_path=tokenizer_path, global_batch_size=self.cfg.trainer.global_batch_size, pad_to=pad_to,
-            doc_multiple=d.pad_documents_to or doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size,
-                                                                p.sequence_parallel),
-            pad_token_id=self.tokenizer.pad_token_id or 0)
-        self.plan = self.data.train
-        for line in self.data.summary:
-            _say(line)
+        return pad_to
 
     def _resume(self) -> None:
         latest = checkpoint.latest_step(self.ckpt_root)

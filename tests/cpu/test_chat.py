@@ -1,6 +1,8 @@
 """Assistant-only loss weights from chat templates: generation markers and prefix diff, on the demo
-template and on real-world-style templates (ChatML/Qwen2.5 with tools, Llama 3 headers, Qwen3 that
-strips earlier turns' reasoning, DeepSeek-R1 whose generation prompt opens a think block)."""
+template and on real-world-style templates written here (ChatML/Qwen2.5 with tools, Llama 3 headers,
+Qwen3 that strips earlier turns' reasoning, Mistral v0.3 [INST] with tools and no generation prompt,
+Mixtral [INST], DeepSeek-R1 whose generation prompt opens a think block), each under all_assistant,
+last_assistant and per-message weights, against an independent per-token oracle."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from moe_sft.data.chat import (
+    _common_suffix,
     _render,
     has_generation_markers,
     tokenize_conversation,
@@ -354,7 +357,9 @@ QWEN3_TEMPLATE = (
 # DeepSeek-R1's: the reasoning of every assistant turn is cut at </think>; the generation prompt
 # opens a think block that the rendered history never shows.
 R1_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{% set ns = namespace(system_prompt='') %}{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = message['content'] %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '<｜User｜>' + message['content'] }}{% elif message['role'] == 'assistant' %}"
     "{% set content = message['content'] %}{% if '</think>' in content %}"
     "{% set content = content.split('</think>')[-1] %}{% endif %}"
@@ -430,6 +435,147 @@ def test_deepseek_r1_template_whose_prompt_opens_a_think_block():
     assert masked_runs(tokenizer, doc) == ["\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>"]
 
 
+# Mistral-7B-Instruct-v0.3's: no generation prompt; the tools list goes before the *last* user
+# message and the system prompt into it only when it ends the conversation (inference), so every
+# earlier turn renders differently in a prefix: neither the prefix diff nor a header finds the turns.
+MISTRAL_V3_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- set user_messages = loop_messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{{- bos_token }}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if tools is not none and (message == user_messages[-1]) %}{{- '[AVAILABLE_TOOLS] [' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}"
+    "{{- '][/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}{{- '[TOOL_CALLS] [' }}"
+    "{%- for tool_call in message.tool_calls %}{%- set out = tool_call.function|tojson %}{{- out[:-1] }}"
+    "{{- ', \\\"id\\\": \\\"' + tool_call.id + '\\\"}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- else %}{{- ']' + eos_token }}{%- endif %}{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\\\"content\\\": ' + message.content|string + ', ' }}"
+    "{{- '\\\"call_id\\\": \\\"' + message.tool_call_id + '\\\"}[/TOOL_RESULTS]' }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported') }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+# Mixtral-8x7B-Instruct's: the system prompt joins the first user message, roles must alternate.
+MIXTRAL_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- if message['role'] == 'user' %}{%- if loop.first and system_message is defined %}"
+    "{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' [INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+THIRD_TURN = [AGENT[5], AGENT[6]]
+PLAIN_AGENT = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in AGENT]
+MISTRAL_AGENT = [*PLAIN_AGENT[:2], {"role": "assistant", "content": "", "tool_calls": [{**TOOL_CALL, "id": "call00001"}]},
+                 {**PLAIN_AGENT[3], "tool_call_id": "call00001"}, *PLAIN_AGENT[4:]]
+R1_CHAT = [{"role": "system", "content": "Think step by step."},
+           {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+           {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"},
+           {"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "<think>\nonce more\n</think>\n\n8"}]
+
+# name: (special tokens, template, eos, bos, messages, tools, the trained text of each assistant turn).
+# The trained text is the assistant's output as rendered (reasoning where the template keeps it, tool
+# calls) plus the end-of-turn token; never a role header, system/user/tool text or the tools list.
+REAL_WORLD = {
+    "qwen3_strips_reasoning": ([], QWEN3_TEMPLATE, None, None, AGENT, None, [
+        f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>", "It is sunny in Paris.<|im_end|>",
+        "<think>\nNo forecast tool.\n</think>\n\nI cannot forecast.<|im_end|>"]),
+    "qwen25_tools": ([], QWEN25_TEMPLATE, None, None, PLAIN_AGENT, [WEATHER_TOOL], [
+        f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>", "It is sunny in Paris.<|im_end|>",
+        "I cannot forecast.<|im_end|>"]),
+    "llama3_headers": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                       LLAMA3_TEMPLATE, "<|eot_id|>", "<|begin_of_text|>", PLAIN_AGENT, None, [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny in Paris.<|eot_id|>",
+        "I cannot forecast.<|eot_id|>"]),
+    "mistral_v3_tools": (["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                          "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
+                         MISTRAL_V3_TEMPLATE, "</s>", "<s>", MISTRAL_AGENT, [WEATHER_TOOL], [
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
+        " It is sunny in Paris.</s>", " I cannot forecast.</s>"]),
+    "mixtral_inst": (["<s>", "</s>", "[INST]", "[/INST]"], MIXTRAL_TEMPLATE, "</s>", "<s>",
+                     [*CONVERSATION, *THIRD_TURN], None, [
+        " Reversed: sun dog cat</s>", " Reversed: egg fox owl</s>", " I cannot forecast.</s>"]),
+    "deepseek_r1": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"], R1_TEMPLATE,
+                    "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", R1_CHAT, None, [
+        "\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>", "\n\n8<｜end▁of▁sentence｜>"]),
+}
+MODES = {"all_assistant": (None, [1.0, 1.0, 1.0]), "last_assistant": (None, [0.0, 0.0, 1.0]),
+         "per_message_weights": ([0.5, 0.0, 2.0], [0.5, 0.0, 2.0])}
+
+
+def _expected_token_weights(tokenizer, text: str, messages, trained: list[str], weights: list[float]):
+    """Independent of the span finder: each assistant turn's expected trained text, searched for after
+    the text of the message before it (pinning it to its turn), gives a character span; a token takes
+    its span's weight. Also checks that no token straddles a span boundary."""
+    spans, cursor, turns = [], 0, iter(zip(trained, weights))
+    for m in messages:
+        if m["role"] == "assistant":
+            want, w = next(turns)
+            start = text.find(want, cursor)
+            assert start >= cursor, (want, text[cursor:])
+            cursor = start + len(want)
+            spans.append((start, cursor, w))
+        elif isinstance(m.get("content"), str) and (pos := text.find(m["content"].strip(), cursor)) >= 0:
+            cursor = pos + len(m["content"].strip())  # a prompt text the template renders (Mistral may drop it)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for a, b in encoding["offset_mapping"]:
+        inside = [w for s, e, w in spans if s <= a and b <= e]
+        assert inside or not any(a < e and b > s for s, e, _ in spans), f"token {text[a:b]!r} straddles a span"
+        out.append(inside[0] if inside else 0.0)
+    return encoding["input_ids"], out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(REAL_WORLD))
+def test_real_world_templates_train_exactly_the_assistant_turns(name, mode):
+    tokens, template, eos, bos, messages, tools, trained = REAL_WORLD[name]
+    tokenizer = _with_tokens(tokens, template, eos=eos, bos=bos)
+    message_weights, expected = MODES[mode]
+    rows = [dict(m) for m in messages]
+    if message_weights:
+        for m, w in zip([m for m in rows if m["role"] == "assistant"], message_weights):
+            m["weight"] = w
+    loss_on = "last_assistant" if mode == "last_assistant" else "all_assistant"
+    doc = tokenize_conversation(tokenizer, rows, 4096, tools=tools, loss_on=loss_on)
+    # The ids are the template's own rendering (transformers' apply_chat_template), whatever the mode.
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert tokenizer.decode(doc.input_ids, skip_special_tokens=False) == text
+    ids, weights = _expected_token_weights(tokenizer, text, messages, trained, expected)
+    assert list(doc.input_ids) == ids and list(doc.loss_weights) == weights
+    assert masked_runs(tokenizer, doc, with_weights=True) == [(t, w) for t, w in zip(trained, expected) if w > 0]
+    # Nothing of the prompt side is trained: system, user and tool texts, and the tools list.
+    trained_text = "".join(masked_runs(tokenizer, doc))
+    for m in messages:
+        if m["role"] != "assistant" and m.get("content"):
+            assert m["content"] not in trained_text, m
+    assert "Weather of a city" in text if tools else True
+    assert "Weather of a city" not in trained_text
+
+
+def test_mistral_v3_history_is_not_a_prefix_and_the_system_prompt_moves():
+    tokens, template, eos, bos, messages, tools, _ = REAL_WORLD["mistral_v3_tools"]
+    tokenizer = _with_tokens(tokens, template, eos=eos, bos=bos)
+    assert not _prefix_matches(tokenizer, messages, 2, tools) and not _prefix_matches(tokenizer, messages, 4, tools)
+    # The turn still is found when its content is not rendered at all (a tool-call-only turn).
+    doc = tokenize_conversation(tokenizer, messages[:3], 4096, tools=tools)
+    assert masked_runs(tokenizer, doc) == [REAL_WORLD["mistral_v3_tools"][6][0]]
+
+
 def test_template_errors_are_row_errors():
     tokenizer = _load(QWEN25_TEMPLATE)
     with pytest.raises(RowError, match=r"^x\.jsonl:2: .*not closed by any of \['<END>'\]") as err:
@@ -451,3 +597,11 @@ def test_weights_from_spans_matches_the_definition(cuts, marks, data):
     points = sorted(set(marks))
     spans = [(a, b, data.draw(st.sampled_from([0.5, 1.0, 2.0]))) for a, b in zip(points[::2], points[1::2]) if b > a]
     assert weights_from_spans(offsets, spans) == _weights_reference(offsets, spans)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.text("ab", max_size=40), text=st.text("ab", max_size=40), data=st.data())
+def test_common_suffix_matches_the_definition(a, text, data):
+    end = data.draw(st.integers(0, len(text)))
+    n = next(k for k in range(min(len(a), end), -1, -1) if a[len(a) - k:] == text[end - k:end])
+    assert _common_suffix(a, text, end) == n

@@ -17,7 +17,7 @@ from moe_sft.models import registry
 from moe_sft.models.forward import pack_documents
 from tests.cpu.test_families import PARITY_TOL, _all_tensors
 from tests.train_steps import PromptedDoc, adam_steps, random_batches
-from tests.deepseek_mtp import reference_logits, write_tiny_deepseek_with_mtp
+from tests.deepseek_mtp import converted_tiny_deepseek_with_mtp, reference_logits, write_tiny_deepseek_with_mtp
 
 VOCAB = 300
 DOC_LENGTHS = (19, 40, 7)
@@ -25,10 +25,7 @@ DOC_LENGTHS = (19, 40, 7)
 
 @pytest.fixture(scope="module")
 def mtp_ckpt(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mtp")
-    hf, ref = write_tiny_deepseek_with_mtp(tmp / "hf", VOCAB)
-    convert(tmp / "hf", tmp / "mcore")
-    return hf, ref, tmp
+    return converted_tiny_deepseek_with_mtp(tmp_path_factory.mktemp("mtp"), VOCAB)
 
 
 def _docs():

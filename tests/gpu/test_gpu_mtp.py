@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.deepseek_mtp import reference_logits, write_tiny_deepseek_with_mtp
+from tests.deepseek_mtp import converted_tiny_deepseek_with_mtp, reference_logits
 from tests.gpu.test_gpu_parity import REPORT, VOCAB, _our_bf16_model, _write_report
 
 pytestmark = pytest.mark.gpu
@@ -17,12 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def mtp_ckpt(tmp_path_factory):
-    from moe_sft.conversion.convert import convert
-
-    tmp = tmp_path_factory.mktemp("mtp")
-    hf, ref = write_tiny_deepseek_with_mtp(tmp / "hf", VOCAB)
-    convert(tmp / "hf", tmp / "mcore")
-    return hf, ref, tmp
+    return converted_tiny_deepseek_with_mtp(tmp_path_factory.mktemp("mtp"), VOCAB)
 
 
 def _docs():

@@ -1,0 +1,112 @@
+"""The timing loop every arm runs, and the record it produces (one per arm and token budget).
+
+Per budget: `warmup` steps (not timed), `steps` timed steps (CUDA synchronised before and after
+each; the step's batch is built before its timer starts), then `profile_steps` steps under
+torch.profiler for the phase breakdown (moe_sft/bench/phases.py). Steps are numbered from 0 at
+every budget, so every arm trains on the same batches (workload.Workload.global_batch(step)).
+
+Throughput counts real tokens only (documents, never padding): tokens/s per GPU = timed real
+tokens / timed seconds / GPUs. Model FLOPs come from moe_sft.trainer.flops (forward + backward =
+3 x forward, active experts only, attention over each document's causal pairs); MFU = model
+TFLOP/s per GPU / the peak (989 dense bf16 TFLOP/s for H100/H200 SXM).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Protocol
+
+import torch
+
+from moe_sft.bench import phases as phase_mod
+from moe_sft.bench.workload import Workload, real_tokens
+from moe_sft.trainer import flops
+
+PEAK_TFLOPS = 989.0
+
+
+class Arm(Protocol):
+    name: str
+    device: str
+    world: int
+    rank: int
+
+    def use(self, workload: Workload) -> None: ...
+    def prepare(self, step: int) -> None: ...            # build the step's batch (untimed)
+    def step(self, step: int) -> float: ...              # one full training step; returns the loss
+    def install_scopes(self) -> phase_mod.Scopes: ...
+    def fed(self) -> tuple[int, str]: ...                 # real tokens and digest since reset_fed
+    def reset_fed(self) -> None: ...
+    def reset_peak(self) -> None: ...
+    def peak_memory_gib(self) -> tuple[float, float]: ...  # (allocated, reserved) max over ranks
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def phase_flops(shape: flops.ModelShape, seqlens) -> dict[str, float]:
+    """Model FLOPs (forward + backward) of the phases a ceiling exists for: routed experts and
+    attention scores (the core attention kernel)."""
+    tokens = sum(seqlens)
+    mats = 3 if shape.glu else 2
+    moe_layers = sum(shape.moe_layers) + (shape.mtp_layers if shape.moe_layers and shape.moe_layers[-1] else 0)
+    attn_layers = len(shape.moe_layers) + shape.mtp_layers
+    return {"experts": 3.0 * tokens * moe_layers * shape.topk * mats * 2 * shape.hidden * shape.moe_ffn,
+            "attention_core": 3.0 * attn_layers * flops.attention_pair_flops(shape) * flops.attention_pairs(seqlens)}
+
+
+def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: int, steps: int,
+            profile_steps: int, peak_tflops: float = PEAK_TFLOPS) -> dict:
+    arm.use(workload)
+    arm.reset_peak()
+    for step in range(warmup):
+        arm.prepare(step)
+        arm.step(step)
+    arm.reset_fed()
+    seconds, losses, model_flops, tokens = [], [], 0, 0
+    for step in range(warmup, warmup + steps):
+        arm.prepare(step)
+        _sync(arm.device)
+        start = time.perf_counter()
+        losses.append(arm.step(step))
+        _sync(arm.device)
+        seconds.append(time.perf_counter() - start)
+        batch = workload.global_batch(step)
+        model_flops += flops.train_step_flops(shape, batch)
+        tokens += real_tokens(batch)
+    fed_tokens, fed_digest = arm.fed()
+    phases_ms, profiled_s, phase_error, profiled_lens = {}, None, None, []
+    profiled = range(warmup + steps, warmup + steps + profile_steps)
+    if profile_steps:
+        scopes = arm.install_scopes()
+        try:
+            def run(step):
+                arm.prepare(step)  # one cached batch: built before the step's ops are profiled
+                arm.step(step)
+            phases_ms, profiled_s = phase_mod.profile_steps(run, profiled, arm.device)
+            profiled_lens = [n for s in profiled for mb in workload.global_batch(s) for n in flops.document_lengths(mb)]
+        except Exception as err:  # keep the timed steps' results; say why the phases are missing
+            phase_error = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        finally:
+            scopes.remove()
+    alloc, reserved = arm.peak_memory_gib()
+    total_s = sum(seconds)
+    tflops = model_flops / max(total_s, 1e-12) / arm.world / 1e12
+    per_phase_flops = {k: v / max(profile_steps, 1) / arm.world for k, v in phase_flops(shape, profiled_lens).items()}
+    return dict(
+        arm=arm.name, budget=workload.budget, micro_batches=workload.micro_batches, gpus=arm.world,
+        device=arm.device, warmup=warmup, steps=steps, profile_steps=profile_steps,
+        step_seconds=seconds, step_seconds_median=statistics.median(seconds) if seconds else None,
+        real_tokens=tokens, real_tokens_per_step=tokens / max(steps, 1), fed_tokens=fed_tokens,
+        fed_digest=fed_digest, model_flop=model_flops, model_flop_per_step=model_flops / max(steps, 1),
+        tokens_per_s_per_gpu=tokens / max(total_s, 1e-12) / arm.world, tflops_per_gpu=tflops,
+        peak_tflops=peak_tflops, mfu_pct=100.0 * tflops / peak_tflops,
+        peak_allocated_gib=alloc, peak_reserved_gib=reserved, losses=losses,
+        phases_ms=phases_ms, profiled_step_seconds=profiled_s,
+        phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time", phase_error=phase_error,
+        phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items()
+                      if phases_ms.get(k)},
+        status="ok")

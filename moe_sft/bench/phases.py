@@ -1,0 +1,171 @@
+"""Per-phase time of a training step from torch.profiler, forward and backward.
+
+Method: while a few steps run under torch.profiler, every module of interest is wrapped in a
+`record_function("phase::<name>")` scope (a forward pre-hook enters it, a forward hook leaves it),
+and so are the non-module parts (the MoE token dispatcher's methods, the loss function, gradient
+finalisation, the optimizer step). Each profiled op then gets the phase of its innermost scope.
+Backward ops run outside those scopes (autograd's engine, often on another thread); the profiler
+tags each backward node (`autograd::engine::evaluate_function: XBackward0`) with the sequence
+number of the forward op that created it, so a backward op gets the phase its forward op had.
+Gradient accumulation nodes (`AccumulateGrad`, where megatron's DDP hooks add into main_grad) are
+counted under `grads`. The time of an op is its own CUDA kernel time (self device time: kernels
+it launched, not its children's) on a GPU, its own CPU time on CPU; kernels the profiler could not
+tie to an op go to `other`. Summed over phases this is the GPU busy time, never more than the
+step's wall time unless kernels overlap on several streams (communication).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import defaultdict
+
+import torch
+from torch.autograd.profiler import record_function
+
+SCOPE = "phase::"
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+PHASES = ("embedding", "attention", "attention_core", "norms", "router", "dispatch", "experts",
+          "shared_experts", "dense_mlp", "moe_other", "lm_head", "loss", "grads", "optimizer", "other")
+
+# Qualified module names -> phase, first match wins. megatron GPTModel (torch-native or TE spec),
+# transformers (Qwen3-MoE, DeepSeek-V3) and torchtitan names.
+MODULE_RULES = (
+    (r"\.(core_attention|inner_attention|sdpa)$", "attention_core"),
+    (r"\.(self_attention|self_attn|attention)$", "attention"),
+    (r"norm$", "norms"),
+    (r"\.(mlp|moe)\.(router|gate)$", "router"),
+    (r"\.(mlp|moe)\.shared_experts?$", "shared_experts"),
+    (r"\.(mlp|moe)\.experts$", "experts"),
+    (r"\.moe\.reorderer$", "dispatch"),
+    (r"(^|\.)(embedding|embed_tokens|tok_embeddings)$", "embedding"),
+    (r"(^|\.)(output_layer|lm_head|output)$", "lm_head"),
+    (r"\.(mlp|moe|feed_forward)$", "mlp"),
+)
+DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+                      "combine_preprocess", "token_combine", "combine_postprocess")
+
+
+def module_phase(name: str, module: torch.nn.Module) -> str | None:
+    for pattern, phase in MODULE_RULES:
+        if re.search(pattern, name):
+            if phase == "mlp":  # an MoE block (has routed experts) or a dense MLP
+                has_experts = any(n in ("experts",) for n, _ in module.named_children())
+                return "moe_other" if has_experts else "dense_mlp"
+            return phase
+    return None
+
+
+class Scopes:
+    """record_function scopes around modules and callables, removable (no trace when not profiled)."""
+
+    def __init__(self):
+        self._undo = []
+
+    def module(self, module: torch.nn.Module, phase: str) -> None:
+        open_scopes = []
+
+        def enter(_mod, _args):
+            scope = record_function(SCOPE + phase)
+            scope.__enter__()
+            open_scopes.append(scope)
+
+        def leave(_mod, _args, _out):
+            if open_scopes:
+                open_scopes.pop().__exit__(None, None, None)
+
+        handles = (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
+        self._undo += [h.remove for h in handles]
+
+    def modules(self, root: torch.nn.Module, prefix: str = "") -> int:
+        count = 0
+        for name, module in root.named_modules(prefix=prefix):
+            phase = module_phase(name, module)
+            if phase:
+                self.module(module, phase)
+                count += 1
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is not None:
+                for method in DISPATCHER_METHODS:
+                    if hasattr(dispatcher, method):
+                        self.attribute(dispatcher, method, "dispatch")
+        return count
+
+    def attribute(self, owner, name: str, phase: str) -> None:
+        """Wrap `owner.name` (an attribute: method, module-level function or config callable)."""
+        original = getattr(owner, name)
+        had_own = not isinstance(owner, type) and name in getattr(owner, "__dict__", {})
+
+        @functools.wraps(original)
+        def scoped(*args, **kwargs):
+            with record_function(SCOPE + phase):
+                return original(*args, **kwargs)
+
+        setattr(owner, name, scoped)
+
+        def restore():
+            if had_own or isinstance(owner, type) or not hasattr(owner, "__dict__"):
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # the instance attribute we added shadowed the class's method
+
+        self._undo.append(restore)
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def attribute_events(events, device: bool) -> dict[str, float]:
+    """Microseconds per phase over profiler `events` (torch.autograd.profiler_util.EventList)."""
+    from torch.autograd import DeviceType
+
+    fwd_phase: dict[tuple[int, int], str] = {}   # (thread, sequence number) -> forward op's phase
+    phase_of: dict[int, str | None] = {}          # event id -> phase (None: no scope)
+    in_backward: dict[int, bool] = {}
+    totals: dict[str, float] = defaultdict(float)
+    device_total = 0.0
+    for e in sorted(events, key=lambda ev: (ev.time_range.start, -ev.time_range.end)):
+        if e.device_type != DeviceType.CPU:
+            device_total += e.time_range.elapsed_us()  # a kernel (its op, when known, counts it too)
+            continue
+        parent = e.cpu_parent
+        phase = phase_of.get(parent.id) if parent is not None else None
+        backward = bool(parent is not None and in_backward.get(parent.id))
+        if e.name.startswith(SCOPE):
+            phase = e.name[len(SCOPE):]
+        elif e.name.startswith(BACKWARD_NODE):
+            backward = True
+            phase = fwd_phase.get((e.fwd_thread, e.sequence_nr))
+            if phase is None and "AccumulateGrad" in e.name:
+                phase = "grads"
+        elif e.sequence_nr >= 0 and not backward:
+            fwd_phase.setdefault((e.thread, e.sequence_nr), phase or "other")
+        phase_of[e.id], in_backward[e.id] = phase, backward
+        totals[phase or "other"] += e.self_device_time_total if device else e.self_cpu_time_total
+    if device:  # kernels not tied to any op (e.g. launched by a library outside the profiler's view)
+        totals["other"] += max(device_total - sum(totals.values()), 0.0)
+    return {p: totals.get(p, 0.0) for p in PHASES if totals.get(p, 0.0) > 0}
+
+
+def profile_steps(run_step, steps, device: str) -> tuple[dict[str, float], float]:
+    """Run `run_step(step)` for each of `steps` under torch.profiler: (ms per step by phase, wall
+    seconds per step of those profiled steps)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=False, with_stack=False) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step in steps:
+            run_step(step)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    per_phase = attribute_events(prof.events(), device=cuda)
+    n = max(len(steps), 1)
+    return {k: v / 1e3 / n for k, v in per_phase.items()}, wall / n

@@ -1,0 +1,164 @@
+"""benchmark.json (every run and ceiling, merged across invocations) and its markdown tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+from moe_sft.bench.phases import PHASES
+
+JSON_NAME, MD_NAME = "benchmark.json", "benchmark.md"
+
+
+def environment() -> dict:
+    import torch
+
+    env = dict(python=platform.python_version(), torch=torch.__version__, host=platform.node(),
+               date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import megatron.core
+
+        env["megatron_core"] = getattr(megatron.core, "__version__", "?")
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_count"] = torch.cuda.device_count()
+    else:
+        env["gpu"] = "none (CPU)"
+    return env
+
+
+def run_key(run: dict) -> str:
+    return f"{run['arm']}|{run['model']}|L{run['layers']}|{run['gpus']}gpu|ep{run.get('ep', 1)}|{run['budget']}"
+
+
+def load(out: Path) -> dict:
+    path = Path(out) / JSON_NAME
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"runs": [], "ceilings": [], "environment": {}}
+
+
+def merge(out: Path, runs=(), ceilings=()) -> dict:
+    """Add runs (replacing the same arm/model/layers/GPUs/budget) and ceilings; write JSON + markdown."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load(out)
+    keep = {run_key(r): r for r in data["runs"]}
+    for run in runs:
+        keep[run_key(run)] = run
+    data["runs"] = list(keep.values())
+    new_kinds = {(c["model"], c["kind"], c["shape"]) for c in ceilings}
+    data["ceilings"] = [c for c in data["ceilings"] if (c["model"], c["kind"], c["shape"]) not in new_kinds]
+    data["ceilings"] += list(ceilings)
+    data["environment"] = environment()
+    (out / JSON_NAME).write_text(json.dumps(data, indent=1))
+    (out / MD_NAME).write_text(markdown(data))
+    return data
+
+
+def _f(value, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def _n(value) -> str:
+    """1 decimal for GPU-sized numbers, 3 significant digits for the CPU smoke's tiny ones."""
+    if value is None:
+        return ""
+    return f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+
+
+def markdown(data: dict) -> str:
+    env = data.get("environment", {})
+    cpu = env.get("gpu", "").startswith("none")
+    head = (f"Device: {env.get('gpu', '?')}; torch {env.get('torch', '?')}, transformers "
+            f"{env.get('transformers', '-')}, megatron-core {env.get('megatron_core', '-')}; {env.get('date', '')}.")
+    lines = [head]
+    if cpu:
+        lines.append("**CPU SMOKE RUN (fp32, tiny shapes): checks the harness, NOT performance.**")
+    lines += ["", "| arm | model | layers | GPUs (EP) | budget | tokens/step | step s (median) | tokens/s/GPU | "
+              "TFLOP/s/GPU | MFU % | peak alloc / reserved GiB | loss first → last | status |",
+              "|" + "---|" * 13]
+    runs = sorted(data["runs"], key=lambda r: (r["model"], r["layers"], r["gpus"], r["budget"], r["arm"]))
+    for r in runs:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['arm']} | {r['model']} | {r['layers']} | {r['gpus']} ({r.get('ep', 1)}) | "
+                         f"{r['budget']} | | | | | | | | {r.get('status')} |")
+            continue
+        losses = r.get("losses") or [None]
+        lines.append(
+            f"| {r['arm']} | {r['model']} | {r['layers']} | {r['gpus']} ({r.get('ep', 1)}) | {r['budget']} | "
+            f"{r['real_tokens_per_step']:,.0f} | {_f(r['step_seconds_median'], '.3f')} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {_n(r['tflops_per_gpu'])} | {_n(r['mfu_pct'])} | "
+            f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f} | "
+            f"{_f(losses[0], '.3f')} → {_f(losses[-1], '.3f')} | "
+            + ("ok |" if not r.get("phase_error") else f"ok; phases failed: {r['phase_error']} |"))
+    lines += ratio_lines(runs) + phase_tables(runs) + ceiling_table(data.get("ceilings", []))
+    return "\n".join(lines) + "\n"
+
+
+def ratio_lines(runs: list[dict]) -> list[str]:
+    out = []
+    by = {}
+    for r in runs:
+        if r.get("status") == "ok" and r["gpus"] == 1:
+            by.setdefault((r["model"], r["layers"], r["budget"]), {})[r["arm"]] = r
+    for (model, layers, budget), arms in sorted(by.items()):
+        ours = arms.get("moe-sft")
+        for name, other in arms.items():
+            if ours is None or name == "moe-sft":
+                continue
+            same = "same tokens" if other["fed_digest"] == ours["fed_digest"] else "DIFFERENT tokens"
+            out.append(f"- {model} L{layers} budget {budget}: moe-sft / {name} tokens/s = "
+                       f"{ours['tokens_per_s_per_gpu'] / max(other['tokens_per_s_per_gpu'], 1e-9):.2f}x ({same})")
+    return ([""] + out) if out else []
+
+
+def phase_tables(runs: list[dict]) -> list[str]:
+    groups = {}
+    for r in runs:
+        if r.get("status") == "ok" and r.get("phases_ms"):
+            groups.setdefault((r["model"], r["layers"], r["gpus"], r["budget"]), []).append(r)
+    out = []
+    for (model, layers, gpus, budget), group in sorted(groups.items()):
+        out += ["", f"Phases, {model} L{layers}, {gpus} GPU(s), budget {budget}: ms per step "
+                f"({group[0]['phase_source']}, forward + backward, rank 0; % of the profiled step; "
+                "achieved TFLOP/s where a ceiling exists)", "",
+                "| phase | " + " | ".join(r["arm"] for r in group) + " |", "|---|" + "---|" * len(group)]
+        for phase in PHASES:
+            if not any(phase in r["phases_ms"] for r in group):
+                continue
+            cells = []
+            for r in group:
+                ms = r["phases_ms"].get(phase)
+                step_ms = 1e3 * (r["profiled_step_seconds"] or 0)
+                tf = r.get("phase_tflops", {}).get(phase)
+                cells.append("" if ms is None else f"{ms:.1f} ({100 * ms / max(step_ms, 1e-9):.0f}%)"
+                             + (f", {_n(tf)} TFLOP/s" if tf else ""))
+            out.append(f"| {phase} | " + " | ".join(cells) + " |")
+        totals = [sum(r["phases_ms"].values()) for r in group]
+        out.append("| **sum** | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
+        out.append("| profiled step (wall) | " + " | ".join(
+            f"{1e3 * (r['profiled_step_seconds'] or 0):.1f}" for r in group) + " |")
+        out.append("| timed step (median, no profiler) | " + " | ".join(
+            f"{1e3 * (r['step_seconds_median'] or 0):.1f}" for r in group) + " |")
+    return out
+
+
+def ceiling_table(ceilings: list[dict]) -> list[str]:
+    if not ceilings:
+        return []
+    out = ["", "Ceilings (kernels alone at the model's shapes; fwd+bwd = 3x forward FLOPs)", "",
+           "| model | kernel | shape | ms | TFLOP/s |", "|---|---|---|---|---|"]
+    for c in ceilings:
+        out.append(f"| {c['model']} | {c['kind']} | {c['shape']} | {c['ms']:.3f} | {_n(c['tflops'])} |")
+    return out

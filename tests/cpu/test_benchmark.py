@@ -1,0 +1,136 @@
+"""tools/benchmark.py on CPU with tiny shapes: the report is complete and self-consistent.
+
+Runs in this process (`compare` runs arms in-process on CPU): the moe-sft arm (the production
+Trainer with the synthetic workload) and the transformers arm at two token budgets, 2 timed steps
+and 1 profiled step each, then the ceilings. Checks, per run: the tokens counted are the real
+(non-padding) tokens of the workload's batches and the ones the arm was fed; the model FLOPs are
+the formula's (moe_sft.trainer.flops) recomputed here; throughput, TFLOP/s and MFU follow from
+them; the phases are known names, cover the expected parts and sum to no more than the profiled
+step's wall time; both arms saw the same token ids. A DeepSeek-V3-style tiny model (MLA, shared
+expert, dense first layer, MTP) runs through the moe-sft arm too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from moe_sft.bench.phases import PHASES
+from moe_sft.bench.workload import Workload, hf_config, model_shape, real_tokens
+from moe_sft.runtime import distributed
+from moe_sft.trainer import flops
+from tests.conftest import REPO
+
+BUDGETS = (128, 256)
+TOKENS_PER_STEP = 512
+STEPS = 2
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_tool", REPO / "tools" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    tool = _benchmark()
+    common = ["--budgets", ",".join(map(str, BUDGETS)), "--tokens-per-step", str(TOKENS_PER_STEP), "--warmup", "0",
+              "--steps", str(STEPS), "--profile-steps", "1", "--device", "cpu", "--out", str(out)]
+    try:
+        assert tool.main(["compare", "--model", "tiny", *common]) == 0
+        assert tool.main(["train", "--arm", "moe-sft", "--model", "tiny_dsv3", *common[:1], "128",
+                          *common[2:]]) == 0
+        assert tool.main(["ceilings", "--model", "tiny", "--budget", "128", "--warmup", "0", "--iters", "1",
+                          "--device", "cpu", "--out", str(out)]) == 0
+    finally:
+        distributed.destroy()  # leave no process group behind for other test modules
+    return json.loads((out / "benchmark.json").read_text()), (out / "benchmark.md").read_text()
+
+
+def _runs(data, model):
+    return [r for r in data["runs"] if r["model"] == model]
+
+
+def test_every_run_is_complete(report):
+    data, _ = report
+    runs = _runs(data, "tiny")
+    assert sorted((r["arm"], r["budget"]) for r in runs) == sorted(
+        (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS)
+    keys = {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "peak_allocated_gib", "peak_reserved_gib",
+            "phases_ms", "profiled_step_seconds", "step_seconds", "model_flop", "real_tokens", "losses",
+            "implementation"}
+    for r in runs + _runs(data, "tiny_dsv3"):
+        assert r["status"] == "ok", r
+        assert keys <= set(r), keys - set(r)
+        assert len(r["step_seconds"]) == len(r["losses"]) == STEPS
+        assert all(0 < loss < 20 for loss in r["losses"])
+
+
+def test_tokens_and_flops_follow_from_the_workload(report):
+    data, _ = report
+    for r in data["runs"]:
+        family, cfg = hf_config(r["model"], r["layers"])
+        workload = Workload(budget=r["budget"], micro_batches=r["micro_batches"], vocab=cfg.vocab_size)
+        steps = range(r["warmup"], r["warmup"] + r["steps"])
+        batches = [workload.global_batch(s) for s in steps]
+        docs = [n for batch in batches for mb in batch for n in flops.document_lengths(mb)]
+        assert r["real_tokens"] == r["fed_tokens"] == sum(docs) == sum(real_tokens(b) for b in batches)
+        assert r["micro_batches"] == TOKENS_PER_STEP // r["budget"]
+        assert r["real_tokens"] == r["steps"] * r["micro_batches"] * r["budget"]  # filled, no padding
+        shape = model_shape(r["model"], r["layers"], run_mtp=r.get("mtp_trained", False))
+        assert r["model_flop"] == sum(flops.train_step_flops(shape, b) for b in batches)
+        seconds = sum(r["step_seconds"])
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["real_tokens"] / seconds)
+        assert r["tflops_per_gpu"] == pytest.approx(r["model_flop"] / seconds / 1e12)
+        assert r["mfu_pct"] == pytest.approx(100 * r["tflops_per_gpu"] / 989.0)
+
+
+def test_mtp_is_counted_for_deepseek(report):
+    data, _ = report
+    (r,) = _runs(data, "tiny_dsv3")
+    assert r["mtp_trained"] is True
+    with_mtp, without = (sum(flops.forward_flops_per_token(model_shape("tiny_dsv3", r["layers"], run_mtp=m)).values())
+                         for m in (True, False))
+    assert with_mtp > without
+
+
+def test_phases_are_known_and_sum_to_at_most_the_step(report):
+    data, _ = report
+    for r in data["runs"]:
+        phases = r["phases_ms"]
+        assert set(phases) <= set(PHASES) and all(v >= 0 for v in phases.values())
+        step_ms = 1e3 * r["profiled_step_seconds"]
+        assert sum(phases.values()) <= step_ms * 1.001 + 0.01, (sum(phases.values()), step_ms)
+        assert sum(phases.values()) >= 0.5 * step_ms  # the attribution covers the step's work
+        expected = {"attention", "attention_core", "norms", "router", "experts", "lm_head", "loss", "optimizer"}
+        assert expected <= set(phases), expected - set(phases)
+        if r["arm"] == "moe-sft":
+            assert {"dispatch", "grads"} <= set(phases)
+        if r["model"] == "tiny_dsv3":
+            assert {"shared_experts", "dense_mlp"} <= set(phases)
+        assert set(r["phase_tflops"]) == {"experts", "attention_core"}
+
+
+def test_arms_saw_the_same_tokens(report):
+    data, md = report
+    for budget in BUDGETS:
+        ours, hf = (next(r for r in _runs(data, "tiny") if r["arm"] == arm and r["budget"] == budget)
+                    for arm in ("moe-sft", "transformers"))
+        assert ours["fed_digest"] == hf["fed_digest"] and ours["real_tokens"] == hf["real_tokens"]
+        assert f"tiny L2 budget {budget}: moe-sft / transformers tokens/s =" in md
+    assert "(same tokens)" in md and "DIFFERENT" not in md
+
+
+def test_markdown_and_ceilings(report):
+    data, md = report
+    assert "CPU SMOKE RUN" in md
+    kinds = {c["kind"] for c in data["ceilings"]}
+    assert kinds == {"matmul", "grouped_mm fwd", "grouped_mm fwd+bwd", "varlen attention fwd",
+                     "varlen attention fwd+bwd"}
+    assert all(c["tflops"] > 0 for c in data["ceilings"])
+    assert "| moe-sft | tiny | 2 | 1 (1) | 128 |" in md and "Ceilings" in md

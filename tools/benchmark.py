@@ -1,0 +1,218 @@
+"""Training throughput of moe-sft against transformers, with a per-phase breakdown and kernel ceilings.
+
+    python tools/benchmark.py ceilings --model qwen3_30b --out DIR
+    python tools/benchmark.py compare  --model qwen3_30b --arms moe-sft,transformers --budgets 4096,8192 --out DIR
+    python tools/benchmark.py train    --arm moe-sft --model dsv3_reduced --budgets 4096,8192 --out DIR
+    torchrun --nproc_per_node=4 tools/benchmark.py train --arm moe-sft --model qwen3_30b --layers 24 --ep 4 \\
+        --tokens-per-step 131072 --out DIR
+    python tools/benchmark.py report DIR
+
+`train` runs one arm in this process (under torchrun for expert parallelism), each budget in turn:
+warmup steps, timed steps, then profiled steps for the phase breakdown. `compare` runs each arm
+in its own child process on CUDA (a clean CUDA context, its own peak memory, an OOM cannot take
+the other arm down) and in this process on CPU (`--in-process` forces it). Every invocation merges
+its results into DIR/benchmark.json and rewrites DIR/benchmark.md, then prints the tables.
+Method, formulas and results: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+ARMS = ("moe-sft", "transformers", "torchtitan")
+
+
+def _device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    from moe_sft.bench.workload import PRESETS
+
+    parser.add_argument("--model", default="qwen3_30b", choices=sorted(PRESETS))
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's, sized for one H200)")
+    parser.add_argument("--budgets", default="4096,8192", help="tokens per packed micro-batch, comma-separated")
+    parser.add_argument("--tokens-per-step", type=int, default=32768,
+                        help="tokens per optimizer step over all GPUs (micro-batches = this / budget)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per budget")
+    parser.add_argument("--profile-steps", type=int, default=2, help="profiled steps per budget (0: no phases)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (moe-sft arm; run under torchrun)")
+    parser.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)")
+    parser.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--seed", type=int, default=0, help="data seed")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "benchmark_out"))
+
+
+def _forwarded(args) -> list[str]:
+    argv = ["--model", args.model, "--budgets", args.budgets, "--tokens-per-step", str(args.tokens_per_step),
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--profile-steps", str(args.profile_steps),
+            "--ep", str(args.ep), "--hf-attn", args.hf_attn, "--hf-experts", args.hf_experts,
+            "--device", args.device, "--seed", str(args.seed), "--out", str(args.out)]
+    return argv + (["--layers", str(args.layers)] if args.layers else [])
+
+
+def _make_arm(name: str, args, device: str, layers: int, first):
+    from moe_sft.bench.workload import hf_config
+
+    if name == "moe-sft":
+        from moe_sft.bench.ours import OursArm
+
+        budgets = [int(b) for b in args.budgets.split(",")]
+        max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
+        return OursArm(args.model, layers, args.out / "work" / args.model, ep=args.ep, first=first,
+                       max_steps=max_steps, device=device)
+    if name == "transformers":
+        from moe_sft.bench.hf import HFArm
+
+        if args.ep != 1:
+            raise SystemExit("the transformers arm runs on one GPU: use --ep 1")
+        return HFArm(hf_config(args.model, layers)[1], device=device, attn=args.hf_attn, experts=args.hf_experts,
+                     seed=args.seed)
+    if name == "torchtitan":  # experimental: docs/benchmarks.md#torchtitan
+        from moe_sft.bench.titan import TitanArm
+
+        return TitanArm(hf_config(args.model, layers)[1], device=device, seed=args.seed,
+                        max_seq_len=max(int(b) for b in args.budgets.split(",")))
+    raise SystemExit(f"unknown arm {name!r}; choose from {', '.join(ARMS)}")
+
+
+def run_arm(name: str, args) -> list[dict]:
+    """Every budget of one arm in this process; rank 0 merges the records into args.out."""
+    import torch
+
+    from moe_sft.bench import report
+    from moe_sft.bench.measure import measure
+    from moe_sft.bench.workload import PRESETS, Workload, hf_config, model_shape
+
+    device = _device(args.device)
+    layers = args.layers or PRESETS[args.model].layers
+    vocab = hf_config(args.model, layers)[1].vocab_size
+    budgets = [int(b) for b in args.budgets.split(",")]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def workload(budget):
+        micro = max(args.tokens_per_step // budget, world)
+        return Workload(budget=budget, micro_batches=micro - micro % world, vocab=vocab, seed=args.seed)
+
+    arm = _make_arm(name, args, device, layers, workload(budgets[0]))
+    shape = model_shape(args.model, layers, run_mtp=getattr(arm, "run_mtp", False))
+    records = []
+    for budget in budgets:
+        base = {**arm.describe(), **dict(arm=name, model=args.model, layers=layers, ep=args.ep, gpus=arm.world,
+                                         budget=budget, device=device)}
+        try:
+            rec = measure(arm, workload(budget), shape, warmup=args.warmup, steps=args.steps,
+                          profile_steps=args.profile_steps)
+        except torch.OutOfMemoryError as err:
+            rec = dict(status=f"OOM: {str(err).splitlines()[0][:160]}")
+            torch.cuda.empty_cache()
+        records.append({**base, **rec})
+        if arm.rank == 0:
+            r = records[-1]
+            print(f"[benchmark] {name} {args.model} L{layers} budget {budget}: " + (
+                f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['tflops_per_gpu']:.1f} TFLOP/s/GPU, "
+                f"MFU {r['mfu_pct']:.1f}%, peak {r['peak_allocated_gib']:.1f} GiB" if r.get("status") == "ok"
+                else r["status"]), flush=True)
+    if arm.rank == 0:
+        report.merge(args.out, runs=records)
+    arm.close()
+    return records
+
+
+def cmd_train(args) -> int:
+    run_arm(args.arm, args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print((args.out / "benchmark.md").read_text())
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from moe_sft.bench import report
+
+    arms = [a for a in args.arms.split(",") if a]
+    in_process = args.in_process or _device(args.device) == "cpu"
+    for name in arms:
+        if in_process:
+            try:
+                run_arm(name, args)
+            except Exception as err:  # one broken arm must not lose the other's results
+                traceback.print_exc()
+                _record_failure(name, args, f"error: {type(err).__name__}: {' '.join(str(err).split())[:300]}")
+            continue
+        cmd = [sys.executable, str(Path(__file__).resolve()), "train", "--arm", name, *_forwarded(args)]
+        print(f"[benchmark] {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+        if rc:
+            _record_failure(name, args, f"failed: exit status {rc} (see the log above)")
+    print(report.markdown(report.load(args.out)))
+    return 0
+
+
+def _record_failure(name: str, args, status: str) -> None:
+    from moe_sft.bench import report
+    from moe_sft.bench.workload import PRESETS
+
+    layers = args.layers or PRESETS[args.model].layers
+    done = {report.run_key(r) for r in report.load(args.out)["runs"] if r.get("status") == "ok"}
+    runs = [dict(arm=name, model=args.model, layers=layers, ep=args.ep, gpus=args.ep, budget=int(b), status=status)
+            for b in args.budgets.split(",")]
+    report.merge(args.out, runs=[r for r in runs if report.run_key(r) not in done])
+
+
+def cmd_ceilings(args) -> int:
+    from moe_sft.bench import ceilings, report
+
+    for model in args.model.split(","):  # merged per model: a time limit keeps what was measured
+        rows = ceilings.run(model, args.budget, _device(args.device), warmup=args.warmup, iters=args.iters)
+        report.merge(args.out, ceilings=rows)
+    print(report.markdown(report.load(args.out)))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from moe_sft.bench import report
+
+    print(report.markdown(report.load(args.dir)))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="one arm in this process (torchrun for EP)")
+    train.add_argument("--arm", required=True, choices=ARMS)
+    _common(train)
+    compare = sub.add_parser("compare", help="several arms side by side, same data, same machine")
+    compare.add_argument("--arms", default="moe-sft,transformers", help=f"comma-separated, of {', '.join(ARMS)}")
+    compare.add_argument("--in-process", action="store_true", help="no child processes (default on CPU)")
+    _common(compare)
+    ceil = sub.add_parser("ceilings", help="bf16 matmul, grouped_mm and varlen attention TFLOP/s")
+    ceil.add_argument("--model", default="qwen3_30b", help="preset(s) whose shapes to use, comma-separated")
+    ceil.add_argument("--budget", type=int, default=8192, help="tokens (rows before top-k) per kernel call")
+    ceil.add_argument("--warmup", type=int, default=3)
+    ceil.add_argument("--iters", type=int, default=10)
+    ceil.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ceil.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "benchmark_out"))
+    rep = sub.add_parser("report", help="print DIR/benchmark.json as markdown")
+    rep.add_argument("dir", type=Path)
+    args = parser.parse_args(argv)
+    return {"train": cmd_train, "compare": cmd_compare, "ceilings": cmd_ceilings, "report": cmd_report}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
