@@ -32,32 +32,14 @@ def init_process_group(device_type: str, timeout_minutes: int = 30) -> tuple[int
 
 
 def init_model_parallel(tp=1, pp=1, vpp=None, ep=1, etp=None, cp=1, seed=1234) -> None:
-    """megatron parallel_state with the given sizes (world size must already be a multiple).
-
-    In a long-lived process (the single-rank tools, the tests) the same layout is reused, and a
-    new one first destroys the old one's process groups: megatron's destroy only drops its
-    references, and every gloo group keeps two threads alive (thousands, over a test run).
-    """
+    """megatron parallel_state with the given sizes (world size must already be a multiple)."""
     if parallel_state.model_parallel_is_initialized():
-        if _current_layout() == (tp, pp, vpp, cp, ep, etp or tp):
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
-            return
         parallel_state.destroy_model_parallel()
-        for group in list(dist.distributed_c10d._world.pg_map):
-            if group is not dist.GroupMember.WORLD:
-                dist.destroy_process_group(group)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def _current_layout() -> tuple:
-    ps = parallel_state
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size(),
-            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
 
 
 def destroy() -> None:
