@@ -96,6 +96,9 @@ class ParamPlan:
         """Shape of slices [first, stop) as one tensor: (experts, *block), (rows, *row), shape."""
         return self.shape if self.kind == "whole" else (stop - first,) + self.slice_shape
 
+    def largest_unit_bytes(self) -> int:
+        return max(torch.Size(self.unit_shape(a, b)).numel() for a, b in self.units) * self.dtype.itemsize
+
 
 @dataclasses.dataclass
 class ExportPlan:

@@ -442,8 +442,9 @@ def test_peak_memory_is_bounded_by_the_read_size_not_the_model(tmp_path):
           f"{result['peak'] / 2**20:.0f} MiB (+{above / 2**20:.0f} MiB), "
           f"{result['written'] / 1e6 / result['seconds']:.0f} MB/s")
     assert result["written"] == size
-    # A few 16 MiB units, nowhere near the 0.75 GB model (nor its 200 MB expert items).
-    assert above < 0.1 * size and above < 6 * read, result
+    # One 16 MiB unit buffer (+~4 MiB), nowhere near the 0.75 GB model (nor its 200 MB expert
+    # items). A fresh tensor per unit went to +177 MiB in 1 run of ~6 (glibc kept freed units).
+    assert above < 0.1 * size and above < 2 * read, result
     # The bytes are the source's: one expert's down projection and the embedding, via mmap.
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
     source = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
