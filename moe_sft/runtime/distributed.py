@@ -32,9 +32,17 @@ def init_process_group(device_type: str, timeout_minutes: int = 30) -> tuple[int
 
 
 def init_model_parallel(tp=1, pp=1, vpp=None, ep=1, etp=None, cp=1, seed=1234) -> None:
-    """megatron parallel_state with the given sizes (world size must already be a multiple)."""
+    """megatron parallel_state with the given sizes (world size must already be a multiple).
+
+    A second call (single-rank tools and tests re-initialise in one process) first destroys the
+    previous layout's process groups: megatron's destroy only drops its references, and every gloo
+    group keeps two threads alive (3,000+ over a test run).
+    """
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
