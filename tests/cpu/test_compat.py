@@ -56,6 +56,23 @@ def test_cuda_rng_maps_to_the_cpu_generator():
     assert torch.equal(a, torch.rand(3))
 
 
+def test_megatron_fused_functions_run_eager(monkeypatch):
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from torch._dynamo.utils import counters
+
+    def compiled_frames(x):
+        counters.clear()
+        torch._dynamo.reset()
+        y = bias_swiglu_impl(x, None)
+        assert torch.allclose(y, torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+        return counters["stats"]["unique_graphs"]
+
+    x = torch.randn(4, 8)
+    assert compiled_frames(x) == 0
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # the control: GPU's behaviour
+    assert compiled_frames(x) > 0
+
+
 def test_suspended_restores_plain_torch_and_reapplies():
     patched_empty = torch.empty
     with compat.suspended():

@@ -282,8 +282,10 @@ def test_activation_formula_matches_saved_tensors(fake_world, monkeypatch):
     from moe_sft.models import deepseek_v3, mixtral, qwen3_moe
     from moe_sft.plan import memory
 
-    # megatron's fused SwiGLU is torch.compile'd; a compile that failed earlier in this process
-    # (e.g. under test_flops' FlopCounterMode) leaves it eager, which saves one more tensor
+    # megatron's fused SwiGLU is torch.compile'd on GPU, where the planner's numbers apply; eager
+    # saves one more tensor. The CPU compat turns compile off, and a compile that failed earlier
+    # in this process (e.g. under test_flops' FlopCounterMode) leaves it eager: undo both.
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     torch._dynamo.reset()
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _FlashLike.apply)
     monkeypatch.setattr(attention.VarlenCoreAttention, "_thd", lambda self, q, k, v, cu, n: attention._varlen_cuda(
