@@ -29,6 +29,7 @@ try:
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from moe_sft.conversion.sizes import parse_size
+from moe_sft.conversion.file_io import Progress
 
 
 def _slurm_attempt() -> str | None:
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.time()
     meta = convert(args.hf_path, args.output, workers=args.workers, max_chunk_bytes=args.chunk_size,
-                   progress=_Progress(), nodes=args.nodes, node_rank=args.node_rank,
+                   progress=Progress("of this process's share"), nodes=args.nodes, node_rank=args.node_rank,
                    run_id=args.run_id or "local", node_timeout_s=args.node_timeout)
     size = meta["written_bytes"]
     size = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
@@ -95,22 +96,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"converted {meta['hf_tensors']} HF tensors ({meta['family']}, {meta['params_dtype']}) "
           f"in {time.time() - started:.1f}s -> {Path(args.output).resolve()}")
     return status
-
-
-class _Progress:
-    """One stderr line every 30 s while converting (none for small checkpoints)."""
-
-    def __init__(self, every_s: float = 30.0):
-        self.started = self.last = time.time()
-        self.every_s = every_s
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.time()
-        if now - self.last >= self.every_s:
-            self.last = now
-            rate = done / 1e6 / max(now - self.started, 1e-9)
-            print(f"  {done / 1e9:.1f}/{total / 1e9:.1f} GB of this process's share "
-                  f"({100 * done / max(total, 1):.0f}%), {rate:.0f} MB/s", file=sys.stderr, flush=True)
 
 
 def _check_layout(args: argparse.Namespace) -> str | None:

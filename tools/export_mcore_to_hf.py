@@ -27,6 +27,7 @@ try:
 except ImportError:  # run as `python tools/...` from any cwd without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from moe_sft.conversion.sizes import parse_size
+from moe_sft.conversion.file_io import Progress
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,29 +54,13 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.time()
     out, stats = export_with_stats(args.mcore_path, args.output, max_shard_bytes=args.max_shard_size,
-                                   dtype=args.dtype, read_bytes=args.read_size, progress=_Progress())
+                                   dtype=args.dtype, read_bytes=args.read_size, progress=Progress("written"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
     print(f"exported {len(index['weight_map'])} tensors ({args.dtype}, {shards} shard(s), "
           f"{index['metadata']['total_size'] / 1e6:.1f} MB) in {time.time() - started:.1f}s "
           f"({stats.written_bytes / 1e6 / max(stats.seconds, 1e-9):.0f} MB/s) -> {out.resolve()}")
     return 0
-
-
-class _Progress:
-    """One stderr line every 30 s while exporting (none for small models)."""
-
-    def __init__(self, every_s: float = 30.0):
-        self.started = self.last = time.time()
-        self.every_s = every_s
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.time()
-        if now - self.last >= self.every_s:
-            self.last = now
-            rate = done / 1e6 / max(now - self.started, 1e-9)
-            print(f"  {done / 1e9:.1f}/{total / 1e9:.1f} GB written ({100 * done / max(total, 1):.0f}%), "
-                  f"{rate:.0f} MB/s", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

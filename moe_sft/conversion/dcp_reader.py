@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from moe_sft.conversion.file_io import OpenFiles
 from moe_sft.conversion.hf_reader import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class DistCheckpointReader:
         self.metadata = self._storage.read_metadata()
         self._storage.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._stored: dict = {}
-        self._fds: dict[Path, int] = {}
+        self._files = OpenFiles()
         self.tensor_bytes = 0  # bytes placed into destinations
         self.file_bytes = 0    # bytes read from the files to do it
 
@@ -205,8 +206,6 @@ class DistCheckpointReader:
 
     def _pread(self, file: Path, blocks: list[torch.Tensor], offset: int) -> None:
         """Consecutive bytes of `file` from `offset` into the blocks (contiguous tensors), in order."""
-        if file not in self._fds:
-            self._fds[file] = os.open(file, os.O_RDONLY)
         views = [memoryview(b.as_strided((b.numel(),), (1,)).view(torch.uint8).numpy()) for b in blocks]
         while views:
             batch, size = [], 0
@@ -217,7 +216,7 @@ class DistCheckpointReader:
                 views[0] = views[0][len(take):]
                 if not len(views[0]):
                     views.pop(0)
-            done = os.preadv(self._fds[file], batch, offset)
+            done = os.preadv(self._files.fd(file), batch, offset)
             if done < size:
                 if done <= 0:
                     raise IncompleteCheckpointError(f"{file}: ends at byte {offset}, {size} bytes "
@@ -226,12 +225,4 @@ class DistCheckpointReader:
             offset += done
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
+        self._files.close()

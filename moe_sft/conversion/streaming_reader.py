@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from moe_sft.conversion.file_io import OpenFiles
 from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
 
 DTYPES = {
@@ -37,7 +38,7 @@ class StreamingHFReader(HFCheckpointReader):
     def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
         super().__init__(path, fp8_block)
         self._headers: dict[Path, tuple[int, dict]] = {}
-        self._fds: dict[Path, int] = {}
+        self._files = OpenFiles()
 
     def _header(self, file: Path) -> tuple[int, dict]:
         if file not in self._headers:
@@ -46,11 +47,6 @@ class StreamingHFReader(HFCheckpointReader):
                 header = json.loads(handle.read(length))
             self._headers[file] = (8 + length, header)
         return self._headers[file]
-
-    def _fd(self, file: Path) -> int:
-        if file not in self._fds:
-            self._fds[file] = os.open(file, os.O_RDONLY)
-        return self._fds[file]
 
     def _read(self, name: str) -> torch.Tensor:
         file = self._name_to_file[name]
@@ -99,19 +95,11 @@ class StreamingHFReader(HFCheckpointReader):
         buffer = memoryview(raw.numpy()).cast("B")
         done = 0
         while done < len(buffer):
-            got = os.preadv(self._fd(file), [buffer[done:done + _MAX_READ]], offset + done)
+            got = os.preadv(self._files.fd(file), [buffer[done:done + _MAX_READ]], offset + done)
             if got <= 0:
                 raise CheckpointError(f"{file}: ends at byte {offset + done}, {len(buffer) - done} "
                                       "bytes short of a tensor; the file is truncated, re-download it")
             done += got
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
+        self._files.close()

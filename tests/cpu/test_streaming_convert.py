@@ -35,6 +35,7 @@ from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader  # 
 from moe_sft.conversion.streaming_reader import StreamingHFReader  # noqa: E402
 from moe_sft.models import registry  # noqa: E402
 from moe_sft.runtime import compat  # noqa: E402
+from tests import peak_rss  # noqa: E402
 from tests.dist.launch import clean_env  # noqa: E402
 
 VOCAB = 300
@@ -291,18 +292,11 @@ def test_split_chunks_reshard_at_tp2_ep2(converted, tmp_path):
     assert sorted(r for r, _ in lines) == ["0", "1"] and all(int(n) > 10 for _, n in lines)
 
 
-# Peak RSS from /proc/self/status VmHWM, which starts afresh at exec: ru_maxrss would start at
-# the pytest parent's peak (Linux counts what a vfork/fork child shares before exec).
-MEMORY_SCRIPT = """
-import json, re, sys
-from moe_sft.conversion.convert import convert, prepare
-from moe_sft.conversion.meta_model import meta_model
-
-def peak_rss():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) * 1024
-
+MEASURE_CONVERT = """
 def main():
+    from moe_sft.conversion.convert import convert, prepare
+    from moe_sft.conversion.meta_model import meta_model
+
     hf, out, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
     job = prepare(hf)
     meta_model(job.family, job.hf_cfg, job.precision)
@@ -310,9 +304,6 @@ def main():
     meta = convert(hf, out, max_chunk_bytes=chunk)
     print(json.dumps(dict(baseline=baseline, peak=peak_rss(), written=meta["written_bytes"],
                           seconds=meta["seconds"])))
-
-if __name__ == "__main__":
-    main()
 """
 
 
@@ -327,18 +318,9 @@ def test_peak_memory_is_bounded_by_chunks_not_the_model(tmp_path):
     size = write_synthetic_checkpoint(tmp_path / "hf", cfg, shard_bytes=500 * 10**6)
     assert 1.3e9 < size < 1.5e9
     chunk = 64 * 2**20
-    script = tmp_path / "measure.py"
-    script.write_text(MEMORY_SCRIPT)
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), str(tmp_path / "mcore"),
-                           str(chunk)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    above = result["peak"] - result["baseline"]
-    print(f"checkpoint {size / 1e9:.2f} GB: baseline {result['baseline'] / 2**20:.0f} MiB, peak "
-          f"{result['peak'] / 2**20:.0f} MiB (+{above / 2**20:.0f} MiB), "
-          f"{result['written'] / 1e6 / result['seconds']:.0f} MB/s")
+    result = peak_rss.measure(tmp_path, MEASURE_CONVERT, tmp_path / "hf", tmp_path / "mcore", chunk,
+                              label=f"checkpoint {size / 1e9:.2f} GB", timeout=300)
+    above = result["above"]
     assert result["written"] > 0.99 * size
     # A few 64 MiB chunks (source range + the chunk written), nowhere near the 1.4 GB model.
     assert above < 0.25 * size and above < 6 * chunk, result

@@ -38,6 +38,7 @@ from moe_sft.conversion.export import export, export_with_stats, load_model_from
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter, WriteError  # noqa: E402
 from moe_sft.conversion.mapping import MappingError  # noqa: E402
 from tests.cpu.test_streaming_convert import TINY_CHUNK, _write_hf  # noqa: E402
+from tests import peak_rss  # noqa: E402
 from tests.dist.launch import clean_env  # noqa: E402
 
 SHARD = 1_000_000  # bytes: the tiny models span several shards
@@ -389,15 +390,7 @@ def test_both_tools_share_one_size_parser():
 # Memory: far below the checkpoint
 # ------------------------------------------------------------------------------------------------
 
-# Peak RSS from /proc/self/status VmHWM, which starts afresh at exec (see test_streaming_convert).
-MEMORY_SCRIPT = """
-import json, re, sys
-from pathlib import Path
-
-def peak_rss():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) * 1024
-
+MEASURE_EXPORT = """
 def main():
     from moe_sft.conversion import export_plan
     from moe_sft.conversion.convert import load_hf_config
@@ -411,9 +404,6 @@ def main():
     _, stats = export_with_stats(ckpt, out, max_shard_bytes=200 * 10**6, dtype="bf16", read_bytes=read)
     print(json.dumps(dict(baseline=baseline, peak=peak_rss(), written=stats.written_bytes,
                           seconds=stats.seconds, units=stats.units)))
-
-if __name__ == "__main__":
-    main()
 """
 
 
@@ -429,18 +419,9 @@ def test_peak_memory_is_bounded_by_the_read_size_not_the_model(tmp_path):
     assert 0.7e9 < size < 0.8e9
     convert(tmp_path / "hf", tmp_path / "mcore")  # 256 MiB chunks: an expert half is one item
     read = 16 * 2**20
-    script = tmp_path / "measure.py"
-    script.write_text(MEMORY_SCRIPT)
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "mcore"), str(tmp_path / "out"),
-                           str(read)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    above = result["peak"] - result["baseline"]
-    print(f"checkpoint {size / 1e9:.2f} GB: baseline {result['baseline'] / 2**20:.0f} MiB, peak "
-          f"{result['peak'] / 2**20:.0f} MiB (+{above / 2**20:.0f} MiB), "
-          f"{result['written'] / 1e6 / result['seconds']:.0f} MB/s")
+    result = peak_rss.measure(tmp_path, MEASURE_EXPORT, tmp_path / "mcore", tmp_path / "out", read,
+                              label=f"checkpoint {size / 1e9:.2f} GB")
+    above = result["above"]
     assert result["written"] == size
     # One 16 MiB unit buffer (+~4 MiB), nowhere near the 0.75 GB model (nor its 200 MB expert
     # items). A fresh tensor per unit went to +177 MiB in 1 run of ~6 (glibc kept freed units).
