@@ -7,6 +7,7 @@ once without materialising them, and one document's arrays on demand.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 from collections.abc import Sequence
 
@@ -15,7 +16,7 @@ import numpy as np
 from moe_sft.data.chat import TokenizedDoc
 
 
-class DocStore:
+class DocStore(abc.ABC):
     """Interface: `sizes[f]` documents in source f; global id = `starts[f] + index`."""
 
     sizes: list[int]
@@ -26,14 +27,17 @@ class DocStore:
     def starts(self) -> np.ndarray:
         return np.cumsum([0] + list(self.sizes))
 
+    @abc.abstractmethod
     def lengths(self, source: int, idx: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Token count of each document `idx` of `source`."""
 
+    @abc.abstractmethod
     def loss_sums(self, source: int, idx: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Sum of the loss weights of each document `idx` of `source`."""
 
+    @abc.abstractmethod
     def doc(self, source: int, index: int) -> TokenizedDoc:
-        raise NotImplementedError
+        """One document's token ids and loss weights."""
 
 
 class MemoryDocs(DocStore):
