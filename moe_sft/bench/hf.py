@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 from moe_sft.bench import phases
+from moe_sft.bench.plain_step import optimizer_update, token_loss
 from moe_sft.bench.workload import SyntheticPlan, Workload
 
 
@@ -59,11 +59,6 @@ class HFArm:
     def prepare(self, step: int) -> None:
         self.plan.global_batch(step)
 
-    def _loss(self, logits, mb, loss_tokens: float) -> torch.Tensor:
-        labels, mask = mb.labels.to(self.device), mb.loss_mask.to(self.device)
-        ce = F.cross_entropy(logits[0].float(), labels, reduction="none")
-        return (ce * mask).sum() / loss_tokens
-
     def step(self, step: int) -> float:
         batches, loss_tokens = self.plan.batches_for_step(step, 0, 1)
         aux = self.aux_coef > 0 and hasattr(self.model.config, "output_router_logits")
@@ -74,15 +69,12 @@ class HFArm:
                 out = self.model(input_ids=mb.tokens[None].to(self.device),
                                  position_ids=mb.position_ids[None].to(self.device),
                                  use_cache=False, **({"output_router_logits": True} if aux else {}))
-                with torch.autograd.profiler.record_function(phases.SCOPE + "loss"):
-                    loss = self._loss(out.logits, mb, loss_tokens)
+                loss = token_loss(out.logits, mb, loss_tokens, self.device)
                 total += loss.detach()
                 if aux and getattr(out, "aux_loss", None) is not None:
                     loss = loss + self.aux_coef * out.aux_loss / len(batches)
                 loss.backward()
-            with torch.autograd.profiler.record_function(phases.SCOPE + "optimizer"):
-                torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
-                self.optimizer.step()
+            optimizer_update(self.params, self.optimizer, self.clip_grad)
         return float(total.item())
 
     def install_scopes(self) -> phases.Scopes:

@@ -19,9 +19,9 @@ its optimizer hooks), and its MoE init (not megatron's).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moe_sft.bench import phases
+from moe_sft.bench.plain_step import optimizer_update, token_loss
 from moe_sft.bench.workload import SyntheticPlan, Workload
 
 
@@ -87,14 +87,10 @@ class TitanArm:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = self.model(mb.tokens[None].to(self.device), attention_masks=masks,
                                     positions=mb.position_ids[None].to(self.device))
-            with torch.autograd.profiler.record_function(phases.SCOPE + "loss"):
-                ce = F.cross_entropy(logits[0].float(), mb.labels.to(self.device), reduction="none")
-                loss = (ce * mb.loss_mask.to(self.device)).sum() / loss_tokens
+            loss = token_loss(logits, mb, loss_tokens, self.device)
             total += loss.detach()
             loss.backward()
-        with torch.autograd.profiler.record_function(phases.SCOPE + "optimizer"):
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
-            self.optimizer.step()
+        optimizer_update(self.params, self.optimizer, self.clip_grad)
         return float(total.item())
 
     def install_scopes(self) -> phases.Scopes:
