@@ -125,9 +125,14 @@ def attribute_events(events, device: bool) -> dict[str, float]:
     in_backward: dict[int, bool] = {}
     totals: dict[str, float] = defaultdict(float)
     device_total = 0.0
+    # record_function ranges (torch.optim's "Optimizer.step#AdamW.step", ...) also appear on the
+    # GPU timeline as "user annotations" spanning all their kernels, and kineto can attach them
+    # to the CPU op like kernels: counted, they made the optimizer phase 10x the step.
+    annotations = {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation}
     for e in sorted(events, key=lambda ev: (ev.time_range.start, -ev.time_range.end)):
         if e.device_type != DeviceType.CPU:
-            device_total += e.time_range.elapsed_us()  # a kernel (its op, when known, counts it too)
+            if not e.is_user_annotation:
+                device_total += e.time_range.elapsed_us()  # a kernel (its op, when known, counts it too)
             continue
         parent = e.cpu_parent
         phase = phase_of.get(parent.id) if parent is not None else None
@@ -142,7 +147,8 @@ def attribute_events(events, device: bool) -> dict[str, float]:
         elif e.sequence_nr >= 0 and not backward:
             fwd_phase.setdefault((e.thread, e.sequence_nr), phase or "other")
         phase_of[e.id], in_backward[e.id] = phase, backward
-        totals[phase or "other"] += e.self_device_time_total if device else e.self_cpu_time_total
+        own_kernels = sum(k.duration for k in e.kernels if k.name not in annotations)
+        totals[phase or "other"] += own_kernels if device else e.self_cpu_time_total
     if device:  # kernels not tied to any op (e.g. launched by a library outside the profiler's view)
         totals["other"] += max(device_total - sum(totals.values()), 0.0)
     return {p: totals.get(p, 0.0) for p in PHASES if totals.get(p, 0.0) > 0}

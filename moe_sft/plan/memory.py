@@ -53,8 +53,9 @@ class Training:
 
 
 def _norm(tokens: int, width: int) -> int:
-    """Our RMSNorm in bf16 keeps the fp32 input copy, the bf16 normalised value and 1/rms."""
-    return tokens * (6 * width + 4)
+    """Our RMSNorm (torch's rms_norm, then the weight) keeps its bf16 input, the bf16 normalised
+    value and the fp32 1/rms per row."""
+    return tokens * (4 * width + 4)
 
 
 def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: Optional[str]) -> int:
@@ -67,16 +68,17 @@ def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: Optional
         groups = s.num_kv_heads // lay.tp
         d = s.head_dim
         out += t * (heads + 2 * groups) * d * 2                # QKV output, kept alive by v (a view)
-        if s.qk_norm:
-            out += _norm(t * heads, d) + _norm(t * groups, d)
+        if s.qk_norm:  # q is reshaped into its own storage; k's input is a view of the QKV output
+            out += _norm(t * heads, d) + _norm(t * groups, d) - t * groups * d * 2
         out += 4 * t * d * 2                                   # RoPE cos/sin for q and k
         out += t * (heads + groups) * d * 2                    # q, k after RoPE (kernel inputs)
         return out + t * heads * d * 2 + lse                   # attention output (= proj input)
     m = s.mla
     qhd = m.qk_nope + m.qk_rope
     # the compressed q / kv stay in the sequence-parallel region (megatron gathers after the up-proj)
-    if m.q_lora:
-        out += _norm(tsp, m.q_lora) + tsp * m.q_lora * 2       # q norm; q_up input
+    if m.q_lora:  # under TP, the q norm's input is a slice of the gathered q_down output (all t tokens)
+        out += (t if lay.tp > 1 else tsp) * m.q_lora * 2 + _norm(tsp, m.q_lora) - tsp * m.q_lora * 2
+        out += tsp * m.q_lora * 2                              # q_up input
     out += _norm(tsp, m.kv_lora) + tsp * m.kv_lora * 2         # kv norm; kv_up input
     out += 4 * t * m.qk_rope * 2                               # RoPE cos/sin
     out += 2 * t * heads * qhd * 2                             # q, k (nope ++ rope)
@@ -97,7 +99,7 @@ def mlp_activation(s: ModelShape, lay: Layout, t: int, moe: bool, imbalance: flo
     if s.shared_ffn:
         out += t * 5 * s.shared_ffn // lay.tp * 2
     e, k = s.num_experts, s.topk
-    out += tsp * (e * (4 + 1 + 4) + k * (8 + 4 + 8 + 8))       # scores, routing map, probs, indices
+    out += tsp * (e * (4 + 1 + 4) + k * (8 + 4 + 8 + 8 + 8))   # scores, routing map, probs, indices, row places
     routed = int(tsp * k * lay.etp * imbalance)                # tokens this rank's experts process
     return out + routed * (2 * h + 8 * s.moe_ffn // lay.etp + 2)   # input, fc1 out, act, scaled; probs
 

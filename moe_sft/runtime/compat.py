@@ -62,6 +62,14 @@ def apply_megatron_fixes() -> list[str]:
                        "follow loaded weights")
         _fix_expert_bias_padding_mask()
         applied.append("TopKRouter: expert-bias token counts exclude padding (mask broadcast per expert)")
+        from moe_sft.layers.permute import use_gather_permutation
+
+        use_gather_permutation()
+        applied.append("token dispatchers: permute/unpermute by gathers, no atomic adds")
+        from moe_sft.trainer.optimizer_kernels import use_foreach_grad_norm
+
+        if use_foreach_grad_norm():
+            applied.append("grad norm / clipping: torch foreach kernels (no apex/TE multi-tensor ops)")
         if _fix_output_discarding_checkpoint_without_te():
             applied.append("CheckpointWithoutOutput: no FP8 query without TE (layernorm/moe_act recompute)")
     _state["megatron_fixes"] = True

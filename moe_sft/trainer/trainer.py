@@ -31,7 +31,7 @@ from moe_sft.models.builder import ModelOptions, build_model_chunks, build_trans
 from moe_sft.models.hf_config import num_experts
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import checkpoint, freeze, guard, offload, overlap, step as train_step
+from moe_sft.trainer import checkpoint, freeze, guard, offload, optimizer_kernels, overlap, step as train_step
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
 from moe_sft.trainer.telemetry import Telemetry
 
@@ -217,6 +217,8 @@ class Trainer:
             _say(f"no weight decay on {excluded} parameter tensor(s) matching {patterns} on rank 0 (besides "
                  "biases and 1-D parameters)")
         self.optimizer = get_megatron_optimizer(oc, self.model, config_overrides=overrides)
+        if optimizer_kernels.use_fused_adam(self.optimizer):
+            _say("optimizer: torch's fused Adam kernel (no TE/apex FusedAdam)")
         if o.optimizer_cpu_offload:
             _say(f"optimizer CPU offload: {o.optimizer_offload_fraction:.0%} of this rank's fp32 optimizer "
                  "shard (main params, Adam moments) is stepped on the CPU (megatron's HybridDeviceOptimizer)")

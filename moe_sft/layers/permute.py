@@ -1,0 +1,120 @@
+"""Token permutation for megatron's MoE token dispatchers, with no atomic adds.
+
+megatron-core 0.16.1's unfused `permute` gathers each token's rows with `index_select`, whose
+backward is an `index_add_`, and `unpermute` merges the rows with `scatter_add_`: both are atomic
+adds of bf16 hidden vectors, one per (token, expert) row. On an H200 the permute/unpermute
+phase of the Qwen3-30B-A3B-shape benchmark took 137 ms of the 1.22 s step (docs/benchmarks.md).
+
+Here every direction is a gather or a scatter to unique places: a token's k rows are written to
+slots [token, 0..k) of a dense [tokens, k, hidden] buffer (each place written once), then summed
+over the slots. The rows come out in megatron's order (expert-major, tokens ascending), so the
+experts see exactly what they saw before, and the sum is deterministic (an fp32-accumulated
+reduction over k values instead of k rounded atomic adds).
+
+With EP x TP = 1 the alltoall dispatcher's `sort_chunks_by_idxs` reorders the chunks by the
+identity permutation: it copies every row into the same place forward and backward. It is skipped.
+
+A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+_megatron_permute = moe_utils.permute
+_megatron_unpermute = moe_utils.unpermute
+_megatron_sort_chunks = moe_utils.sort_chunks_by_idxs
+
+
+def _rows_and_slots(routing_map: torch.Tensor):
+    """For a [tokens, experts] routing map: the token of every routed row in megatron's order
+    (expert-major), the row's place in a [tokens, width] grid of slots (slot j of a token holds
+    its j-th chosen expert's row), and width, the most rows any token has."""
+    routed = routing_map.bool()
+    slots = routed.cumsum(dim=1, dtype=torch.int32) - 1        # j-th chosen expert of the token → j
+    by_expert = routed.T.contiguous()
+    tokens = torch.arange(routed.shape[0], device=routed.device).unsqueeze(0).expand_as(by_expert)
+    rows = tokens.masked_select(by_expert)
+    row_slots = slots.T.contiguous().masked_select(by_expert).long()
+    # masked_select has already waited for the GPU (its output size), so this read is cheap.
+    width = max(int(slots[:, -1].max().item()) + 1, 1) if routed.numel() else 1
+    return rows, rows * width + row_slots, width
+
+
+def _merge_rows(rows_data: torch.Tensor, places, num_tokens: int, width: int) -> torch.Tensor:
+    """out[t] = sum of the rows of token t (each copied once into its slot, then summed)."""
+    dense = rows_data.new_zeros(num_tokens * width, rows_data.shape[-1])
+    dense.index_copy_(0, places, rows_data)
+    return dense.view(num_tokens, width, -1).sum(dim=1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: x[rows]. Backward: a token's gradient is the sum of its rows' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, rows, places, width):
+        ctx.save_for_backward(places)
+        ctx.num_tokens, ctx.width = x.shape[0], width
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (places,) = ctx.saved_tensors
+        return _merge_rows(grad_rows.contiguous(), places, ctx.num_tokens, ctx.width), None, None, None
+
+
+class _MergeRows(torch.autograd.Function):
+    """Forward: out[t] = sum of token t's rows. Backward: every row gets its token's gradient."""
+
+    @staticmethod
+    def forward(ctx, rows_data, rows, places, num_tokens, width):
+        ctx.save_for_backward(rows)
+        return _merge_rows(rows_data.contiguous(), places, num_tokens, width)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (rows,) = ctx.saved_tensors
+        return grad_out.index_select(0, rows), None, None, None, None
+
+
+def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+    """megatron's `moe_utils.permute` (same arguments, same output order) without atomics."""
+    if fused or drop_and_pad or tokens.dim() != 2:
+        return _megatron_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                                 fused=fused, drop_and_pad=drop_and_pad)
+    rows, places, width = _rows_and_slots(routing_map)
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
+    return _GatherRows.apply(tokens, rows, places, width), permuted_probs, rows
+
+
+def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
+              fused=False, drop_and_pad=False):
+    """megatron's `moe_utils.unpermute` (same arguments) without atomics."""
+    if fused or drop_and_pad or routing_map is None or len(restore_shape) != 2:
+        return _megatron_unpermute(permuted_tokens, sorted_indices, restore_shape, probs=probs,
+                                   routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
+    input_dtype = permuted_tokens.dtype
+    rows, places, width = _rows_and_slots(routing_map)
+    if probs is not None:  # as megatron: weight each row by its prob (may promote to fp32)
+        permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
+        permuted_tokens = permuted_tokens * permuted_probs.unsqueeze(-1)
+    merged = _MergeRows.apply(permuted_tokens, rows, places, restore_shape[0], width)
+    return merged.to(input_dtype)
+
+
+def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
+    """megatron's `moe_utils.sort_chunks_by_idxs`, returning its input when the order is the identity."""
+    order = sorted_idxs.tolist()
+    if order == list(range(len(order))):
+        return input, probs
+    return _megatron_sort_chunks(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+
+def use_gather_permutation() -> None:
+    """Make megatron's token dispatchers use the functions above (they import them by name)."""
+    token_dispatcher.permute = permute
+    token_dispatcher.unpermute = unpermute
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs

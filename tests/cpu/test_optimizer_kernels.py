@@ -1,0 +1,93 @@
+"""use_fused_adam: megatron's torch AdamW switched to torch's fused kernel, same updates, kept
+across a state-dict load."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_sft.runtime import compat
+from moe_sft.trainer.optimizer_kernels import use_fused_adam
+
+
+@pytest.fixture
+def megatron_on_this_machine():
+    """megatron's fallbacks put their result on "cuda": map that to the CPU where CUDA is absent."""
+    compat.apply_megatron_fixes()
+    if not torch.cuda.is_available():
+        compat.apply_cpu_compat()
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((7, 5), (5,), (3, 3, 2))]
+
+
+def _run(optimizer, params, steps=4):
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.sin(p.detach() * (step + 1) + i)
+        optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_fused_updates_equal_the_default_implementation_and_survive_a_load():
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref_params, fused_params = _params(), _params()
+    reference = torch.optim.AdamW(ref_params, **kw)
+    inner = torch.optim.AdamW(fused_params, **kw)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner),
+                                                  SimpleNamespace(optimizer=object())])  # e.g. a hybrid offload
+    assert use_fused_adam(chained) == 1
+    assert all(g["fused"] and not g["foreach"] for g in inner.param_groups)
+    for a, b in zip(_run(reference, ref_params), _run(inner, fused_params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # a resume loads groups saved without the flag: the next step is fused again, same result
+    saved = reference.state_dict()
+    inner.load_state_dict(copy.deepcopy(saved))  # torch's load keeps the given tensors: no sharing
+    reference.load_state_dict(copy.deepcopy(saved))
+    for a, b in zip(_run(reference, ref_params, 2), _run(inner, fused_params, 2)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(g["fused"] for g in inner.param_groups)
+
+
+def test_integer_parameters_are_left_alone():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+                             torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
+    assert use_fused_adam(SimpleNamespace(optimizer=opt)) == 0
+    assert not opt.param_groups[0].get("fused")
+
+
+def test_foreach_grad_norm_and_scale_equal_megatron_local_fallbacks(megatron_on_this_machine):
+    from megatron.core import utils
+
+    from moe_sft.trainer.optimizer_kernels import _foreach_l2_norm, _foreach_scale
+
+    grads = [t.clone() for t in _params(3)]
+    ref, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    mine, _ = _foreach_l2_norm(0, None, [grads], False)
+    assert mine.shape == ref.shape == (1,) and mine.dtype == torch.float32
+    torch.testing.assert_close(mine, ref)
+    in_place, expected = [g.clone() for g in grads], [g * 0.25 for g in grads]
+    _foreach_scale(0, None, [in_place, in_place], 0.25)
+    into = [torch.empty_like(g) for g in grads]
+    _foreach_scale(0, None, [grads, into], 0.25)
+    for a, b, c in zip(in_place, into, expected):
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, c)
+
+
+def test_megatron_clip_grads_uses_them_after_the_fixes(megatron_on_this_machine):
+    from megatron.core.optimizer import clip_grads
+
+    from moe_sft.trainer import optimizer_kernels
+
+    assert clip_grads.l2_norm_impl is optimizer_kernels._foreach_l2_norm
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad, params[1].grad = torch.full((3,), 2.0), torch.full((4,), 1.0)
+    # get_grad_norm_fp32's call (it then all-reduces the result over its groups)
+    norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, None, [[p.grad for p in params]], False)
+    assert float(norm) == pytest.approx(4.0)  # sqrt(3*4 + 4*1)
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=4.0)
+    torch.testing.assert_close(params[0].grad, torch.full((3,), 0.5), rtol=1e-5, atol=0)

@@ -1,0 +1,78 @@
+"""moe_sft.layers.permute against megatron-core's own permute/unpermute: same rows, same order,
+same gradients."""
+
+import torch
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+from moe_sft.layers import permute as ours
+
+
+def _routing(num_tokens=37, num_experts=8, topk=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    chosen = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, chosen, True)
+    routing_map[::5] = False            # padding tokens: routed nowhere
+    routing_map[3, :] = False
+    routing_map[3, 1] = True            # a token with fewer rows than top-k (a local-expert slice)
+    probs = torch.softmax(scores, dim=1) * routing_map
+    return routing_map, probs
+
+
+def _round_trip(permute, unpermute, x, routing_map, probs, weight_rows, with_probs):
+    x = x.clone().requires_grad_(True)
+    p = probs.clone().requires_grad_(True) if with_probs else None
+    rows, permuted_probs, sorted_indices = permute(x, routing_map, probs=p, num_out_tokens=int(routing_map.sum()))
+    h = rows * weight_rows  # a row-dependent change, like the experts'
+    out = unpermute(h, sorted_indices, x.shape, probs=p, routing_map=routing_map)
+    (out * torch.linspace(-1, 2, out.numel()).view_as(out)).sum().backward()
+    return rows, permuted_probs, sorted_indices, out, x.grad, (p.grad if with_probs else None)
+
+
+def test_permute_and_unpermute_equal_megatron_values_and_gradients():
+    routing_map, probs = _routing()
+    x = torch.randn(routing_map.shape[0], 16, dtype=torch.float64)
+    weight_rows = torch.randn(int(routing_map.sum()), 1, dtype=torch.float64)
+    for with_probs in (False, True):
+        mine = _round_trip(ours.permute, ours.unpermute, x, routing_map, probs, weight_rows, with_probs)
+        ref = _round_trip(moe_utils.permute, moe_utils.unpermute, x, routing_map, probs, weight_rows, with_probs)
+        for a, b in zip(mine, ref):
+            if b is None:
+                assert a is None
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # padding tokens get nothing back and no gradient
+    assert torch.count_nonzero(mine[3][::5]) == 0 and torch.count_nonzero(mine[4][::5]) == 0
+
+
+def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
+    routing_map, _ = _routing(num_tokens=256, num_experts=16, topk=8, seed=1)
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    rows, _, idx = ours.permute(x, routing_map)
+    assert torch.equal(rows, moe_utils.permute(x, routing_map)[0])
+    first = ours.unpermute(rows, idx, x.shape, routing_map=routing_map)
+    again = ours.unpermute(rows, idx, x.shape, routing_map=routing_map)
+    assert torch.equal(first, again)
+    truth = x.double() * routing_map.sum(1, keepdim=True)
+    err_ours = (first.double() - truth).abs().max()
+    err_megatron = (moe_utils.unpermute(rows, idx, x.shape, routing_map=routing_map).double() - truth).abs().max()
+    assert err_ours <= err_megatron
+
+
+def test_identity_chunk_order_is_not_copied_and_other_orders_are_megatron_s():
+    x = torch.randn(10, 4)
+    sizes = torch.tensor([3, 0, 7])
+    same, _ = ours.sort_chunks_by_idxs(x, sizes, torch.tensor([0, 1, 2]))
+    assert same is x
+    swapped, _ = ours.sort_chunks_by_idxs(x, sizes, torch.tensor([2, 1, 0]))
+    torch.testing.assert_close(swapped, moe_utils.sort_chunks_by_idxs(x, sizes, torch.tensor([2, 1, 0]))[0])
+    torch.testing.assert_close(swapped, torch.cat([x[3:], x[:3]]))
+
+
+def test_the_dispatchers_use_it_once_megatron_fixes_are_applied():
+    from moe_sft.runtime import compat
+
+    compat.apply_megatron_fixes()
+    assert token_dispatcher.permute is ours.permute
+    assert token_dispatcher.unpermute is ours.unpermute
+    assert token_dispatcher.sort_chunks_by_idxs is ours.sort_chunks_by_idxs
