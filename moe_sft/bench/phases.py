@@ -126,12 +126,14 @@ def attribute_events(events, device: bool) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     device_total = 0.0
     # record_function ranges (torch.optim's "Optimizer.step#AdamW.step", ...) also appear on the
-    # GPU timeline as "user annotations" spanning all their kernels, and kineto can attach them
-    # to the CPU op like kernels: counted, they made the optimizer phase 10x the step.
-    annotations = {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation}
+    # GPU timeline as annotations spanning all their kernels, and kineto can attach them to the
+    # CPU op like kernels: counted, they made the optimizer phase 2-15x the step. They carry the
+    # CPU range's name (no kernel is named like a CPU op); not every torch flags them.
+    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    annotations = cpu_names | {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation}
     for e in sorted(events, key=lambda ev: (ev.time_range.start, -ev.time_range.end)):
         if e.device_type != DeviceType.CPU:
-            if not e.is_user_annotation:
+            if e.name not in annotations:
                 device_total += e.time_range.elapsed_us()  # a kernel (its op, when known, counts it too)
             continue
         parent = e.cpu_parent

@@ -1,4 +1,4 @@
-"""On CUDA, our RMSNorm runs torch's fused rms_norm: it equals transformers' in bf16 and keeps only
+"""On CUDA, our RMSNorm runs torch's fused rms_norm: it equals transformers' in bf16 (to rounding) and keeps only
 what the planner counts (bf16 input, fp32 1/rms per row, bf16 normalised value for the weight)."""
 
 import pytest
@@ -32,4 +32,8 @@ def test_fused_rmsnorm_saves_what_the_planner_counts_and_matches_transformers():
         y = ours(x)
     storages.pop(ours.weight.untyped_storage().data_ptr(), None)
     assert sum(storages.values()) == _norm(tokens, width)
-    torch.testing.assert_close(y, theirs(x), rtol=0, atol=0)
+    # the fused kernel reduces in another order: at most 2 bf16 ulps apart, in a few elements
+    # (measured on an H200: 31 of 8.4M differ)
+    reference = theirs(x)
+    torch.testing.assert_close(y, reference, rtol=2 ** -6, atol=0)
+    assert (y != reference).float().mean() < 1e-4
