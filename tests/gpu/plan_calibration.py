@@ -240,6 +240,31 @@ def gpu_inventory() -> tuple[int, str, float]:
 # ----------------------------------------------------------------------------- run
 
 
+def wait_for_free_gpus(log, limit_s: float = 90.0) -> None:
+    """Wait until no process holds GPU memory; then kill what is left. A layout's processes can
+    outlive the SIGTERM of its launcher (a checkpoint writer, a worker mid-save): the next layout
+    then ran out of memory next to them (100 GiB still held on the first H200 run)."""
+    def holders() -> list[int]:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [int(p) for p in out.split() if p.strip().isdigit()]
+
+    deadline = time.time() + limit_s
+    while (pids := holders()) and time.time() < deadline:
+        time.sleep(2)
+    for pid in pids:
+        log(f"killing process {pid}, still holding GPU memory {limit_s:.0f}s after its layout ended")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    while holders() and time.time() < deadline + 30:
+        time.sleep(1)
+
+
 def run_layout(name: str, work: Path, out: Path, steps: int, timeout: int, gpu_kind: str, log) -> dict:
     model, gpus, _ = LAYOUTS[name]
     result = dict(name=name, gpus=gpus, model=model)
@@ -272,6 +297,7 @@ def run_layout(name: str, work: Path, out: Path, steps: int, timeout: int, gpu_k
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    wait_for_free_gpus(log)
     shutil.rmtree(work / "runs" / name, ignore_errors=True)  # the partial final save
     text = log_path.read_text(errors="replace")
     peaks = parse_peaks(text)
@@ -338,11 +364,16 @@ def main(argv: list[str]) -> int:
             res = dict(name=name, gpus=gpus, model=model, status=f"error: {type(err).__name__}: {err}")
         (args.out / f"{name}.json").write_text(json.dumps(res, indent=1))
         log(f"{name}: {res['status']}")
-    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
-    table = markdown([r for r in results if r.get("name") in LAYOUTS], gpu_name)
-    (args.out / "calibration.md").write_text(table)
-    print(table)
+        write_table(args.out, gpu_name)  # after every layout: a killed session keeps its rows
+    print(write_table(args.out, gpu_name))
     return 0
+
+
+def write_table(out: Path, gpu_name: str) -> str:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    table = markdown([r for r in results if r.get("name") in LAYOUTS], gpu_name)
+    (out / "calibration.md").write_text(table)
+    return table
 
 
 if __name__ == "__main__":
