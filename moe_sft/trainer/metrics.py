@@ -126,8 +126,9 @@ class Throughput:
         return tokens / max(seconds, 1e-9), seconds
 
 
-def peak_memory_per_rank(device: str) -> list[tuple[float, float]]:
-    """(peak allocated, peak reserved) GiB of every rank since the last reset; [] unless on CUDA.
+def peak_memory_per_rank(device: str, earlier_gib: tuple[float, float] = (0.0, 0.0)) -> list[tuple[float, float]]:
+    """(peak allocated, peak reserved) GiB of every rank since the last reset, or `earlier_gib`
+    (this rank's peaks before that reset) where larger; [] unless on CUDA.
 
     A collective (all ranks call it). The planner's calibration (tests/gpu/plan_calibration.py)
     compares these with `python -m moe_sft.plan`'s per-stage prediction.
@@ -138,6 +139,7 @@ def peak_memory_per_rank(device: str) -> list[tuple[float, float]]:
         return []
     mine = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
                         dtype=torch.float64, device="cuda") / 2**30
+    mine = torch.maximum(mine, torch.tensor(earlier_gib, dtype=torch.float64, device="cuda"))
     every = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64, device="cuda")
     dist.all_gather_into_tensor(every, mine)
     values = every.tolist()

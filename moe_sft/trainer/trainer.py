@@ -382,7 +382,8 @@ class Trainer:
                      "checkpoint saved: run the same command again to resume")
                 return
         logger.close()
-        peaks = peak_memory_per_rank(self.rt.device)
+        # the telemetry resets the CUDA peak every step (per-step peaks) and keeps the run's peak
+        peaks = peak_memory_per_rank(self.rt.device, self.telemetry.run_peak_gib)
         if peaks:
             _say("peak memory per rank (GiB allocated/reserved): " + " ".join(
                 f"{r}:{a:.2f}/{b:.2f}" for r, (a, b) in enumerate(peaks)))

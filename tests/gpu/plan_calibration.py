@@ -240,7 +240,7 @@ def gpu_inventory() -> tuple[int, str, float]:
 # ----------------------------------------------------------------------------- run
 
 
-def wait_for_free_gpus(log, limit_s: float = 90.0) -> None:
+def wait_for_free_gpus(log, limit_s: float = 20.0) -> None:
     """Wait until no process holds GPU memory; then kill what is left. A layout's processes can
     outlive the SIGTERM of its launcher (a checkpoint writer, a worker mid-save): the next layout
     then ran out of memory next to them (100 GiB still held on the first H200 run)."""
