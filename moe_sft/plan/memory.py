@@ -30,7 +30,7 @@ GIB = 2 ** 30
 # Assumptions beyond the model (docs/planner.md; refine them with tests/gpu/plan_calibration.py).
 FRAGMENTATION = 0.10        # reserved / allocated - 1 of torch's caching allocator under MoE churn
 RUNTIME_OVERHEAD_GIB = 1.5  # CUDA context (~0.5-0.7 GiB) + NCCL communicator buffers, outside torch
-LOGITS_BYTES = 8            # per token x padded vocab / TP on the last stage: see logits_bytes()
+LOGITS_BYTES = 6            # per token x padded vocab / TP on the last stage: see logits_bytes()
 
 
 @dataclass
@@ -120,10 +120,14 @@ def mtp_activation(s: ModelShape, lay: Layout, t: int, imbalance: float = 1.0) -
 def logits_bytes(s: ModelShape, lay: Layout, t: int, depths: int = 0) -> int:
     """Logits + vocab-parallel cross entropy of one micro-batch, main head plus `depths` MTP heads.
 
-    Peak during the loss: bf16 logits and their transposed copy (2 + 2 bytes) and the fp32 copy
-    that the cross entropy turns into its saved softmax (4): LOGITS_BYTES x t x vocab / TP.
+    Peak during the loss: the bf16 logits (2 bytes) and the fp32 copy that the cross entropy turns
+    into its saved softmax (4), LOGITS_BYTES x t x vocab / TP; in backward the fp32 gradient (in
+    place of the softmax) and its bf16 cast, as much. (The [b, s] → [s, b] transpose is free at
+    b = 1.) A padded vocabulary adds the bf16 copy whose padded columns are set to -inf (2).
+    Calibrated on an H200: 8 bytes over-predicted every layout by 2 x t x vocab (docs/planner.md).
     """
-    return LOGITS_BYTES * t * (s.padded_vocab // lay.tp) * (1 + depths)
+    per_value = LOGITS_BYTES + (2 if s.padded_vocab != s.vocab else 0)
+    return per_value * t * (s.padded_vocab // lay.tp) * (1 + depths)
 
 
 def in_flight(lay: Layout, pp_rank: int, micro_batches: int) -> float:

@@ -134,3 +134,33 @@ def test_markdown_and_ceilings(report):
                      "varlen attention fwd+bwd"}
     assert all(c["tflops"] > 0 for c in data["ceilings"])
     assert "| moe-sft | tiny | 2 | 1 (1) | 128 |" in md and "Ceilings" in md
+
+
+def _event(eid, name, start, end, parent=None, device=False, kernels=(), annotation=False, seq=-1):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+    return SimpleNamespace(id=eid, name=name, time_range=span, cpu_parent=parent, thread=1, fwd_thread=1,
+                           sequence_nr=seq, is_user_annotation=annotation, self_cpu_time_total=end - start,
+                           device_type=DeviceType.CUDA if device else DeviceType.CPU,
+                           kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
+
+
+def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
+    """torch.optim's record_function range shows up on the GPU timeline spanning its kernels (with
+    or without the user-annotation flag) and may be attached to the CPU op like a kernel: the
+    first H200 run then reported an optimizer phase of 15.8 s in a 1.2 s step."""
+    from moe_sft.bench.phases import SCOPE, attribute_events
+
+    scope = _event(1, SCOPE + "optimizer", 0, 100)
+    step = _event(2, "Optimizer.step#AdamW.step", 1, 99, parent=scope,
+                  kernels=[("Optimizer.step#AdamW.step", 5000.0), ("fused_adamw_kernel", 40.0)])
+    events = [scope, step,
+              _event(3, "Optimizer.step#AdamW.step", 2, 5002, device=True),        # the GPU-side copy
+              _event(4, "Optimizer.step#AdamW.step", 2, 5002, device=True, annotation=True),
+              _event(5, "fused_adamw_kernel", 10, 50, device=True),
+              _event(6, "stray_kernel", 60, 70, device=True)]                      # tied to no op
+    totals = attribute_events(events, device=True)
+    assert totals == {"optimizer": 40.0, "other": 10.0}

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from moe_sft.config import ConfigError, load_config
 from moe_sft.plan import make_plan
@@ -244,14 +245,12 @@ class _FlashLike:
         return Fn.apply(q, k, v)
 
 
-class _FusedRmsNormLike(__import__("torch").autograd.Function):
+class _FusedRmsNormLike(torch.autograd.Function):
     """Stands in for torch's rms_norm on CPU, where it runs as a composite of fp32 ops: saves what
     the fused CUDA kernel saves, the input and 1/rms per row (pinned by tests/gpu/test_gpu_norm.py)."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight=None, eps=None):
-        import torch
-
         rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd)
         return (x.float() * rstd).to(x.dtype)
