@@ -509,7 +509,8 @@ def test_calibration_script_parses_logs_and_plans_its_layouts(tmp_path, capsys, 
     assert "| x | 2 | 0 | 12.00 | 11.50 | +4.3% |" in table and "| y | 4 | | | timeout |" in table
     assert "Stages within 10%: 1/1" in table
     assert cal.main(["--dry-run", "--work", str(tmp_path), "--out", str(tmp_path),
-                     "--only", "qwen_pp2,mixtral_tp2_ep2,dsv3_pp2_ep2"]) == 0
+                     "--only", "qwen_pp2,mixtral_tp2_ep2,dsv3_pp2_ep2,recipe_qwen3_235b,recipe_mixtral_8x22b,"
+                     "recipe_deepseek_v3"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[calibration]")]
-    assert len(lines) == 3 and not any("ERRORS" in line for line in lines), lines
+    assert len(lines) == 6 and not any("ERRORS" in line for line in lines), lines
     assert "predicted GiB per stage 0:" in lines[0] and " 1:" in lines[0]  # two pipeline stages
