@@ -87,6 +87,9 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
     permuted_probs = None
     if probs is not None:
         permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
+    # megatron hands `rows` (its "sorted_indices") back to unpermute: the slots travel with it, so
+    # the combine does not recompute them (another masked_select, i.e. another host sync).
+    rows._moe_sft_slots = (places, width)
     return _GatherRows.apply(tokens, rows, places, width), permuted_probs, rows
 
 
@@ -97,7 +100,8 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
         return _megatron_unpermute(permuted_tokens, sorted_indices, restore_shape, probs=probs,
                                    routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
     input_dtype = permuted_tokens.dtype
-    rows, places, width = _rows_and_slots(routing_map)
+    rows = sorted_indices
+    places, width = getattr(sorted_indices, "_moe_sft_slots", None) or _rows_and_slots(routing_map)[1:]
     if probs is not None:  # as megatron: weight each row by its prob (may promote to fp32)
         permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
         permuted_tokens = permuted_tokens * permuted_probs.unsqueeze(-1)

@@ -76,3 +76,17 @@ def test_the_dispatchers_use_it_once_megatron_fixes_are_applied():
     assert token_dispatcher.permute is ours.permute
     assert token_dispatcher.unpermute is ours.unpermute
     assert token_dispatcher.sort_chunks_by_idxs is ours.sort_chunks_by_idxs
+
+
+def test_unpermute_reuses_the_slots_permute_computed(monkeypatch):
+    routing_map, _ = _routing()
+    x = torch.randn(routing_map.shape[0], 8)
+    rows, _, idx = ours.permute(x, routing_map)
+    calls = []
+    original = ours._rows_and_slots
+    monkeypatch.setattr(ours, "_rows_and_slots", lambda m: calls.append(1) or original(m))
+    cached = ours.unpermute(rows, idx, x.shape, routing_map=routing_map)
+    assert calls == []
+    fresh = ours.unpermute(rows, idx.clone(), x.shape, routing_map=routing_map)  # e.g. megatron's own indices
+    assert calls == [1]
+    assert torch.equal(cached, fresh)
