@@ -13,9 +13,9 @@ of predicted vs measured per stage to DIR/calibration.md (DIR: --out, else $OUT,
   dsv3_mini    DeepSeek-V3 MLA (q_lora 1536, kv_lora 512, 128+64 / 128 head dims), 32 experts top-8,
                1 dense + 3 MoE layers + 1 MTP layer, vocab 129280, hidden 2048
   qwen235b_shard, mixtral8x22b_shard, dsv3_shard
-               the Qwen3-235B-A22B / Mixtral-8x22B / DeepSeek-V3 recipes' per-GPU shard shapes: their
-               hidden, head and expert-FFN sizes, 2 layers, and experts cut so that EP4 leaves each GPU
-               the recipe's local experts and routed rows per token (layouts recipe_*, 4 GPUs)
+               the Qwen3-235B-A22B / Mixtral-8x22B / DeepSeek-V3 recipes' per-GPU shard shapes: the
+               recipe's config.json with 2 layers and experts cut so that EP4 leaves each GPU the
+               recipe's local experts and routed rows per token (layouts recipe_*, 4 GPUs)
 Each layout runs in its own process group with a timeout; results are kept per layout (JSON), so
 several invocations (--only ...) fill one table. Nothing is measured on CPU: --dry-run lists the
 layouts, the commands and the planner's prediction only.
@@ -42,6 +42,15 @@ if str(REPO) not in sys.path:
 PEAK_LINE = re.compile(r"peak memory per rank \(GiB allocated/reserved\): (.*)$")
 STEP_LINE = re.compile(r"^step (\d+)/\d+ (.*)$")
 
+def recipe_shard(recipe_model: str, **fewer) -> dict:
+    """recipes/models/<recipe_model>/config.json (hidden, heads, expert FFN, MLA ranks, rope, router
+    settings as the recipe trains them) with fewer layers and experts."""
+    config = json.loads((REPO / "recipes" / "models" / recipe_model / "config.json").read_text())
+    not_shape = ("architectures", "auto_map", "model_type", "quantization_config", "torch_dtype",
+                 "transformers_version")
+    return {k: v for k, v in config.items() if k not in not_shape} | fewer
+
+
 MODELS = {
     "qwen30b_4l": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                      moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
@@ -58,26 +67,15 @@ MODELS = {
                                       q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                                       qk_nope_head_dim=128, v_head_dim=128, num_nextn_predict_layers=1,
                                       max_position_embeddings=16384)),
-    # Per-recipe shard shapes (issue 8): the recipe's hidden / head / expert-FFN sizes, fewer layers,
-    # and fewer experts so that EP4 gives each GPU the recipe's local experts and routed rows per
-    # token (recipe EP32 with 128 experts top-8 = 4 local experts, 2 rows per local token).
-    "qwen235b_shard": ("qwen3_moe", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                         moe_intermediate_size=1536, num_hidden_layers=2, num_attention_heads=64,
-                                         num_key_value_heads=4, head_dim=128, num_experts=16, num_experts_per_tok=8,
-                                         max_position_embeddings=40960, router_aux_loss_coef=0.001)),
-    # recipe EP8 with 8 experts top-2 = 1 local expert, 2 rows per local token
-    "mixtral8x22b_shard": ("mixtral", dict(vocab_size=32768, hidden_size=6144, intermediate_size=16384,
-                                           num_hidden_layers=2, num_attention_heads=48, num_key_value_heads=8,
-                                           head_dim=128, num_local_experts=4, num_experts_per_tok=2,
-                                           max_position_embeddings=65536)),
-    # recipe EP32 with 256 experts top-8 = 8 local experts, 1 row per local token; 1 dense + 1 MoE + MTP
-    "dsv3_shard": ("deepseek_v3", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-                                       moe_intermediate_size=2048, num_hidden_layers=2, num_attention_heads=128,
-                                       num_key_value_heads=128, n_routed_experts=32, n_shared_experts=1,
-                                       num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1,
-                                       q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-                                       qk_nope_head_dim=128, v_head_dim=128, num_nextn_predict_layers=1,
-                                       max_position_embeddings=16384)),
+    # Per-recipe shard shapes (issue 8): the recipe's model with 2 layers and fewer experts, so that
+    # EP4 gives each GPU the recipe's local experts and routed rows per local token.
+    # Qwen3-235B, recipe EP32: 128 experts top-8 = 4 local experts, 2 rows per token.
+    "qwen235b_shard": ("qwen3_moe", recipe_shard("qwen3_235b_a22b", num_hidden_layers=2, num_experts=16)),
+    # Mixtral-8x22B, recipe EP8: 8 experts top-2 = 1 local expert, 2 rows per token.
+    "mixtral8x22b_shard": ("mixtral", recipe_shard("mixtral_8x22b", num_hidden_layers=2, num_local_experts=4)),
+    # DeepSeek-V3, recipe EP32: 256 experts top-8 = 8 local experts, 1 row per token; 1 dense + 1 MoE + MTP.
+    "dsv3_shard": ("deepseek_v3", recipe_shard("deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1,
+                                               n_routed_experts=32)),
 }
 
 SP = "parallel.sequence_parallel=true"
