@@ -62,6 +62,8 @@ def apply_megatron_fixes() -> list[str]:
                        "follow loaded weights")
         _fix_expert_bias_padding_mask()
         applied.append("TopKRouter: expert-bias token counts exclude padding (mask broadcast per expert)")
+        _fix_mtp_full_recompute_with_packed_sequences()
+        applied.append("MTP layer full recompute: packed-sequence params kept out of save_for_backward")
         from moe_sft.layers.permute import use_gather_permutation
 
         use_gather_permutation()
@@ -195,6 +197,33 @@ def _fix_hybrid_optimizer_main_params() -> None:
 
     HybridDeviceOptimizer.refresh_cpu_copies = refresh_cpu_copies
     HybridDeviceOptimizer._update_fp32_params_by_new_state = _update_fp32_params_by_new_state
+
+
+def _fix_mtp_full_recompute_with_packed_sequences() -> None:
+    """`MultiTokenPredictionLayer._checkpointed_forward` hands every keyword argument, the
+    `PackedSeqParams` of THD batches included, to `tensor_parallel.checkpoint` as a positional input,
+    whose `save_for_backward` accepts tensors only: DeepSeek-V3 with MTP, full recompute and packed
+    sequences (our recipe) died on the first step with "save_for_backward can only save variables".
+    Non-tensor arguments are bound in a closure instead (recomputation gets the same objects);
+    tensors still go through the checkpoint, hidden states first. FP8 (TE's checkpoint, which takes
+    keywords) keeps megatron's own path."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    original = MultiTokenPredictionLayer._checkpointed_forward
+
+    @functools.wraps(original)
+    def _checkpointed_forward(self, forward_func, *args, **kwargs):
+        if self.config.fp8:
+            return original(self, forward_func, *args, **kwargs)
+        tensor_names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        bound = {k: v for k, v in kwargs.items() if k not in tensor_names}
+
+        def run(*tensors):
+            return forward_func(*args, **bound, **dict(zip(tensor_names, tensors)))
+
+        return original(self, run, *(kwargs[k] for k in tensor_names))
+
+    MultiTokenPredictionLayer._checkpointed_forward = _checkpointed_forward
 
 
 def _fix_expert_bias_padding_mask() -> None:

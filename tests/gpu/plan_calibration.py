@@ -14,8 +14,8 @@ of predicted vs measured per stage to DIR/calibration.md (DIR: --out, else $OUT,
                1 dense + 3 MoE layers + 1 MTP layer, vocab 129280, hidden 2048
   qwen235b_shard, mixtral8x22b_shard, dsv3_shard
                the Qwen3-235B-A22B / Mixtral-8x22B / DeepSeek-V3 recipes' per-GPU shard shapes: the
-               recipe's config.json with 2 layers and experts cut so that EP4 leaves each GPU the
-               recipe's local experts and routed rows per token (layouts recipe_*, 4 GPUs)
+               recipe's config.json with 2 layers and experts cut so that EP2 leaves each GPU the
+               recipe's local experts and routed rows per token (layouts recipe_*, 2 GPUs)
 Each layout runs in its own process group with a timeout; results are kept per layout (JSON), so
 several invocations (--only ...) fill one table. Nothing is measured on CPU: --dry-run lists the
 layouts, the commands and the planner's prediction only.
@@ -68,14 +68,16 @@ MODELS = {
                                       qk_nope_head_dim=128, v_head_dim=128, num_nextn_predict_layers=1,
                                       max_position_embeddings=16384)),
     # Per-recipe shard shapes (issue 8): the recipe's model with 2 layers and fewer experts, so that
-    # EP4 gives each GPU the recipe's local experts and routed rows per local token.
-    # Qwen3-235B, recipe EP32: 128 experts top-8 = 4 local experts, 2 rows per token.
-    "qwen235b_shard": ("qwen3_moe", recipe_shard("qwen3_235b_a22b", num_hidden_layers=2, num_experts=16)),
-    # Mixtral-8x22B, recipe EP8: 8 experts top-2 = 1 local expert, 2 rows per token.
-    "mixtral8x22b_shard": ("mixtral", recipe_shard("mixtral_8x22b", num_hidden_layers=2, num_local_experts=4)),
-    # DeepSeek-V3, recipe EP32: 256 experts top-8 = 8 local experts, 1 row per token; 1 dense + 1 MoE + MTP.
+    # EP2 gives each GPU the recipe's local experts. Balanced routing sends every GPU top_k rows per
+    # local token whatever the EP size, so the routed activations match the recipe's too.
+    # Qwen3-235B, recipe EP32: 128 experts = 4 local experts.
+    "qwen235b_shard": ("qwen3_moe", recipe_shard("qwen3_235b_a22b", num_hidden_layers=2, num_experts=8)),
+    # Mixtral-8x22B, recipe EP8: 8 experts = 1 local expert.
+    "mixtral8x22b_shard": ("mixtral", recipe_shard("mixtral_8x22b", num_hidden_layers=2, num_local_experts=2)),
+    # DeepSeek-V3, recipe EP32: 256 experts = 8 local experts (8 groups of 2, top-4 groups); 1 dense +
+    # 1 MoE layer + MTP.
     "dsv3_shard": ("deepseek_v3", recipe_shard("deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1,
-                                               n_routed_experts=32)),
+                                               n_routed_experts=16)),
 }
 
 SP = "parallel.sequence_parallel=true"
@@ -108,11 +110,11 @@ LAYOUTS = {
     "dsv3_pp2_ep2": ("dsv3_mini", 4, ["data.pack_length=4096", "parallel.pipeline_model_parallel_size=2",
                                       "parallel.expert_model_parallel_size=2"]),
     # the recipes' per-GPU shard shapes with their pack length and recompute (recipes/*.yaml)
-    "recipe_qwen3_235b": ("qwen235b_shard", 4, ["data.pack_length=8192", "parallel.expert_model_parallel_size=4"]
+    "recipe_qwen3_235b": ("qwen235b_shard", 2, ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"]
                           + FULL),
-    "recipe_mixtral_8x22b": ("mixtral8x22b_shard", 4, ["data.pack_length=8192",
-                                                       "parallel.expert_model_parallel_size=4"] + FULL),
-    "recipe_deepseek_v3": ("dsv3_shard", 4, ["data.pack_length=4096", "parallel.expert_model_parallel_size=4"]
+    "recipe_mixtral_8x22b": ("mixtral8x22b_shard", 2, ["data.pack_length=8192",
+                                                       "parallel.expert_model_parallel_size=2"] + FULL),
+    "recipe_deepseek_v3": ("dsv3_shard", 2, ["data.pack_length=4096", "parallel.expert_model_parallel_size=2"]
                            + FULL),
 }
 
