@@ -1,6 +1,7 @@
 """moe_sft.layers.permute against megatron-core's own permute/unpermute: same rows, same order,
 same gradients."""
 
+import pytest
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -43,6 +44,44 @@ def test_permute_and_unpermute_equal_megatron_values_and_gradients():
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     # padding tokens get nothing back and no gradient
     assert torch.count_nonzero(mine[3][::5]) == 0 and torch.count_nonzero(mine[4][::5]) == 0
+
+
+def _topk_routing(num_tokens=41, num_experts=8, topk=3, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    routing_map.scatter_(1, scores.topk(topk, dim=1).indices, True)
+    return routing_map, torch.softmax(scores, dim=1) * routing_map
+
+
+def test_exact_topk_path_without_host_syncs_equals_megatron():
+    """The dispatcher's dropless row count (TopKRows) selects the static-size path: same rows,
+    order, probs and gradients as megatron's permute/unpermute."""
+    routing_map, probs = _topk_routing()
+    count = ours.TopKRows(int(routing_map.sum()))
+    x = torch.randn(routing_map.shape[0], 16, dtype=torch.float64)
+    weight_rows = torch.randn(int(count), 1, dtype=torch.float64)
+
+    def tagged(tokens, rmap, probs=None, num_out_tokens=None):
+        return ours.permute(tokens, rmap, probs=probs, num_out_tokens=count)
+
+    for with_probs in (False, True):
+        mine = _round_trip(tagged, ours.unpermute, x, routing_map, probs, weight_rows, with_probs)
+        ref = _round_trip(moe_utils.permute, moe_utils.unpermute, x, routing_map, probs, weight_rows, with_probs)
+        for a, b in zip(mine, ref):
+            if b is None:
+                assert a is None
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert mine[2]._moe_sft_slots[1] == 3  # slot width is top-k, not read back from the device
+
+
+def test_exact_topk_path_refuses_a_token_with_another_count():
+    routing_map, _ = _topk_routing()
+    routing_map[5, routing_map[5].nonzero()[0]] = False
+    with pytest.raises(RuntimeError, match="exactly top-k"):
+        ours.permute(torch.randn(routing_map.shape[0], 4), routing_map,
+                     num_out_tokens=ours.TopKRows(routing_map.shape[0] * 3))
 
 
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
@@ -90,3 +129,43 @@ def test_unpermute_reuses_the_slots_permute_computed(monkeypatch):
     fresh = ours.unpermute(rows, idx.clone(), x.shape, routing_map=routing_map)  # e.g. megatron's own indices
     assert calls == [1]
     assert torch.equal(cached, fresh)
+
+
+def _moe_layer_output_and_grads(dispatcher: str, num_tokens: int):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moe_sft.models import qwen3_moe
+    from tests.cpu.test_plan import build_rank
+
+    torch.manual_seed(0)
+    model = build_rank(qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(num_hidden_layers=1), 0, 1,
+                       dispatcher=dispatcher)[0]
+    moe = next(m for m in model.modules() if isinstance(m, MoELayer))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(num_tokens, 1, moe.config.hidden_size, generator=g).to(torch.bfloat16).requires_grad_(True)
+    out, _ = moe(x)
+    out.float().square().sum().backward()
+    grads = {n: p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+             for n, p in moe.named_parameters()}
+    return moe.token_dispatcher, out, x.grad, grads
+
+
+def test_alltoall_dispatcher_at_ep1_skips_the_host_copy_and_matches_allgather():
+    """megatron's alltoall dispatcher (the GPU default) at EP x TP = 1: dropless row count tagged,
+    no device-to-host copy or wait scheduled; same output and gradients as the allgather one."""
+    from moe_sft.runtime import device as rdevice
+    from tests.cpu.test_plan import _reset_world
+
+    rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    try:
+        a2a, out, x_grad, grads = _moe_layer_output_and_grads("alltoall", 23)
+        assert isinstance(a2a.num_out_tokens, ours.TopKRows)
+        assert int(a2a.num_out_tokens) == 23 * a2a.config.moe_router_topk
+        assert a2a.cuda_dtoh_point == a2a.cuda_sync_point == "no_sync"
+        _, ref_out, ref_x_grad, ref_grads = _moe_layer_output_and_grads("allgather", 23)
+    finally:
+        _reset_world()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(x_grad, ref_x_grad, rtol=0, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=0, msg=name)

@@ -1,0 +1,73 @@
+"""One GPU: a MoE layer's forward and backward with the alltoall dispatcher at EP x TP = 1 make no
+host sync (torch.cuda.set_sync_debug_mode("error") turns any into an exception), and give the same
+output and gradients as megatron's own permute/unpermute with their host syncs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _moe_layer():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moe_sft.models import qwen3_moe
+    from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
+    from moe_sft.runtime import device as rdevice, distributed
+
+    rdevice.prepare_runtime(rdevice.RuntimeChoice("cuda", "bf16", "torch", ()))
+    distributed.init_process_group("cuda")
+    distributed.init_model_parallel()
+    hf = qwen3_moe.tiny_hf_config(num_hidden_layers=1, hidden_size=256, moe_intermediate_size=128,
+                                  num_experts=16, num_experts_per_tok=4)
+    opts = ModelOptions(precision="bf16", backend="torch", device="cuda")
+    torch.manual_seed(0)
+    model = build_model_chunks(qwen3_moe.FAMILY, hf, build_transformer_config(qwen3_moe.FAMILY, hf, opts), opts)[0]
+    moe = next(m for m in model.modules() if isinstance(m, MoELayer))
+    assert moe.config.moe_token_dispatcher_type == "alltoall"
+    return moe
+
+
+def _run(moe, x):
+    x = x.clone().requires_grad_(True)
+    for p in moe.parameters():
+        p.main_grad.zero_() if getattr(p, "main_grad", None) is not None else setattr(p, "grad", None)
+    out, _ = moe(x)
+    out.float().square().sum().backward()
+    grads = [(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
+             for p in moe.parameters()]
+    return out.detach(), x.grad, grads
+
+
+def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from moe_sft.layers import permute as ours
+
+    moe = _moe_layer()
+    x = torch.randn(2048, 1, moe.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    _run(moe, x)  # warm-up: lazy CUDA initialisation, allocator growth
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, x_grad, grads = _run(moe, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # megatron's unfused permute/unpermute and its device-to-host copy of the counts
+    patched = (token_dispatcher.permute, token_dispatcher.unpermute,
+               token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess)
+    token_dispatcher.permute, token_dispatcher.unpermute = ours._megatron_permute, ours._megatron_unpermute
+    token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess = ours._megatron_alltoall_preprocess
+    dispatcher = moe.token_dispatcher
+    dispatcher.cuda_dtoh_point, dispatcher.cuda_sync_point = dispatcher._moe_sft_sync_points
+    try:
+        ref_out, ref_x_grad, ref_grads = _run(moe, x)
+    finally:
+        (token_dispatcher.permute, token_dispatcher.unpermute,
+         token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess) = patched
+    torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(x_grad, ref_x_grad, rtol=1.6e-2, atol=1e-3)
+    for g, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(g, ref, rtol=1.6e-2, atol=1e-3)
