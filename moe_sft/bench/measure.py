@@ -2,7 +2,8 @@
 
 Per budget: `warmup` steps (not timed), `steps` timed steps (CUDA synchronised before and after
 each; the step's batch is built before its timer starts), then `profile_steps` steps under
-torch.profiler for the phase breakdown (moe_sft/bench/phases.py). Steps are numbered from 0 at
+torch.profiler for the phase breakdown (moe_sft/bench/phases.py), then on CUDA one step under
+torch's sync debug mode: where the host waited for the GPU (`host_syncs`). Steps are numbered from 0 at
 every budget, so every arm trains on the same batches (workload.Workload.global_batch(step)).
 
 Throughput counts real tokens only (documents, never padding): tokens/s per GPU = timed real
@@ -13,9 +14,12 @@ TFLOP/s per GPU / the peak (989 dense bf16 TFLOP/s for H100/H200 SXM).
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
-from typing import Protocol
+import warnings
+from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
@@ -58,6 +62,31 @@ def phase_flops(shape: flops.ModelShape, seqlens) -> dict[str, float]:
             "attention_core": 3.0 * attn_layers * flops.attention_pair_flops(shape) * flops.attention_pairs(seqlens)}
 
 
+def host_sync_sites(run: Callable[[], None], device: str) -> dict[str, int]:
+    """Where one call of `run` makes the host wait for the GPU, as {"file:line": count}.
+
+    torch.cuda.set_sync_debug_mode("warn") warns at every synchronising call (`.item()`,
+    `nonzero`/`masked_select`, device-to-host or pageable host-to-device copies, stream syncs), and
+    the warning carries the Python line that made the call. Each such wait lets the GPU run dry
+    until the host has queued the next kernels: the gap between the phase sum and the step time."""
+    if device != "cuda":
+        return {}
+    sites: collections.Counter = collections.Counter()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            path = Path(w.filename)
+            sites[f"{'/'.join(path.parts[-3:])}:{w.lineno}"] += 1
+    return dict(sites.most_common())
+
+
 def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: int, steps: int,
             profile_steps: int, peak_tflops: float = PEAK_TFLOPS) -> dict:
     arm.use(workload)
@@ -92,6 +121,12 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
             phase_error = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
         finally:
             scopes.remove()
+    census_step = warmup + steps + profile_steps
+
+    def census():
+        arm.prepare(census_step)
+        arm.step(census_step)
+    host_syncs = host_sync_sites(census, arm.device)
     alloc, reserved = arm.peak_memory_gib()
     total_s = sum(seconds)
     tflops = model_flops / max(total_s, 1e-12) / arm.world / 1e12
@@ -107,6 +142,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         peak_allocated_gib=alloc, peak_reserved_gib=reserved, losses=losses,
         phases_ms=phases_ms, profiled_step_seconds=profiled_s,
         phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time", phase_error=phase_error,
+        host_syncs=host_syncs,
         phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items()
                       if phases_ms.get(k)},
         status="ok")

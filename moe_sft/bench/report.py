@@ -151,7 +151,21 @@ def phase_tables(runs: list[dict]) -> list[str]:
             f"{1e3 * (r['profiled_step_seconds'] or 0):.1f}" for r in group) + " |")
         out.append("| timed step (median, no profiler) | " + " | ".join(
             f"{1e3 * (r['step_seconds_median'] or 0):.1f}" for r in group) + " |")
+        out += host_sync_lines(group)
     return out
+
+
+def host_sync_lines(group: list[dict], top: int = 6) -> list[str]:
+    """Per arm: host waits for the GPU in one step (torch's sync debug mode), busiest lines first."""
+    out = []
+    for r in group:
+        sites = r.get("host_syncs")
+        if sites is None:
+            continue
+        where = ", ".join(f"{site} x{n}" for site, n in list(sites.items())[:top])
+        more = f", {len(sites) - top} more lines" if len(sites) > top else ""
+        out.append(f"- {r['arm']}: {sum(sites.values())} host syncs in one step" + (f": {where}{more}" if sites else ""))
+    return ([""] + out) if out else []
 
 
 def ceiling_table(ceilings: list[dict]) -> list[str]:

@@ -63,7 +63,7 @@ def test_every_run_is_complete(report):
         (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS)
     keys = {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "peak_allocated_gib", "peak_reserved_gib",
             "phases_ms", "profiled_step_seconds", "step_seconds", "model_flop", "real_tokens", "losses",
-            "implementation"}
+            "implementation", "host_syncs"}
     for r in runs + _runs(data, "tiny_dsv3"):
         assert r["status"] == "ok", r
         assert keys <= set(r), keys - set(r)
@@ -164,3 +164,13 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
               _event(6, "stray_kernel", 60, 70, device=True)]                      # tied to no op
     totals = attribute_events(events, device=True)
     assert totals == {"optimizer": 40.0, "other": 10.0}
+
+
+def test_host_sync_lines_name_the_busiest_lines_per_arm():
+    from moe_sft.bench.report import host_sync_lines
+
+    group = [dict(arm="moe-sft", host_syncs={"trainer/step.py:50": 8, "a.py:1": 2, "b.py:2": 1}),
+             dict(arm="transformers", host_syncs={}), dict(arm="cpu-run")]
+    lines = host_sync_lines(group, top=2)
+    assert lines == ["", "- moe-sft: 11 host syncs in one step: trainer/step.py:50 x8, a.py:1 x2, 1 more lines",
+                     "- transformers: 0 host syncs in one step"]

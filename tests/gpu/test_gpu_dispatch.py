@@ -71,3 +71,16 @@ def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
     torch.testing.assert_close(x_grad, ref_x_grad, rtol=1.6e-2, atol=1e-3)
     for g, ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, ref, rtol=1.6e-2, atol=1e-3)
+
+
+def test_host_sync_census_names_the_line_that_waited():
+    from moe_sft.bench.measure import host_sync_sites
+
+    x = torch.ones(4, device="cuda")
+
+    def step():
+        x.add_(1)
+        x.sum().item()  # the one sync
+
+    sites = host_sync_sites(step, "cuda")
+    assert list(sites.values()) == [1] and next(iter(sites)).startswith("gpu/test_gpu_dispatch.py:"), sites
