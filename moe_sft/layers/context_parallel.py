@@ -41,6 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from moe_sft.runtime.device import host_to_device
+
 # kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale) -> out [tq, hq, dv];
 # causal, bottom-right aligned (flash-attn's convention for seqlen_q < seqlen_k).
 Kernel = Callable[..., torch.Tensor]
@@ -57,8 +59,8 @@ class CPAttentionPlan:
     max_seqlen_k: int
 
     def to(self, device) -> "CPAttentionPlan":
-        return CPAttentionPlan(self.kv_index.to(device), self.cu_seqlens_q.to(device),
-                               self.cu_seqlens_k.to(device), self.max_seqlen_q, self.max_seqlen_k)
+        return CPAttentionPlan(host_to_device(self.kv_index, device), host_to_device(self.cu_seqlens_q, device),
+                               host_to_device(self.cu_seqlens_k, device), self.max_seqlen_q, self.max_seqlen_k)
 
 
 @dataclass

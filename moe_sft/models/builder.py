@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from moe_sft.layers.spec import decoder_block_spec, mtp_block_spec
@@ -102,6 +103,10 @@ def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: 
     rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]  # MLA: its own rope inside
     vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
     vpp = opts.virtual_pipeline_model_parallel_size or 1
+    # megatron's aux-loss logging tracker is process-global and sizes its per-layer tensor by the
+    # first model that logs: a deeper model built later in the same process (tests, tools) then
+    # indexes past its end in the first training step.
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     chunks = []
     for vp_stage in range(vpp):
         vp = vp_stage if opts.virtual_pipeline_model_parallel_size else None

@@ -67,7 +67,12 @@ def apply_megatron_fixes() -> list[str]:
         from moe_sft.layers.permute import use_gather_permutation
 
         use_gather_permutation()
-        applied.append("token dispatchers: permute/unpermute by gathers, no atomic adds")
+        applied.append("token dispatchers: permute/unpermute by gathers, no atomic adds; dropless "
+                       "dispatch without host syncs")
+        from moe_sft.layers.rope import use_sync_free_rope
+
+        use_sync_free_rope()
+        applied.append("packed-sequence RoPE: positions gathered on the device (no host syncs; CP 1)")
         from moe_sft.trainer.optimizer_kernels import use_foreach_grad_norm
 
         if use_foreach_grad_norm():

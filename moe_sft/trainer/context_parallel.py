@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sft.data.packing import PackedMicroBatch, document_spans
+from moe_sft.runtime.device import host_to_device
 from moe_sft.layers.context_parallel import (
     CPAttentionPlan, CPPackedSeqParams, local_token_index, plan_cp_attention)
 
@@ -47,17 +48,18 @@ class CPShard:
     plan: CPAttentionPlan
 
     def to_device(self, device: str) -> dict:
-        cu = self.cu_seqlens.to(device)
+        cu = host_to_device(self.cu_seqlens, device)
         params = CPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                    cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                    max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
-                                   cp_plan=self.plan.to(device))
+                                   cp_plan=self.plan.to(device))  # a plan object, not a tensor
         # The padding mask is passed even when this rank has no pads: megatron's router counts
         # tokens differently with and without it, and all CP/TP ranks must agree.
-        return dict(tokens=self.tokens[None].to(device), labels=self.labels[None].to(device),
-                    loss_mask=self.loss_mask[None].to(device),
-                    position_ids=self.position_ids[None].to(device), params=params,
-                    padding=self.padding[None].to(device))
+        return dict(tokens=host_to_device(self.tokens[None], device),
+                    labels=host_to_device(self.labels[None], device),
+                    loss_mask=host_to_device(self.loss_mask[None], device),
+                    position_ids=host_to_device(self.position_ids[None], device), params=params,
+                    padding=host_to_device(self.padding[None], device))
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -31,6 +31,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from moe_sft.data.packing import PackedMicroBatch
 from moe_sft.models.forward import packed_seq_params
 from moe_sft.models.mtp import shift_targets
+from moe_sft.runtime.device import host_to_device
 from moe_sft.trainer import context_parallel
 
 
@@ -39,10 +40,11 @@ def _to_device(mb: PackedMicroBatch, device: str) -> dict:
         return mb.to_device(device)
     padding = None
     if mb.num_padding:  # padding tokens (per document and trailing) must not be routed nor counted in the aux loss
-        padding = mb.padding_mask[None].to(device)
-    return dict(tokens=mb.tokens[None].to(device), labels=mb.labels[None].to(device),
-                loss_mask=mb.loss_mask[None].to(device), position_ids=mb.position_ids[None].to(device),
-                params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen), padding=padding)
+        padding = host_to_device(mb.padding_mask[None], device)
+    return dict(tokens=host_to_device(mb.tokens[None], device), labels=host_to_device(mb.labels[None], device),
+                loss_mask=host_to_device(mb.loss_mask[None], device),
+                position_ids=host_to_device(mb.position_ids[None], device),
+                params=packed_seq_params(host_to_device(mb.cu_seqlens, device), mb.max_seqlen), padding=padding)
 
 
 def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -131,16 +131,20 @@ def test_unpermute_reuses_the_slots_permute_computed(monkeypatch):
     assert torch.equal(cached, fresh)
 
 
-def _moe_layer_output_and_grads(dispatcher: str, num_tokens: int):
+def _moe_layers(dispatcher: str, layers: int = 1):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from moe_sft.models import qwen3_moe
     from tests.cpu.test_plan import build_rank
 
     torch.manual_seed(0)
-    model = build_rank(qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(num_hidden_layers=1), 0, 1,
+    model = build_rank(qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(num_hidden_layers=layers), 0, 1,
                        dispatcher=dispatcher)[0]
-    moe = next(m for m in model.modules() if isinstance(m, MoELayer))
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def _moe_layer_output_and_grads(dispatcher: str, num_tokens: int, moe=None):
+    moe = moe or _moe_layers(dispatcher)[0]
     g = torch.Generator().manual_seed(5)
     x = torch.randn(num_tokens, 1, moe.config.hidden_size, generator=g).to(torch.bfloat16).requires_grad_(True)
     out, _ = moe(x)
@@ -169,3 +173,18 @@ def test_alltoall_dispatcher_at_ep1_skips_the_host_copy_and_matches_allgather():
     torch.testing.assert_close(x_grad, ref_x_grad, rtol=0, atol=0)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_deeper_model_built_later_trains_with_megatron_s_aux_loss_tracker():
+    """megatron's aux-loss tracker is process-global and sized by the first model that logs; the
+    builder resets it, else layer 2 of a later, deeper model indexes past its end."""
+    from moe_sft.runtime import device as rdevice
+    from tests.cpu.test_plan import _reset_world
+
+    rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    try:
+        for layers in (1, 2):
+            for moe in _moe_layers("allgather", layers):
+                _moe_layer_output_and_grads("allgather", 9, moe)
+    finally:
+        _reset_world()

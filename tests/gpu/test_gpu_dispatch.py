@@ -83,4 +83,4 @@ def test_host_sync_census_names_the_line_that_waited():
         x.sum().item()  # the one sync
 
     sites = host_sync_sites(step, "cuda")
-    assert list(sites.values()) == [1] and next(iter(sites)).startswith("gpu/test_gpu_dispatch.py:"), sites
+    assert list(sites.values()) == [1] and next(iter(sites)).startswith("tests/gpu/test_gpu_dispatch.py:"), sites
