@@ -97,16 +97,25 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
     return config_class(**kwargs)
 
 
+def _reset_megatron_moe_globals() -> None:
+    """megatron keeps MoE state per process, not per model; a second model built in the same
+    process (tests, tools) inherited the first one's:
+    - the aux-loss logging tracker sizes its per-layer tensor by the first model that logs, so a
+      deeper model indexed past its end in its first training step (IndexError);
+    - the aux-loss gradient scale is created as a 0-d tensor by a backward outside the pipeline
+      schedule, and the schedule's later `set_loss_scale` copies a [1] tensor into it (RuntimeError).
+    """
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions,
                        vocab_size: Optional[int] = None) -> list[SFTGPTModel]:
     """The GPTModel chunks this rank holds (one per virtual pipeline stage), on opts.device."""
     rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]  # MLA: its own rope inside
     vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
     vpp = opts.virtual_pipeline_model_parallel_size or 1
-    # megatron's aux-loss logging tracker is process-global and sizes its per-layer tensor by the
-    # first model that logs: a deeper model built later in the same process (tests, tools) then
-    # indexes past its end in the first training step.
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    _reset_megatron_moe_globals()
     chunks = []
     for vp_stage in range(vpp):
         vp = vp_stage if opts.virtual_pipeline_model_parallel_size else None

@@ -188,3 +188,21 @@ def test_a_deeper_model_built_later_trains_with_megatron_s_aux_loss_tracker():
                 _moe_layer_output_and_grads("allgather", 9, moe)
     finally:
         _reset_world()
+
+
+def test_the_pipeline_schedule_trains_after_a_backward_outside_it():
+    """A MoE backward outside megatron's schedule leaves a 0-d aux-loss scale behind; a model built
+    afterwards must still train through the schedule (the builder resets it)."""
+    from moe_sft.models import qwen3_moe
+    from moe_sft.runtime import device as rdevice
+    from tests.cpu.test_plan import _reset_world, build_rank
+    from tests.train_steps import adam_steps, random_batches
+
+    rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    try:
+        _moe_layer_output_and_grads("allgather", 9)
+        model = build_rank(qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(vocab_size=300), 0, 1)[0]
+        losses, _ = adam_steps(model, random_batches(300, (24, 31)), 300, "cpu", steps=2, lr=1e-3)
+    finally:
+        _reset_world()
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
