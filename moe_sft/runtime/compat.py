@@ -73,6 +73,10 @@ def apply_megatron_fixes() -> list[str]:
 
         use_sync_free_rope()
         applied.append("packed-sequence RoPE: positions gathered on the device (no host syncs; CP 1)")
+        from moe_sft.models.mtp import use_sync_free_roll
+
+        use_sync_free_roll()
+        applied.append("MTP packed-sequence roll: one gather (no host syncs; CP 1)")
         from moe_sft.trainer.optimizer_kernels import use_foreach_grad_norm
 
         if use_foreach_grad_norm():

@@ -151,3 +151,21 @@ def test_full_recompute_with_mtp_and_packed_documents_gives_the_same_gradients(m
     assert any(n.startswith("mtp.") for n in plain)
     for name in plain:
         torch.testing.assert_close(recomputed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("lengths", [(5, 11, 3, 1), (20,), (4, 0, 9, 0, 7)])
+@pytest.mark.parametrize("shape", ["[b, t]", "[t]", "[b, t] float"])
+def test_sync_free_packed_roll_equals_megatron(lengths, shape):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from moe_sft.models import mtp
+
+    cu = torch.tensor((0, *torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    tokens = int(cu[-1]) + 3  # three positions past the last document
+    g = torch.Generator().manual_seed(len(lengths))
+    t = torch.randint(1, 100, (tokens,), generator=g)
+    t = {"[b, t]": t[None], "[t]": t, "[b, t] float": t[None].float().requires_grad_(True)}[shape]
+    ours, ours_sum = mtp.roll_packed_left(t, -1, -1, params)
+    ref, ref_sum = mtp._megatron_roll_packed(t, -1, -1, params)
+    assert torch.equal(ours, ref) and torch.equal(ours_sum, ref_sum)
