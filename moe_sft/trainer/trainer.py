@@ -88,6 +88,9 @@ class Trainer:
         if os.environ.get("RANK", "0") == "0":
             print(f"[moe-sft] {self.rt.describe()}", flush=True)
             print(f"[moe-sft] attention kernel: {attention_kernel_name(self.rt.device)}", flush=True)
+            if self.rt.device == "cuda":
+                alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "default"
+                print(f"[moe-sft] CUDA caching allocator: {alloc}", flush=True)
             for patch in applied:
                 print(f"[moe-sft] compat: {patch}", flush=True)
 

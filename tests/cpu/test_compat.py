@@ -135,3 +135,19 @@ def test_hybrid_optimizer_main_params_and_cpu_copies_follow_loaded_weights():
     main.copy_(torch.tensor([7.0, 8.0, 9.0, 10.0]))
     hdo._update_fp32_params_by_new_state()
     assert cpu_copy.tolist() == [7.0, 8.0, 9.0, 10.0]
+
+
+def test_train_entry_point_defaults_to_expandable_segments_unless_set(monkeypatch):
+    from moe_sft import train
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    train.default_allocator_config()
+    assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    train.default_allocator_config()
+    assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    train.default_allocator_config()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in train.os.environ

@@ -321,8 +321,12 @@ def run_layout(name: str, work: Path, out: Path, steps: int, timeout: int, gpu_k
                 status = "ok"  # measured: the final checkpoint save that follows is not needed
                 break
             time.sleep(2)
+        if status == "timeout" and parse_peaks(log_path.read_text(errors="replace")):
+            status = "ok"  # the peak line came in the last poll interval
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            # SIGTERM is the trainer's pre-emption signal: it would save a checkpoint first, which
+            # a calibration run does not need, and hold the GPUs meanwhile.
+            os.killpg(proc.pid, signal.SIGKILL if status == "ok" else signal.SIGTERM)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
