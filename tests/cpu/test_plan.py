@@ -510,7 +510,37 @@ def test_calibration_script_parses_logs_and_plans_its_layouts(tmp_path, capsys, 
     assert "Stages within 10%: 1/1" in table
     assert cal.main(["--dry-run", "--work", str(tmp_path), "--out", str(tmp_path),
                      "--only", "qwen_pp2,mixtral_tp2_ep2,dsv3_pp2_ep2,recipe_qwen3_235b,recipe_mixtral_8x22b,"
-                     "recipe_deepseek_v3"]) == 0
+                     "recipe_deepseek_v3,recipe_qwen3_30b,recipe_mixtral_8x7b"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[calibration]")]
-    assert len(lines) == 6 and not any("ERRORS" in line for line in lines), lines
+    assert len(lines) == 8 and not any("ERRORS" in line for line in lines), lines
     assert "predicted GiB per stage 0:" in lines[0] and " 1:" in lines[0]  # two pipeline stages
+
+
+def test_recipe_shard_layouts_give_each_gpu_the_recipe_s_local_experts_and_shapes():
+    """The recipe_* calibration layouts stand in for the recipes on 2 GPUs: same local experts per
+    GPU, same hidden / expert shapes and pack length, full recompute like the recipe."""
+    from types import SimpleNamespace
+
+    from moe_sft.models.hf_config import num_experts
+
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    try:
+        import plan_calibration as cal
+    finally:
+        sys.path.pop(0)
+    assert sorted(cal.RECIPE_OF_LAYOUT.values()) == sorted(PRODUCTION)
+    for layout, recipe_name in cal.RECIPE_OF_LAYOUT.items():
+        model, gpus, overrides = cal.LAYOUTS[layout]
+        shard = cal.MODELS[model][1]
+        recipe = _recipe(recipe_name)
+        full = json.loads((REPO / "recipes/models" / recipe_name / "config.json").read_text())
+        opts = dict(o.split("=", 1) for o in overrides)
+        ep = int(opts["parallel.expert_model_parallel_size"])
+        assert num_experts(SimpleNamespace(**shard)) // ep == (
+            num_experts(SimpleNamespace(**full)) // recipe.parallel.expert_model_parallel_size), layout
+        assert int(opts["data.pack_length"]) == recipe.data.pack_length, layout
+        assert opts["model.recompute_granularity"] == recipe.model.recompute_granularity == "full", layout
+        for key in ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "kv_lora_rank", "q_lora_rank"):
+            assert shard.get(key) == full.get(key), (layout, key)
+        assert gpus == ep

@@ -12,10 +12,11 @@ of predicted vs measured per stage to DIR/calibration.md (DIR: --out, else $OUT,
   mixtral_2l   Mixtral-8x7B shapes (hidden 4096, 8 experts top-2 x 14336, vocab 32000), 2 layers
   dsv3_mini    DeepSeek-V3 MLA (q_lora 1536, kv_lora 512, 128+64 / 128 head dims), 32 experts top-8,
                1 dense + 3 MoE layers + 1 MTP layer, vocab 129280, hidden 2048
-  qwen235b_shard, mixtral8x22b_shard, dsv3_shard
-               the Qwen3-235B-A22B / Mixtral-8x22B / DeepSeek-V3 recipes' per-GPU shard shapes: the
-               recipe's config.json with 2 layers and experts cut so that EP2 leaves each GPU the
-               recipe's local experts and routed rows per token (layouts recipe_*, 2 GPUs)
+  qwen30b_shard, mixtral8x7b_shard, qwen235b_shard, mixtral8x22b_shard, dsv3_shard
+               the five recipes' per-GPU shard shapes (Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B,
+               Mixtral-8x22B, DeepSeek-V3): the recipe's config.json with 2 layers and experts cut
+               so that EP2 leaves each GPU the recipe's local experts and routed rows per token
+               (layouts recipe_*, 2 GPUs)
 Each layout runs in its own process group with a timeout; results are kept per layout (JSON), so
 several invocations (--only ...) fill one table. Nothing is measured on CPU: --dry-run lists the
 layouts, the commands and the planner's prediction only.
@@ -74,6 +75,10 @@ MODELS = {
     "qwen235b_shard": ("qwen3_moe", recipe_shard("qwen3_235b_a22b", num_hidden_layers=2, num_experts=8)),
     # Mixtral-8x22B, recipe EP8: 8 experts = 1 local expert.
     "mixtral8x22b_shard": ("mixtral", recipe_shard("mixtral_8x22b", num_hidden_layers=2, num_local_experts=2)),
+    # Qwen3-30B-A3B, recipe EP8: 128 experts = 16 local experts.
+    "qwen30b_shard": ("qwen3_moe", recipe_shard("qwen3_30b_a3b", num_hidden_layers=2, num_experts=32)),
+    # Mixtral-8x7B, recipe EP8: 8 experts = 1 local expert.
+    "mixtral8x7b_shard": ("mixtral", recipe_shard("mixtral_8x7b", num_hidden_layers=2, num_local_experts=2)),
     # DeepSeek-V3, recipe EP32: 256 experts = 8 local experts (8 groups of 2, top-4 groups); 1 dense +
     # 1 MoE layer + MTP.
     "dsv3_shard": ("deepseek_v3", recipe_shard("deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1,
@@ -114,9 +119,17 @@ LAYOUTS = {
                           + FULL),
     "recipe_mixtral_8x22b": ("mixtral8x22b_shard", 2, ["data.pack_length=8192",
                                                        "parallel.expert_model_parallel_size=2"] + FULL),
+    "recipe_qwen3_30b": ("qwen30b_shard", 2, ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"]
+                         + FULL),
+    "recipe_mixtral_8x7b": ("mixtral8x7b_shard", 2, ["data.pack_length=8192",
+                                                     "parallel.expert_model_parallel_size=2"] + FULL),
     "recipe_deepseek_v3": ("dsv3_shard", 2, ["data.pack_length=4096", "parallel.expert_model_parallel_size=2"]
                            + FULL),
 }
+# the recipe (recipes/<name>.yaml) whose per-GPU shard each recipe_* layout reproduces
+RECIPE_OF_LAYOUT = {"recipe_qwen3_30b": "qwen3_30b_a3b", "recipe_mixtral_8x7b": "mixtral_8x7b",
+                    "recipe_qwen3_235b": "qwen3_235b_a22b", "recipe_mixtral_8x22b": "mixtral_8x22b",
+                    "recipe_deepseek_v3": "deepseek_v3"}
 
 
 # ----------------------------------------------------------------------------- pure helpers (CPU-tested)
