@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from moe_sft.data.packing import PackedMicroBatch, document_spans
-from moe_sft.runtime.device import host_to_device
 from moe_sft.layers.context_parallel import (
     CPAttentionPlan, CPPackedSeqParams, local_token_index, plan_cp_attention)
+from moe_sft.runtime.device import host_to_device
 
 
 @dataclass
@@ -52,7 +52,7 @@ class CPShard:
         params = CPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                    cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                    max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
-                                   cp_plan=self.plan.to(device))  # a plan object, not a tensor
+                                   cp_plan=self.plan.to(device))
         # The padding mask is passed even when this rank has no pads: megatron's router counts
         # tokens differently with and without it, and all CP/TP ranks must agree.
         return dict(tokens=host_to_device(self.tokens[None], device),
