@@ -30,18 +30,25 @@ def _round_trip(permute, unpermute, x, routing_map, probs, weight_rows, with_pro
     return rows, permuted_probs, sorted_indices, out, x.grad, (p.grad if with_probs else None)
 
 
-def test_permute_and_unpermute_equal_megatron_values_and_gradients():
-    routing_map, probs = _routing()
+def _matches_megatron(permute, routing_map, probs):
+    """Round trips through `permute` + our unpermute and through megatron's, with and without
+    probs: every output and gradient equal in fp64. Returns ours (with probs)."""
     x = torch.randn(routing_map.shape[0], 16, dtype=torch.float64)
     weight_rows = torch.randn(int(routing_map.sum()), 1, dtype=torch.float64)
     for with_probs in (False, True):
-        mine = _round_trip(ours.permute, ours.unpermute, x, routing_map, probs, weight_rows, with_probs)
+        mine = _round_trip(permute, ours.unpermute, x, routing_map, probs, weight_rows, with_probs)
         ref = _round_trip(moe_utils.permute, moe_utils.unpermute, x, routing_map, probs, weight_rows, with_probs)
         for a, b in zip(mine, ref):
             if b is None:
                 assert a is None
             else:
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    return mine
+
+
+def test_permute_and_unpermute_equal_megatron_values_and_gradients():
+    routing_map, probs = _routing()
+    mine = _matches_megatron(ours.permute, routing_map, probs)
     # padding tokens get nothing back and no gradient
     assert torch.count_nonzero(mine[3][::5]) == 0 and torch.count_nonzero(mine[4][::5]) == 0
 
@@ -59,20 +66,11 @@ def test_exact_topk_path_without_host_syncs_equals_megatron():
     order, probs and gradients as megatron's permute/unpermute."""
     routing_map, probs = _topk_routing()
     count = ours.TopKRows(int(routing_map.sum()))
-    x = torch.randn(routing_map.shape[0], 16, dtype=torch.float64)
-    weight_rows = torch.randn(int(count), 1, dtype=torch.float64)
 
     def tagged(tokens, rmap, probs=None, num_out_tokens=None):
         return ours.permute(tokens, rmap, probs=probs, num_out_tokens=count)
 
-    for with_probs in (False, True):
-        mine = _round_trip(tagged, ours.unpermute, x, routing_map, probs, weight_rows, with_probs)
-        ref = _round_trip(moe_utils.permute, moe_utils.unpermute, x, routing_map, probs, weight_rows, with_probs)
-        for a, b in zip(mine, ref):
-            if b is None:
-                assert a is None
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    mine = _matches_megatron(tagged, routing_map, probs)
     assert mine[2]._moe_sft_slots[1] == 3  # slot width is top-k, not read back from the device
 
 
