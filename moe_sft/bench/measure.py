@@ -19,7 +19,7 @@ import statistics
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -62,15 +62,16 @@ def phase_flops(shape: flops.ModelShape, seqlens) -> dict[str, float]:
             "attention_core": 3.0 * attn_layers * flops.attention_pair_flops(shape) * flops.attention_pairs(seqlens)}
 
 
-def host_sync_sites(run: Callable[[], None], device: str) -> dict[str, int]:
-    """Where one call of `run` makes the host wait for the GPU, as {"file:line": count}.
+def host_sync_sites(run: Callable[[], None], device: str) -> Optional[dict[str, int]]:
+    """Where one call of `run` makes the host wait for the GPU, as {"file:line": count} (None
+    without CUDA: nothing to wait for, and `run` is not called).
 
     torch.cuda.set_sync_debug_mode("warn") warns at every synchronising call (`.item()`,
     `nonzero`/`masked_select`, device-to-host or pageable host-to-device copies, stream syncs), and
     the warning carries the Python line that made the call. Each such wait lets the GPU run dry
     until the host has queued the next kernels: the gap between the phase sum and the step time."""
     if device != "cuda":
-        return {}
+        return None
     sites: collections.Counter = collections.Counter()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
