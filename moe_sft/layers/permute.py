@@ -18,7 +18,8 @@ No host syncs on the dropless path. The alltoall dispatcher knows that every tok
 top-k rows (`num_out_tokens = tokens x k`); it tags that count (`TopKRows`), and permute then
 orders the rows with a stable sort of static size instead of `masked_select`, whose output size
 the host must wait for (three waits per MoE layer; with the packed rope's, moe_sft/layers/rope.py,
-they left the H200 idle ~170 ms of a 1.04 s step: docs/benchmarks.md). With
+and the batch copies' they left the H200 idle ~200 ms of a 1.04 s step; without any, 0.87 s:
+docs/benchmarks.md). With
 EP x TP = 1 nothing needs the per-expert counts on the host either (torch's grouped_mm takes
 device offsets), so the dispatcher's device-to-host copy and its wait are dropped too. With EP > 1
 the all-to-all split sizes still need the host, once per layer.
