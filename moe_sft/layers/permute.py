@@ -14,15 +14,16 @@ reduction over k values instead of k rounded atomic adds).
 With EP x TP = 1 the alltoall dispatcher's `sort_chunks_by_idxs` reorders the chunks by the
 identity permutation: it copies every row into the same place forward and backward. It is skipped.
 
-No host syncs on the dropless path. The alltoall dispatcher knows that every token has exactly
-top-k rows (`num_out_tokens = tokens x k`); it tags that count (`TopKRows`), and permute then
-orders the rows with a stable sort of static size instead of `masked_select`, whose output size
-the host must wait for (three waits per MoE layer; with the packed rope's, moe_sft/layers/rope.py,
-and the batch copies' they left the H200 idle ~200 ms of a 1.04 s step; without any, 0.87 s:
-docs/benchmarks.md). With
-EP x TP = 1 nothing needs the per-expert counts on the host either (torch's grouped_mm takes
-device offsets), so the dispatcher's device-to-host copy and its wait are dropped too. With EP > 1
-the all-to-all split sizes still need the host, once per layer.
+No host syncs on the dropless path with EP x TP = 1. The alltoall dispatcher knows that every
+token has exactly top-k rows (`num_out_tokens = tokens x k`); it tags that count (`TopKRows`),
+and permute then orders the rows with a stable sort of static size instead of `masked_select`,
+whose output size the host must wait for (three waits per MoE layer; with the packed rope's,
+moe_sft/layers/rope.py, and the batch copies' they left the H200 idle ~200 ms of a 1.04 s step;
+without any, 0.87 s: docs/benchmarks.md). Nothing needs the per-expert counts on the host
+either (torch's grouped_mm takes device offsets), so the dispatcher's device-to-host copy and its
+wait are dropped too. With EP x TP > 1 the all-to-all split sizes need the host once per layer
+anyway; there the permutation keeps its synchronised form until the static one is measured on
+several GPUs.
 
 A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
 """
@@ -166,10 +167,11 @@ def _alltoall_preprocess(self, routing_map):
     tokens_per_expert = _megatron_alltoall_preprocess(self, routing_map)
     dropless = (not self.drop_and_pad and self.config.moe_expert_capacity_factor is None
                 and not self.config.moe_router_padding_for_quantization)
-    if dropless and not self.config.moe_permute_fusion:
+    # EP x TP > 1 keeps megatron's synchronised path (measured on 4 GPUs): the all-to-all needs its
+    # split sizes on the host anyway, and the static path has only run on one GPU so far.
+    if dropless and not self.config.moe_permute_fusion and self.ep_size == 1 and self.tp_size == 1:
         self.num_out_tokens = TopKRows(self.num_out_tokens)
-        if self.ep_size == 1 and self.tp_size == 1:
-            self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # a point never reached
+        self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # a point never reached
     return tokens_per_expert
 
 
