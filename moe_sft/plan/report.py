@@ -86,7 +86,7 @@ def _memory_table(plan) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"memory per GPU in {unit} by pipeline stage (activ = saved activations x in-flight micro-batches; "
              "work = backward working set; +overhead = allocated x "
-             f"{1 + memory.FRAGMENTATION:.2f} + {memory.RUNTIME_OVERHEAD_GIB} GiB CUDA context/NCCL; * = largest):"]
+             f"{1 + plan.largest.fragmentation:.2f} + {memory.RUNTIME_OVERHEAD_GIB} GiB CUDA context/NCCL; * = largest):"]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return lines
 

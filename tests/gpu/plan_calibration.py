@@ -167,7 +167,7 @@ def stage_peaks(peaks: list[tuple[float, float]], stage_of_rank: list[int]) -> d
 
 def markdown(results: list[dict], gpu_name: str) -> str:
     head = ("| layout | GPUs | stage | predicted allocated GiB | measured max allocated GiB | error | "
-            "measured reserved GiB | predicted reserved GiB (x1.10) | prediction: weights / grads / optim / "
+            "measured reserved GiB | predicted reserved GiB (x fragmentation) | prediction: weights / grads / optim / "
             "activ / work / logits | tokens/s (median, steps >= 2) |")
     rows = [f"Planner calibration on {gpu_name} (bf16, torch-native spec; `python tests/gpu/plan_calibration.py`).",
             "Error = predicted / measured - 1 on torch.cuda.max_memory_allocated (target: within 10%).", "",
@@ -184,7 +184,7 @@ def markdown(results: list[dict], gpu_name: str) -> str:
                                ("weights", "grads", "optimizer", "activations", "working", "logits"))
             rows.append(f"| {res['name']} | {res['gpus']} | {st['stage']} | {st['predicted_gib']:.2f} | "
                         f"{st['measured_gib']:.2f} | {err:+.1%} | {st['reserved_gib']:.2f} | "
-                        f"{st['predicted_gib'] * 1.10:.2f} | {parts} | {res.get('tokens_per_s', 0):,.0f} |")
+                        f"{st['predicted_gib'] * (1 + st.get('fragmentation', 0.10)):.2f} | {parts} | {res.get('tokens_per_s', 0):,.0f} |")
     if errors:
         rows += ["", f"Stages within 10%: {sum(e <= 0.10 for e in errors)}/{len(errors)}; "
                      f"max |error| {max(errors):.1%}; median {statistics.median(errors):.1%}."]
@@ -210,7 +210,7 @@ def train_argv(name: str, work: Path, steps: int) -> list[str]:
             f"data.tokenizer_path={REPO / 'recipes/demo/tokenizer'}",
             f"data.train_files=[{REPO / 'recipes/demo/data/train.jsonl'}]", "data.max_seq_len=256",
             f"trainer.output_dir={work / 'runs' / name}", f"trainer.max_steps={steps}", "trainer.log_interval=1",
-            "trainer.global_batch_size=8", "trainer.export_hf_at_end=false",  # a layout may override it "checkpoint.save_interval=0",
+            "trainer.global_batch_size=8", "trainer.export_hf_at_end=false",
             "checkpoint.resume=never", "trainer.precision=bf16", *overrides]
 
 
@@ -226,7 +226,7 @@ def predict(name: str, work: Path, steps: int, gpu_kind: str) -> dict:
     plan = make_plan(cfg, gpus=gpus)
     env_checks = ("[data_files]", "[model_paths]", "[checkpoint]")
     errors = [e for e in plan.errors if not e.startswith(env_checks)]
-    stages = {st.pp_rank: dict(predicted_gib=st.allocated / GIB, breakdown=dict(
+    stages = {st.pp_rank: dict(predicted_gib=st.allocated / GIB, fragmentation=st.fragmentation, breakdown=dict(
         weights=st.weights / GIB, grads=st.grads / GIB, optimizer=st.optimizer / GIB,
         activations=st.activations / GIB, working=st.working / GIB, logits=st.logits / GIB))
         for st in plan.stages}
