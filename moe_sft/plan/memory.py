@@ -36,7 +36,7 @@ FRAGMENTATION = 0.10
 # measured 1.12 with expandable segments (1.19 default), more than FRAGMENTATION covers.
 FRAGMENTATION_OFFLOAD = 0.15
 RUNTIME_OVERHEAD_GIB = 1.5  # CUDA context (~0.5-0.7 GiB) + NCCL communicator buffers, outside torch
-LOGITS_BYTES = 6            # per token x padded vocab / TP on the last stage: see logits_bytes()
+LOGITS_BYTES = 4            # per token x padded vocab / TP on the last stage: see logits_bytes()
 
 
 @dataclass
@@ -126,14 +126,12 @@ def mtp_activation(s: ModelShape, lay: Layout, t: int, imbalance: float = 1.0) -
 def logits_bytes(s: ModelShape, lay: Layout, t: int, depths: int = 0) -> int:
     """Logits + vocab-parallel cross entropy of one micro-batch, main head plus `depths` MTP heads.
 
-    Peak during the loss: the bf16 logits (2 bytes) and the fp32 copy that the cross entropy turns
-    into its saved softmax (4), LOGITS_BYTES x t x vocab / TP; in backward the fp32 gradient (in
-    place of the softmax) and its bf16 cast, as much. (The [b, s] → [s, b] transpose is free at
-    b = 1.) A padded vocabulary adds the bf16 copy whose padded columns are set to -inf (2).
-    Calibrated on an H200: 8 bytes over-predicted every layout by 2 x t x vocab (docs/planner.md).
+    The fused cross entropy (moe_sft/layers/cross_entropy.py) keeps the bf16 logits (2 bytes) for
+    its backward and writes their bf16 gradient (2): LOGITS_BYTES x t x vocab / TP at the peak, in
+    backward; padded vocab columns cost nothing extra. (megatron's unfused one took 6, plus 2 for a
+    padded vocabulary, calibrated on an H200: docs/planner.md.)
     """
-    per_value = LOGITS_BYTES + (2 if s.padded_vocab != s.vocab else 0)
-    return per_value * t * (s.padded_vocab // lay.tp) * (1 + depths)
+    return LOGITS_BYTES * t * (s.padded_vocab // lay.tp) * (1 + depths)
 
 
 def in_flight(lay: Layout, pp_rank: int, micro_batches: int) -> float:
