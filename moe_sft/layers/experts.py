@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe import experts as mcore_experts
 
+from moe_sft.layers import wgrad
+
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -34,10 +36,16 @@ def _aligned_for_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all((d * x.element_size()) % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
 
 
-def grouped_matmul(x: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert: torch.Tensor):
-    """Rows of `x` grouped by expert (counts in tokens_per_expert) times w_EKN[expert]."""
+def grouped_matmul(x: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   weight: torch.nn.Parameter | None = None):
+    """Rows of `x` grouped by expert (counts in tokens_per_expert) times w_EKN[expert].
+
+    `weight`: the parameter w_EKN views; under megatron's DDP on CUDA its gradient then goes
+    straight into its fp32 main grad (moe_sft/layers/wgrad.py)."""
     if _HAS_GROUPED_MM and _aligned_for_grouped_mm(x, w_EKN):
         offs = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)
+        if weight is not None and wgrad.fuses(x, weight):
+            return wgrad.GroupedMatmulIntoMainGrad.apply(x, weight, offs, tuple(w_EKN.shape))
         return F.grouped_mm(x, w_EKN, offs=offs)
     chunks = torch.split(x, tokens_per_expert.tolist())
     return torch.cat([c @ w_EKN[e] for e, c in enumerate(chunks)])
@@ -58,6 +66,6 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
         if x.numel() == 0:
             # Keep every expert weight in the autograd graph so gradients (zeros) exist.
             return x @ w1.sum(0)[:, : w2.shape[1]] @ w2.sum(0), None
-        h = grouped_matmul(x, w1, tokens_per_expert)
+        h = grouped_matmul(x, w1, tokens_per_expert, self.weight1)
         h = self.activation_func(h) * permuted_probs.unsqueeze(-1).to(h.dtype)
-        return grouped_matmul(h.to(x.dtype), w2, tokens_per_expert), None
+        return grouped_matmul(h.to(x.dtype), w2, tokens_per_expert, self.weight2), None

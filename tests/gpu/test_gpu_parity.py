@@ -88,3 +88,41 @@ def test_bf16_training_steps_lower_the_loss(converted):
     _write_report()
     print("GPU_TRAIN", family.name, losses[0], losses[-1])
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch):
+    """Under megatron's DDP the routed experts' weight gradients are added into the fp32 main grad
+    by moe_sft/layers/wgrad.py; DDP's hook must then skip its own add. Two micro-batches, with and
+    without the fused path: the same main grads (the fused one skips the bf16 rounding of each
+    micro-batch's gradient)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from moe_sft.layers import wgrad
+    from moe_sft.trainer.step import run_forward_backward
+    from tests.train_steps import random_batches
+
+    family, tmp = converted
+    model = _our_bf16_model(tmp / "mcore").train()
+    ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    batches = random_batches(VOCAB, (200, 311, 90), micro_batches=2, prompt=8)
+    tokens = sum(int(b.loss_mask.sum()) for b in batches)
+    used = []
+    fused_apply = wgrad.GroupedMatmulIntoMainGrad.apply
+    monkeypatch.setattr(wgrad.GroupedMatmulIntoMainGrad, "apply", lambda *a: used.append(1) or fused_apply(*a))
+
+    def main_grads():
+        ddp.zero_grad_buffer()
+        run_forward_backward([ddp], batches, tokens, "cuda", VOCAB, seq_length=0)
+        return {n: p.main_grad.clone() for n, p in ddp.module.named_parameters() if p.requires_grad}
+
+    fused = main_grads()
+    assert used, "the fused expert path did not run"
+    monkeypatch.setattr(wgrad, "fuses", lambda *a: False)
+    plain = main_grads()
+    experts = [n for n in fused if "experts.weight" in n and "shared" not in n]
+    assert experts
+    for name, grad in fused.items():
+        scale = plain[name].abs().max().item()
+        assert (grad - plain[name]).abs().max().item() <= 1e-2 * scale, name
+        assert name not in experts or scale > 0, name

@@ -1,0 +1,99 @@
+"""Expert weight gradients accumulated straight into megatron's fp32 `main_grad` (CUDA, Triton).
+
+Without Transformer Engine or apex, megatron-core cannot fuse gradient accumulation: every
+micro-batch writes a bf16 weight gradient, then DDP's hook adds it into the fp32 main grad (2 + 2
++ 4 + 4 bytes moved per parameter). The routed experts are 86% of the Qwen3-30B-A3B parameters
+and see only ~256 tokens each per 4096-token micro-batch, so that traffic, not their FLOPs, set the
+"grads" phase: 161 ms of an 868 ms step on an H200 (docs/benchmarks.md). Here one grouped kernel
+computes each expert's X_e^T · dY_e in fp32 registers and adds it into the main grad in its
+epilogue (4 + 4 bytes per parameter, nothing for an expert without tokens), the way megatron's
+`gradient_accumulation_fusion` does for dense layers with TE or apex: the weight's
+`grad_added_to_main_grad` tells DDP's hook to skip its add, and the gradient autograd sees is an
+unfilled placeholder, as in megatron's `LinearWithGradAccumulationAndAsyncCommunication`.
+
+Used only when the weight has a `main_grad` (wrapped in megatron's DDP), the tensors are on CUDA
+and Triton imports; elsewhere (CPU, tests without DDP) the experts keep `F.grouped_mm`'s autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
+    triton = None
+
+# Tile sizes: an output tile of 128 x 128 fp32 per program, the expert's rows in chunks of 64.
+BLOCK_K, BLOCK_N, BLOCK_M = 128, 128, 64
+
+
+def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient of x @ weight can go straight into weight.main_grad."""
+    return (triton is not None and x.is_cuda and torch.is_grad_enabled() and weight.requires_grad
+            and getattr(weight, "main_grad", None) is not None and x.dtype == weight.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _accumulate_kernel(x_ptr, dy_ptr, ends_ptr, out_ptr, K, N,
+                           stride_xm, stride_xk, stride_ym, stride_yn, stride_oe, stride_ok, stride_on,
+                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.program_id(2)
+        end = tl.load(ends_ptr + expert).to(tl.int64)
+        start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+        if end > start:  # an expert without rows adds nothing: its main grad is not touched
+            rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = tl.arange(0, BLOCK_M).to(tl.int64)
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            for first in range(start, end, BLOCK_M):
+                m = first + rows
+                in_rows = m < end
+                x_t = tl.load(x_ptr + m[None, :] * stride_xm + rk[:, None] * stride_xk,
+                              mask=in_rows[None, :] & (rk[:, None] < K), other=0.0)
+                dy = tl.load(dy_ptr + m[:, None] * stride_ym + rn[None, :] * stride_yn,
+                             mask=in_rows[:, None] & (rn[None, :] < N), other=0.0)
+                acc += tl.dot(x_t, dy)
+            out = out_ptr + expert.to(tl.int64) * stride_oe + rk[:, None] * stride_ok + rn[None, :] * stride_on
+            inside = (rk[:, None] < K) & (rn[None, :] < N)
+            total = tl.load(out, mask=inside, other=0.0).to(tl.float32) + acc
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def accumulate_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, out: torch.Tensor) -> None:
+    """out[e] += x[rows of e]^T @ dy[rows of e] for x [M, K], dy [M, N], out [E, K, N] (any float
+    dtype; fp32 accumulation), `ends` the int32 cumulative row counts per expert (grouped_mm's offs)."""
+    experts, k, n = out.shape
+    if x.shape[1] != k or dy.shape[1] != n or ends.numel() != experts or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"grouped wgrad shapes: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
+                         f"{ends.numel()} groups, out {tuple(out.shape)}")
+    grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N), experts)
+    _accumulate_kernel[grid](x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(),
+                             BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, num_warps=8, num_stages=3)
+
+
+class GroupedMatmulIntoMainGrad(torch.autograd.Function):
+    """x @ weight.view(shape)[expert of each row], with the weight gradient added into main_grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ends, shape):
+        ctx.save_for_backward(x, weight, ends)
+        ctx.shape = shape
+        return F.grouped_mm(x, weight.view(shape), offs=ends)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, ends = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = F.grouped_mm(dy, weight.view(ctx.shape).transpose(-2, -1), offs=ends)
+        accumulate_grouped_wgrad(x, dy, ends, weight.main_grad.view(ctx.shape))
+        weight.grad_added_to_main_grad = True
+        # DDP's hook must still fire for this weight (it marks the bucket ready); it sees
+        # grad_added_to_main_grad and drops this placeholder without reading it.
+        placeholder = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        return dx, placeholder, None, None
