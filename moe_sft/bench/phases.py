@@ -129,7 +129,10 @@ def attribute_events(events, device: bool) -> dict[str, float]:
     # GPU timeline as annotations spanning all their kernels, and kineto can attach them to the
     # CPU op like kernels: counted, they made the optimizer phase 2-15x the step. They carry the
     # CPU range's name (no kernel is named like a CPU op); not every torch flags them.
-    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    # Not inductor's: it wraps each launch of a compiled Triton kernel in a CPU range named after
+    # the kernel (triton_poi_/triton_red_/triton_per_...); those kernels are work, and the range
+    # ties them to their phase (the fused cross entropy's were missing from "loss").
+    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU and not e.name.startswith("triton_")}
     annotations = cpu_names | {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation}
     for e in sorted(events, key=lambda ev: (ev.time_range.start, -ev.time_range.end)):
         if e.device_type != DeviceType.CPU:

@@ -26,8 +26,9 @@ try:
 except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
     triton = None
 
-# Tile sizes: an output tile of 128 x 128 fp32 per program, the expert's rows in chunks of 64.
-BLOCK_K, BLOCK_N, BLOCK_M = 128, 128, 64
+# An output tile of BLOCK_K x BLOCK_N fp32 per program, the expert's rows in chunks of BLOCK_M
+# (tests/gpu/wgrad_sweep.py times the candidates on a GPU).
+TILES = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=3)
 
 
 def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -65,16 +66,17 @@ if triton is not None:
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def accumulate_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, out: torch.Tensor) -> None:
+def accumulate_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                             tiles: dict | None = None) -> None:
     """out[e] += x[rows of e]^T @ dy[rows of e] for x [M, K], dy [M, N], out [E, K, N] (any float
     dtype; fp32 accumulation), `ends` the int32 cumulative row counts per expert (grouped_mm's offs)."""
     experts, k, n = out.shape
     if x.shape[1] != k or dy.shape[1] != n or ends.numel() != experts or x.shape[0] != dy.shape[0]:
         raise ValueError(f"grouped wgrad shapes: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                          f"{ends.numel()} groups, out {tuple(out.shape)}")
-    grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N), experts)
-    _accumulate_kernel[grid](x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(),
-                             BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, num_warps=8, num_stages=3)
+    tiles = tiles or TILES
+    grid = (triton.cdiv(k, tiles["BLOCK_K"]), triton.cdiv(n, tiles["BLOCK_N"]), experts)
+    _accumulate_kernel[grid](x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(), **tiles)
 
 
 class GroupedMatmulIntoMainGrad(torch.autograd.Function):

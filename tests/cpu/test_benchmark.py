@@ -167,6 +167,18 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
     assert totals == {"optimizer": 40.0, "other": 10.0}
 
 
+def test_compiled_kernels_count_in_the_phase_that_launched_them():
+    """inductor wraps each Triton launch in a CPU range named like the kernel: that is not a GPU
+    copy of a CPU range, and its kernel belongs to the enclosing phase (first seen on an H200: the
+    compiled cross entropy's kernels were dropped and "loss" read 0.2 ms)."""
+    from moe_sft.bench.phases import SCOPE, attribute_events
+
+    scope = _event(1, SCOPE + "loss", 0, 100)
+    launch = _event(2, "triton_red_fused_amax_0", 1, 9, parent=scope, kernels=[("triton_red_fused_amax_0", 700.0)])
+    events = [scope, launch, _event(3, "triton_red_fused_amax_0", 10, 710, device=True)]
+    assert attribute_events(events, device=True) == {"loss": 700.0}
+
+
 def test_host_sync_lines_name_the_busiest_lines_per_arm():
     from moe_sft.bench.report import host_sync_lines
 
