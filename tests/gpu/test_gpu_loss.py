@@ -1,4 +1,4 @@
-"""On CUDA the cross entropy runs as compiled fused kernels on the bf16 logits: the same losses and
+"""On CUDA the cross entropy runs as two Triton passes over the bf16 logits: the same losses and
 bf16 gradients as cross entropy on their fp32 copy (what megatron's unfused version computes), at
 Qwen3's vocabulary and a padded one, at two packed lengths, and without the fp32 copy's memory."""
 
@@ -61,3 +61,17 @@ def test_fused_loss_keeps_no_fp32_copy_of_the_logits():
     # ours: the bf16 gradient (2 bytes per logit) plus per-token vectors; fp32 copy: 4 + 4 + 2
     assert ours < 2.2, ours
     assert unfused > ours + 4, (unfused, ours)
+
+
+def test_triton_row_statistics_equal_the_torch_ones_on_a_tensor_parallel_shard():
+    """What the TP combination is built on: a rank's (max, sum of exp, target logit) over its valid
+    columns, with targets held by other ranks (negative or past the shard) contributing 0."""
+    from moe_sft.layers import cross_entropy as ce
+
+    rows, width, valid = 1000, 76032, 75968  # the last TP rank of a padded 151,936 + 128 vocab
+    logits = (torch.randn(rows, width, device="cuda") * 3).bfloat16()
+    local_target = torch.randint(-width, width, (rows,), device="cuda")
+    ours = ce._local_stats_triton(logits, local_target, valid)
+    reference = ce._local_stats_torch(logits, local_target, valid)
+    for got, want in zip(ours, reference):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5)
