@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe import experts as mcore_experts
 
 from moe_sft.layers import wgrad
+from moe_sft.runtime.device import host_to_device
 
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -43,7 +44,9 @@ def grouped_matmul(x: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert: torc
     `weight`: the parameter w_EKN views; under megatron's DDP on CUDA its gradient then goes
     straight into its fp32 main grad (moe_sft/layers/wgrad.py)."""
     if _HAS_GROUPED_MM and _aligned_for_grouped_mm(x, w_EKN):
-        offs = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)
+        # The synchronised dispatch (EP x TP > 1) hands the counts over on the host: a pageable
+        # copy back would make the host wait for the GPU again (256 waits per step at EP2).
+        offs = torch.cumsum(host_to_device(tokens_per_expert, x.device), 0, dtype=torch.int32)
         if weight is not None and wgrad.fuses(x, weight):
             return wgrad.GroupedMatmulIntoMainGrad.apply(x, weight, offs, tuple(w_EKN.shape))
         return F.grouped_mm(x, w_EKN, offs=offs)
