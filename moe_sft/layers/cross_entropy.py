@@ -7,8 +7,8 @@ step on an H200 (4096-token micro-batches) and 4 bytes per logit of memory. On C
 Triton passes over the bf16 logits: one reads each row once for its online max, sum of
 exponentials and target logit; the backward reads it once more and writes the bf16 gradient. Both
 compute in fp32. Saved for backward: the logits (which the LM head's output keeps alive anyway) and
-one fp32 per token. (torch.compile of the same three passes took 49 ms per step; these take
-measured numbers in docs/benchmarks.md.) On CPU the same math runs as torch ops.
+one fp32 per token. On the same benchmark these take 8 ms per step (torch.compile of the same
+passes: 49 ms; docs/benchmarks.md). On CPU the same math runs as torch ops.
 
 Same math as megatron's: each TP rank's (max, sum of exp(x - max)) combined over the group, the
 target's logit summed over it; loss = log(sum) + max - target logit. Columns past the true
@@ -130,7 +130,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid <= 0:
             raise ValueError(f"tensor-parallel rank {rank} holds vocab columns {start}-{start + local_vocab - 1}, all "
                              f"past the vocabulary ({vocab_size}): pad the vocabulary less or use fewer TP ranks")
-        triton_path = _uses_triton(logits)
+        triton_path = _uses_triton(logits) and logits.shape[0] > 0  # no empty Triton grid
         if triton_path and logits.stride(-1) != 1:
             logits = logits.contiguous()
         local_target = (target - start).contiguous()
