@@ -5,7 +5,8 @@
 #                                                  # Qwen3-30B-A3B shape x 8 layers, 4096 and 8192 tokens;
 #                                                  # DeepSeek-V3 reduced stack (moe-sft)
 #   bash tests/gpu/bench_session.sh LOG_DIR ep4    # 4 GPUs: moe-sft EP4, Qwen3-30B-A3B shape x 24 layers
-# Environment: LAYERS (8), EP4_LAYERS (24), DSV3_LAYERS (5), STEPS (10), WARMUP (3); QWEN_MODEL
+#   bash tests/gpu/bench_session.sh LOG_DIR ep2    # 2 GPUs: moe-sft EP2, 16 layers (4096)
+# Environment: LAYERS (8), EP4_LAYERS (24), EP2_LAYERS (16), DSV3_LAYERS (5), STEPS (10), WARMUP (3); QWEN_MODEL
 #   (qwen3_30b), DSV3_MODEL (dsv3_reduced): tiny / tiny_dsv3 dry-run the script on CPU;
 #   TITAN=1 adds the experimental torchtitan arm (needs its wheels: docs/benchmarks.md#torchtitan);
 #   HF_FLEX=1 adds transformers with attn_implementation=flex_attention at 8192 (compiles: +1-2 min).
@@ -30,7 +31,10 @@ part() {  # name time-limit-seconds command...
 }
 
 common="--warmup $warmup --steps $steps --profile-steps 1 --out $out"
-if [ "$mode" = ep4 ]; then
+if [ "$mode" = ep2 ]; then  # 2 GPUs: twice the one-GPU stack, the same tokens per GPU
+  part ep2 300 torchrun --standalone --nproc_per_node=2 tools/benchmark.py train --arm moe-sft --model $qwen \
+    --layers "${EP2_LAYERS:-16}" --ep 2 --tokens-per-step 65536 --budgets 4096 $common
+elif [ "$mode" = ep4 ]; then
   part ep4 590 torchrun --standalone --nproc_per_node=4 tools/benchmark.py train --arm moe-sft --model $qwen \
     --layers "${EP4_LAYERS:-24}" --ep 4 --tokens-per-step 131072 --budgets 4096,8192 $common
 else
