@@ -11,19 +11,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from moe_sft.bench import ceilings  # noqa: E402
 from moe_sft.layers import wgrad  # noqa: E402
 
 
-def _time(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def _time(fn) -> float:
+    """Milliseconds per call (the ceilings' CUDA-event timer)."""
+    return ceilings._time(fn, "cuda", warmup=1, iters=20) * 1e3
 
 
 def main():
