@@ -108,7 +108,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         model_flops += flops.train_step_flops(shape, batch)
         tokens += real_tokens(batch)
     fed_tokens, fed_digest = arm.fed()
-    phases_ms, profiled_s, phase_error, profiled_lens = {}, None, None, []
+    phases_ms, phase_ops, idle, profiled_s, phase_error, profiled_lens = {}, {}, {}, None, None, []
     profiled = range(warmup + steps, warmup + steps + profile_steps)
     if profile_steps:
         scopes = arm.install_scopes()
@@ -116,7 +116,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
             def run(step):
                 arm.prepare(step)  # one cached batch: built before the step's ops are profiled
                 arm.step(step)
-            phases_ms, profiled_s = phase_mod.profile_steps(run, profiled, arm.device)
+            phases_ms, profiled_s, phase_ops, idle = phase_mod.profile_steps(run, profiled, arm.device)
             profiled_lens = [n for s in profiled for mb in workload.global_batch(s) for n in flops.document_lengths(mb)]
         except Exception as err:  # keep the timed steps' results; say why the phases are missing
             phase_error = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
@@ -141,7 +141,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         tokens_per_s_per_gpu=tokens / max(total_s, 1e-12) / arm.world, tflops_per_gpu=tflops,
         peak_tflops=peak_tflops, mfu_pct=100.0 * tflops / peak_tflops,
         peak_allocated_gib=alloc, peak_reserved_gib=reserved, losses=losses,
-        phases_ms=phases_ms, profiled_step_seconds=profiled_s,
+        phases_ms=phases_ms, phase_ops=phase_ops, gpu_idle=idle, profiled_step_seconds=profiled_s,
         phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time", phase_error=phase_error,
         host_syncs=host_syncs,
         phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items()

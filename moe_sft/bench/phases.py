@@ -25,6 +25,9 @@ from torch.autograd.profiler import record_function
 
 SCOPE = "phase::"
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
+# The profiler's own bookkeeping, which kineto can list among an op's kernels (seen on an H200:
+# 52 ms each under the optimizer's step, doubling that phase).
+PROFILER_OVERHEAD = {"Buffer Flush", "Activity Buffer Request"}
 PHASES = ("embedding", "attention", "attention_core", "norms", "router", "dispatch", "experts",
           "shared_experts", "dense_mlp", "moe_other", "lm_head", "loss", "grads", "optimizer", "other")
 
@@ -116,8 +119,10 @@ class Scopes:
             self._undo.pop()()
 
 
-def attribute_events(events, device: bool) -> dict[str, float]:
-    """Microseconds per phase over profiler `events` (torch.autograd.profiler_util.EventList)."""
+def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str, float]:
+    """Microseconds per phase over profiler `events` (torch.autograd.profiler_util.EventList).
+
+    With `ops` (a dict), also adds each op's time under (phase, op name): where a phase's time goes."""
     from torch.autograd import DeviceType
 
     fwd_phase: dict[tuple[int, int], str] = {}   # (thread, sequence number) -> forward op's phase
@@ -133,7 +138,8 @@ def attribute_events(events, device: bool) -> dict[str, float]:
     # the kernel (triton_poi_/triton_red_/triton_per_...); those kernels are work, and the range
     # ties them to their phase (the fused cross entropy's were missing from "loss").
     cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU and not e.name.startswith("triton_")}
-    annotations = cpu_names | {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation}
+    annotations = (cpu_names | PROFILER_OVERHEAD
+                   | {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation})
     for e in sorted(events, key=lambda ev: (ev.time_range.start, -ev.time_range.end)):
         if e.device_type != DeviceType.CPU:
             if e.name not in annotations:
@@ -154,14 +160,48 @@ def attribute_events(events, device: bool) -> dict[str, float]:
         phase_of[e.id], in_backward[e.id] = phase, backward
         own_kernels = sum(k.duration for k in e.kernels if k.name not in annotations)
         totals[phase or "other"] += own_kernels if device else e.self_cpu_time_total
+        if ops is not None and (own_kernels if device else e.self_cpu_time_total):
+            key = (phase or "other", e.name)
+            ops[key] = ops.get(key, 0.0) + (own_kernels if device else e.self_cpu_time_total)
     if device:  # kernels not tied to any op (e.g. launched by a library outside the profiler's view)
         totals["other"] += max(device_total - sum(totals.values()), 0.0)
     return {p: totals.get(p, 0.0) for p in PHASES if totals.get(p, 0.0) > 0}
 
 
-def profile_steps(run_step, steps, device: str) -> tuple[dict[str, float], float]:
+def idle_gaps(events, per: float, min_us: float = 10.0, top: int = 10) -> dict:
+    """GPU idle time of the profiled steps (gaps of at least `min_us` between kernels), in ms per
+    step, in total and by the kernel each gap ended with: what the GPU sat waiting for the host to
+    launch. The profiler slows the host, so these overstate the unprofiled gaps."""
+    from torch.autograd import DeviceType
+
+    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type != DeviceType.CPU and not e.is_user_annotation
+                     and e.name not in cpu_names and e.name not in PROFILER_OVERHEAD)
+    by_next: dict[str, float] = defaultdict(float)
+    busy_until = None
+    for start, end, name in kernels:
+        if busy_until is not None and start - busy_until >= min_us:
+            by_next[name[:80]] += start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    worst = sorted(by_next.items(), key=lambda kv: -kv[1])[:top]
+    return dict(total_ms=round(sum(by_next.values()) / 1e3 / per, 2),
+                by_next_kernel=[[name, round(us / 1e3 / per, 2)] for name, us in worst])
+
+
+def top_ops(ops: dict, per: float, top: int = 8) -> dict[str, list]:
+    """{phase: [[op name, ms per step], ...]} of the `top` costliest ops of each phase."""
+    by_phase: dict[str, list] = defaultdict(list)
+    for (phase, name), us in sorted(ops.items(), key=lambda kv: -kv[1]):
+        if len(by_phase[phase]) < top:
+            by_phase[phase].append([name, round(us / 1e3 / per, 3)])
+    return dict(by_phase)
+
+
+def profile_steps(run_step, steps, device: str) -> tuple[dict[str, float], float, dict, dict]:
     """Run `run_step(step)` for each of `steps` under torch.profiler: (ms per step by phase, wall
-    seconds per step of those profiled steps)."""
+    seconds per step of those profiled steps, each phase's costliest ops: `top_ops`, the GPU's
+    idle gaps: `idle_gaps`, empty on CPU)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -177,6 +217,9 @@ def profile_steps(run_step, steps, device: str) -> tuple[dict[str, float], float
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    per_phase = attribute_events(prof.events(), device=cuda)
+    ops: dict = {}
+    events = prof.events()
+    per_phase = attribute_events(events, device=cuda, ops=ops)
     n = max(len(steps), 1)
-    return {k: v / 1e3 / n for k, v in per_phase.items()}, wall / n
+    gaps = idle_gaps(events, n) if cuda else {}
+    return {k: v / 1e3 / n for k, v in per_phase.items()}, wall / n, top_ops(ops, n), gaps

@@ -13,9 +13,19 @@ unfilled placeholder, as in megatron's `LinearWithGradAccumulationAndAsyncCommun
 
 Used only when the weight has a `main_grad` (wrapped in megatron's DDP), the tensors are on CUDA
 and Triton imports; elsewhere (CPU, tests without DDP) the experts keep `F.grouped_mm`'s autograd.
+
+Overlap. Nothing in the backward pass waits for these additions: they only have to land before
+the gradients are reduced or read. So the kernel runs on a side CUDA stream, where it is
+memory-bound next to the compute-bound input-gradient GEMMs and attention of the backward
+(`MOE_SFT_WGRAD_OVERLAP=0` keeps it on the compute stream). The compute stream waits for the side
+stream at the end of each backward pass (an autograd engine callback), before megatron's gradient
+reduction, the optimizer or anything else can read a main grad; the inputs are held for the side
+stream (`record_stream`) so the allocator does not hand their memory out early.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +91,43 @@ def accumulate_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tens
     _accumulate_kernel[grid](x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(), **tiles)
 
 
+OVERLAP = os.environ.get("MOE_SFT_WGRAD_OVERLAP", "1") != "0"
+_side_streams: dict = {}      # device index -> the side stream
+_joins: dict = {}             # (compute stream, side stream) -> True while a join is queued
+
+
+def _join(compute: "torch.cuda.Stream", side: "torch.cuda.Stream") -> None:
+    compute.wait_stream(side)
+    _joins.pop((compute, side), None)
+
+
+class _overlapped:
+    """Runs the enclosed kernel launches on the side stream, after the compute stream's work so far,
+    and queues the compute stream's wait for them at the end of this backward pass."""
+
+    def __init__(self, *inputs: torch.Tensor):
+        self.inputs = inputs
+        self.stream = None
+
+    def __enter__(self):
+        if not OVERLAP:
+            return
+        compute = torch.cuda.current_stream()
+        side = _side_streams.setdefault(compute.device.index, torch.cuda.Stream(device=compute.device))
+        side.wait_stream(compute)  # dy, x and the main grad are ready
+        for t in self.inputs:
+            t.record_stream(side)
+        if (compute, side) not in _joins:
+            _joins[(compute, side)] = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _join(compute, side))
+        self.stream = torch.cuda.stream(side)
+        self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+
+
 class GroupedMatmulIntoMainGrad(torch.autograd.Function):
     """x @ weight.view(shape)[expert of each row], with the weight gradient added into main_grad."""
 
@@ -95,7 +142,8 @@ class GroupedMatmulIntoMainGrad(torch.autograd.Function):
         x, weight, ends = ctx.saved_tensors
         dy = dy.contiguous()
         dx = F.grouped_mm(dy, weight.view(ctx.shape).transpose(-2, -1), offs=ends)
-        accumulate_grouped_wgrad(x, dy, ends, weight.main_grad.view(ctx.shape))
+        with _overlapped(x, dy, ends):
+            accumulate_grouped_wgrad(x, dy, ends, weight.main_grad.view(ctx.shape))
         weight.grad_added_to_main_grad = True
         # DDP's hook must still fire for this weight (it marks the bucket ready); it sees
         # grad_added_to_main_grad and drops this placeholder without reading it.

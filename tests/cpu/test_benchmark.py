@@ -157,14 +157,42 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
 
     scope = _event(1, SCOPE + "optimizer", 0, 100)
     step = _event(2, "Optimizer.step#AdamW.step", 1, 99, parent=scope,
-                  kernels=[("Optimizer.step#AdamW.step", 5000.0), ("fused_adamw_kernel", 40.0)])
+                  kernels=[("Optimizer.step#AdamW.step", 5000.0), ("fused_adamw_kernel", 40.0),
+                           ("Buffer Flush", 40.0), ("Activity Buffer Request", 40.0)])  # the profiler's own
     events = [scope, step,
               _event(3, "Optimizer.step#AdamW.step", 2, 5002, device=True),        # the GPU-side copy
               _event(4, "Optimizer.step#AdamW.step", 2, 5002, device=True, annotation=True),
               _event(5, "fused_adamw_kernel", 10, 50, device=True),
               _event(6, "stray_kernel", 60, 70, device=True)]                      # tied to no op
-    totals = attribute_events(events, device=True)
+    ops = {}
+    totals = attribute_events(events, device=True, ops=ops)
     assert totals == {"optimizer": 40.0, "other": 10.0}
+    assert ops == {("optimizer", "Optimizer.step#AdamW.step"): 40.0}  # where the phase's time went
+
+
+def test_idle_gaps_sum_the_gpu_waits_by_the_kernel_that_ended_them():
+    from moe_sft.bench.phases import idle_gaps
+
+    events = [_event(1, "aten::mm", 0, 5),                              # a CPU op: not on the GPU timeline
+              _event(2, "gemm", 0, 100, device=True),
+              _event(3, "side_stream_kernel", 50, 150, device=True),   # overlaps: no gap before it
+              _event(4, "topk", 410, 420, device=True),                # waited 260 us
+              _event(5, "aten::mm", 500, 9000, device=True, annotation=True),
+              _event(6, "topk", 425, 430, device=True),                # 5 us: below the threshold
+              _event(7, "sum", 1430, 1440, device=True),               # waited 1000 us
+              _event(8, "Buffer Flush", 1500, 3000, device=True),
+              _event(9, "topk", 2440, 2450, device=True)]              # waited 1000 us
+    gaps = idle_gaps(events, per=2)  # two profiled steps
+    assert gaps == {"total_ms": 1.13, "by_next_kernel": [["topk", 0.63], ["sum", 0.5]]}
+
+
+def test_top_ops_keeps_each_phases_costliest_ops_in_ms_per_step():
+    from moe_sft.bench.phases import top_ops
+
+    ops = {("norms", "aten::mul"): 3000.0, ("norms", "aten::_fused_rms_norm"): 5000.0, ("loss", "ce"): 800.0,
+           ("norms", "aten::sum"): 1000.0}
+    assert top_ops(ops, per=2, top=2) == {"norms": [["aten::_fused_rms_norm", 2.5], ["aten::mul", 1.5]],
+                                          "loss": [["ce", 0.4]]}
 
 
 def test_compiled_kernels_count_in_the_phase_that_launched_them():

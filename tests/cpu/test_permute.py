@@ -71,7 +71,7 @@ def test_exact_topk_path_without_host_syncs_equals_megatron():
         return ours.permute(tokens, rmap, probs=probs, num_out_tokens=count)
 
     mine = _matches_megatron(tagged, routing_map, probs)
-    assert mine[2]._moe_sft_slots[1] == 3  # slot width is top-k, not read back from the device
+    assert mine[2]._moe_sft_slots.shape == (routing_map.shape[0], 3)  # slot width is top-k, not read back
 
 
 def test_exact_topk_path_refuses_a_token_with_another_count():
@@ -94,6 +94,20 @@ def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
     err_ours = (first.double() - truth).abs().max()
     err_megatron = (moe_utils.unpermute(rows, idx, x.shape, routing_map=routing_map).double() - truth).abs().max()
     assert err_ours <= err_megatron
+
+
+def test_gather_sum_adds_the_named_rows_in_slot_order_and_skips_empty_slots():
+    from moe_sft.layers.gather_sum import gather_sum
+
+    src = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([[4, -1, 0], [-1, -1, -1], [5, 5, 2]])
+    expected = torch.stack([src[4] + src[0], torch.zeros(5, dtype=torch.float64), 2 * src[5] + src[2]])
+    assert torch.equal(gather_sum(src, index), expected)
+    assert gather_sum(src, index[:, :0]).count_nonzero() == 0  # no slots at all: zeros
+    half = src.to(torch.bfloat16)
+    exact = half.double().index_select(0, index.clamp_min(0).flatten()).view(3, 3, 5)
+    exact = (exact * (index >= 0).unsqueeze(-1)).sum(1)
+    assert torch.equal(gather_sum(half, index), exact.to(torch.bfloat16))  # one rounding of an fp32 sum
 
 
 def test_identity_chunk_order_is_not_copied_and_other_orders_are_megatron_s():

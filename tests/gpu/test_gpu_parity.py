@@ -90,11 +90,13 @@ def test_bf16_training_steps_lower_the_loss(converted):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False], ids=["side-stream", "compute-stream"])
+def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch, overlap):
     """Under megatron's DDP the routed experts' weight gradients are added into the fp32 main grad
     by moe_sft/layers/wgrad.py; DDP's hook must then skip its own add. Two micro-batches, with and
     without the fused path: the same main grads (the fused one skips the bf16 rounding of each
-    micro-batch's gradient)."""
+    micro-batch's gradient). With the overlap the kernel runs on the side stream, and the compute
+    stream has waited for it when the backward pass returns."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from moe_sft.layers import wgrad
@@ -109,6 +111,8 @@ def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, mo
     tokens = sum(int(b.loss_mask.sum()) for b in batches)
     used = []
     fused_apply = wgrad.GroupedMatmulIntoMainGrad.apply
+    monkeypatch.setattr(wgrad, "OVERLAP", overlap)
+    monkeypatch.setattr(wgrad, "_side_streams", {})
     monkeypatch.setattr(wgrad.GroupedMatmulIntoMainGrad, "apply", lambda *a: used.append(1) or fused_apply(*a))
 
     def main_grads():
@@ -118,6 +122,8 @@ def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, mo
 
     fused = main_grads()
     assert used, "the fused expert path did not run"
+    assert not wgrad._joins, "a side-stream join was queued and never ran"
+    assert bool(wgrad._side_streams) == overlap
     monkeypatch.setattr(wgrad, "fuses", lambda *a: False)
     plain = main_grads()
     experts = [n for n in fused if "experts.weight" in n and "shared" not in n]
