@@ -201,7 +201,7 @@ def top_ops(ops: dict, per: float, top: int = 8) -> dict[str, list]:
 def profile_steps(run_step, steps, device: str) -> tuple[dict[str, float], float, dict, dict]:
     """Run `run_step(step)` for each of `steps` under torch.profiler: (ms per step by phase, wall
     seconds per step of those profiled steps, each phase's costliest ops: `top_ops`, the GPU's
-    idle gaps: `idle_gaps`, empty on CPU)."""
+    idle gaps: `idle_gaps` with the host's CPU time per phase, empty on CPU)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -222,4 +222,6 @@ def profile_steps(run_step, steps, device: str) -> tuple[dict[str, float], float
     per_phase = attribute_events(events, device=cuda, ops=ops)
     n = max(len(steps), 1)
     gaps = idle_gaps(events, n) if cuda else {}
+    if cuda:  # the host's side: CPU time per phase, to set against the kernels it launched
+        gaps["host_ms_by_phase"] = {k: round(v / 1e3 / n, 1) for k, v in attribute_events(events, device=False).items()}
     return {k: v / 1e3 / n for k, v in per_phase.items()}, wall / n, top_ops(ops, n), gaps

@@ -221,6 +221,10 @@ class TrainerConfig:
     export_hf_at_end: bool = _f(
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
     )
+    gc_interval: int = _f(
+        100, "on CUDA, Python's automatic garbage collection is off during training (its pauses stall "
+        "kernel launches) and a full collection runs every N steps; 0 = Python's automatic collection"
+    )
     max_skipped_steps_in_a_row: int = _f(
         3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after "
         "this many in a row"

@@ -54,6 +54,10 @@ def apply_megatron_fixes() -> list[str]:
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
             applied.append("moe_utils.te_general_gemm = None (router gemm without TE)")
+            from moe_sft.layers.router_gemm import use_bf16_router_gemms
+
+            use_bf16_router_gemms()
+            applied.append("router fp32 logits from bf16 GEMMs on CUDA (as TE's), not fp32 GEMMs")
         _fix_mla_without_te(applied)
         _fix_fully_reshardable_step_load()
         applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")

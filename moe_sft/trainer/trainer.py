@@ -32,6 +32,7 @@ from moe_sft.models.hf_config import num_experts
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer import checkpoint, freeze, guard, offload, optimizer_kernels, overlap, step as train_step
+from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
 from moe_sft.trainer.telemetry import Telemetry
 
@@ -75,6 +76,7 @@ class Trainer:
         self._optimizer()
         self._resume()
         self.telemetry = Telemetry.for_trainer(self)  # after loading: expert-bias drift starts here
+        self.gc = ScheduledGC(self.cfg.trainer.gc_interval, self.rt.device)
         return self
 
     def _runtime(self) -> None:
@@ -306,6 +308,7 @@ class Trainer:
         return path
 
     def train_one_step(self, step: int) -> dict[str, float]:
+        self.gc.before_step(step)
         batches, global_tokens = self.plan.batches_for_step(step, self.dp_rank, self.dp_size)
         if step + 1 < self.cfg.trainer.max_steps:
             self.plan.prefetch(step + 1, self.dp_rank, self.dp_size)  # built while this step trains
@@ -428,4 +431,6 @@ class Trainer:
         dist.barrier()
 
     def close(self) -> None:
+        if getattr(self, "gc", None) is not None:
+            self.gc.close()
         distributed.destroy()

@@ -1,0 +1,67 @@
+"""The router's fp32 logits from bf16 GEMMs (CUDA), without TE.
+
+megatron computes the router in fp32 (`moe_router_dtype="fp32"`, our default) through
+`router_gating_linear`. With TE, the forward is a bf16 GEMM with an fp32 output; without TE it
+casts the bf16 input and weight to fp32 and runs fp32 GEMMs (no tensor cores) forward and
+backward, recasting the saved input in the backward: 16.5 of the router's 28.7 ms per step on
+an H200 at the Qwen3-30B-A3B shape (8 layers, 8 x 4096 tokens; tools/benchmark.py's ops per phase).
+
+Forward: `torch.mm(x, w.T, out_dtype=float32)`, TE's GEMM. Every product of two bf16 values is
+exact in fp32, so this is the fp32 GEMM of the same values, up to the order of the fp32 sums.
+
+Backward: the logits' gradient is fp32. It is split into two bf16 parts, g = hi + lo (16
+significant bits; a bf16 cut of the fp32 value and of what it left), and each product runs as
+one bf16 GEMM over both parts: dx = [hi | lo] @ [w ; w] rounded once to x's bf16, as megatron's
+fp32 product followed by its cast; dw = hi^T x + lo^T x in fp32, cast to the weight's dtype.
+The 8 bits dropped from g are below what either cast keeps. Elsewhere (CPU, fp32 or fp64
+weights, a bias) megatron's function runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe import moe_utils
+
+_megatron_router_gating_linear = moe_utils.router_gating_linear
+
+
+def _split_bf16(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = g.to(torch.bfloat16)
+    return hi, (g - hi.float()).to(torch.bfloat16)
+
+
+class _BF16RouterGating(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight):
+        ctx.save_for_backward(inp, weight)
+        flat = inp.reshape(-1, inp.shape[-1])
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*inp.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        inp, weight = ctx.saved_tensors
+        flat = inp.reshape(-1, inp.shape[-1])
+        hi, lo = _split_bf16(grad_logits.reshape(-1, weight.shape[0]).float())
+        grad_input = torch.mm(torch.cat([hi, lo], dim=1), torch.cat([weight, weight], dim=0))
+        both = torch.mm(torch.cat([hi, lo], dim=1).t(), flat, out_dtype=torch.float32)
+        grad_weight = both.view(2, *weight.shape).sum(0).to(weight.dtype)
+        return grad_input.view(inp.shape).to(inp.dtype), grad_weight
+
+
+def _uses_bf16_gemms(inp, weight, bias, router_dtype) -> bool:
+    return (inp.is_cuda and router_dtype == torch.float32 and bias is None
+            and inp.dtype == weight.dtype == torch.bfloat16)
+
+
+def router_gating_linear(inp, weight, bias, router_dtype):
+    """megatron's `moe_utils.router_gating_linear` (same arguments, same logits)."""
+    if _uses_bf16_gemms(inp, weight, bias, router_dtype):
+        return _BF16RouterGating.apply(inp, weight)
+    return _megatron_router_gating_linear(inp, weight, bias, router_dtype)
+
+
+def use_bf16_router_gemms() -> None:
+    """The router module imported the function by name."""
+    from megatron.core.transformer.moe import router
+
+    router.router_gating_linear = router_gating_linear
