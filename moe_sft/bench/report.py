@@ -151,8 +151,25 @@ def phase_tables(runs: list[dict]) -> list[str]:
             f"{1e3 * (r['profiled_step_seconds'] or 0):.1f}" for r in group) + " |")
         out.append("| timed step (median, no profiler) | " + " | ".join(
             f"{1e3 * (r['step_seconds_median'] or 0):.1f}" for r in group) + " |")
-        out += host_sync_lines(group)
+        out += host_sync_lines(group) + phase_detail_lines(group)
     return out
+
+
+def phase_detail_lines(group: list[dict], top: int = 3) -> list[str]:
+    """Per arm: each phase's costliest ops and the host's CPU time in it (profiled, so inflated),
+    and the GPU's idle gaps by the kernel that ended them."""
+    out = []
+    for r in group:
+        ops, idle = r.get("phase_ops") or {}, r.get("gpu_idle") or {}
+        host = idle.get("host_ms_by_phase", {})
+        for phase in PHASES:
+            if phase in ops:
+                top_ops = ", ".join(f"{name} {ms:.1f}" for name, ms in ops[phase][:top])
+                out.append(f"- {r['arm']} {phase}: {top_ops}" + (f"; host {host[phase]:.1f} ms" if phase in host else ""))
+        if idle.get("by_next_kernel"):
+            waits = ", ".join(f"{name[:60]} {ms:.1f}" for name, ms in idle["by_next_kernel"][:5])
+            out.append(f"- {r['arm']}: GPU idle {idle['total_ms']:.1f} ms in the profiled step, before: {waits}")
+    return ([""] + out) if out else []
 
 
 def host_sync_lines(group: list[dict], top: int = 6) -> list[str]:

@@ -215,3 +215,14 @@ def test_host_sync_lines_name_the_busiest_lines_per_arm():
     lines = host_sync_lines(group, top=2)
     assert lines == ["", "- moe-sft: 11 host syncs in one step: trainer/step.py:50 x8, a.py:1 x2, 1 more lines",
                      "- transformers: 0 host syncs in one step"]
+
+
+def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
+    from moe_sft.bench.report import phase_detail_lines
+
+    run = dict(arm="moe-sft", phase_ops={"router": [["aten::topk", 4.4], ["aten::sum", 3.2]]},
+               gpu_idle={"total_ms": 12.5, "by_next_kernel": [["_rope_kernel", 6.0]],
+                         "host_ms_by_phase": {"router": 20.0}})
+    assert phase_detail_lines([run]) == [
+        "", "- moe-sft router: aten::topk 4.4, aten::sum 3.2; host 20.0 ms",
+        "- moe-sft: GPU idle 12.5 ms in the profiled step, before: _rope_kernel 6.0"]
