@@ -59,9 +59,10 @@ class Training:
 
 
 def _norm(tokens: int, width: int) -> int:
-    """Our RMSNorm (torch's rms_norm, then the weight) keeps its bf16 input, the bf16 normalised
-    value and the fp32 1/rms per row."""
-    return tokens * (4 * width + 4)
+    """Our RMSNorm (moe_sft/layers/norm.py) keeps its bf16 input and an fp32 1/rms per row; its
+    backward recomputes the normalised value. (An input that is a view of a tensor counted
+    elsewhere, like k's, is subtracted by the caller.)"""
+    return tokens * (2 * width + 4)
 
 
 def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: Optional[str]) -> int:
@@ -107,7 +108,9 @@ def mlp_activation(s: ModelShape, lay: Layout, t: int, moe: bool, imbalance: flo
     e, k = s.num_experts, s.topk
     out += tsp * (e * (4 + 1 + 4) + k * (8 + 4 + 8 + 8 + 8))   # scores, routing map, probs, indices, row places
     routed = int(tsp * k * lay.etp * imbalance)                # tokens this rank's experts process
-    return out + routed * (2 * h + 8 * s.moe_ffn // lay.etp + 2)   # input, fc1 out, act, scaled; probs
+    # input, fc1 out (gate and up); the compiled SwiGLU x probs saves only its fp32 probs and its
+    # output (fc2's input)
+    return out + routed * (2 * h + 6 * s.moe_ffn // lay.etp + 4)
 
 
 def layer_activation(s: ModelShape, lay: Layout, t: int, moe: bool, recompute: Optional[str] = None,

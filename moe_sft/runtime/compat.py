@@ -76,7 +76,7 @@ def apply_megatron_fixes() -> list[str]:
         from moe_sft.layers.rope import use_sync_free_rope
 
         use_sync_free_rope()
-        applied.append("packed-sequence RoPE: positions gathered on the device (no host syncs; CP 1)")
+        applied.append("packed-sequence RoPE: no host syncs (CP 1); one Triton pass each way on CUDA")
         from moe_sft.models.mtp import use_sync_free_roll
 
         use_sync_free_roll()
