@@ -222,8 +222,9 @@ class TrainerConfig:
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
     )
     gc_interval: int = _f(
-        100, "on CUDA, Python's automatic garbage collection is off during training (its pauses stall "
-        "kernel launches) and a full collection runs every N steps; 0 = Python's automatic collection"
+        0, "N > 0: on CUDA, Python's automatic garbage collection is off during training and a full "
+        "collection runs every N steps, the same step on every rank (Megatron-LM's --manual-gc); 0 = "
+        "Python's automatic collection"
     )
     max_skipped_steps_in_a_row: int = _f(
         3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after "
