@@ -91,15 +91,16 @@ def test_bf16_training_steps_lower_the_loss(converted):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["side-stream", "compute-stream"])
-def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch, overlap):
+def test_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch, overlap):
     """Under megatron's DDP the routed experts' weight gradients are added into the fp32 main grad
-    by moe_sft/layers/wgrad.py; DDP's hook must then skip its own add. Two micro-batches, with and
+    by moe_sft/layers/wgrad.py, the dense layers' by megatron's gradient accumulation fusion
+    (moe_sft/layers/dense_wgrad.py); DDP's hook must then skip its own add. Two micro-batches, with and
     without the fused path: the same main grads (the fused one skips the bf16 rounding of each
     micro-batch's gradient). With the overlap the kernel runs on the side stream, and the compute
     stream has waited for it when the backward pass returns."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from moe_sft.layers import wgrad
+    from moe_sft.layers import dense_wgrad, wgrad
     from moe_sft.trainer.step import run_forward_backward
     from tests.train_steps import random_batches
 
@@ -120,11 +121,13 @@ def test_expert_weight_gradients_go_into_main_grad_like_autograd_s(converted, mo
         run_forward_backward([ddp], batches, tokens, "cuda", VOCAB, seq_length=0)
         return {n: p.main_grad.clone() for n, p in ddp.module.named_parameters() if p.requires_grad}
 
+    assert dense_wgrad.fuse_dense_wgrad([ddp], "cuda") > 0  # the dense layers' (as the trainer does)
     fused = main_grads()
     assert used, "the fused expert path did not run"
     assert not wgrad._joins, "a side-stream join was queued and never ran"
     assert bool(wgrad._side_streams) == overlap
     monkeypatch.setattr(wgrad, "fuses", lambda *a: False)
+    dense_wgrad.fuse_dense_wgrad([ddp], "cuda", enable=False)
     plain = main_grads()
     experts = [n for n in fused if "experts.weight" in n and "shared" not in n]
     assert experts

@@ -1,0 +1,40 @@
+"""moe_sft/layers/dense_wgrad.py: which layers get megatron's gradient accumulation fusion, and
+the accumulation itself where CPU can run it (fp32; the bf16 -> fp32 GEMM is CUDA's:
+tests/gpu/test_gpu_parity.py compares main grads with and without it under DDP)."""
+
+import torch
+from megatron.core.tensor_parallel import layers as tp_layers
+
+from moe_sft.layers import dense_wgrad
+
+
+def test_fp32_accumulation_adds_the_weight_gradient_into_main_grad():
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(9, 5, generator=g), torch.randn(9, 3, generator=g)
+    main_grad = torch.randn(3, 5, generator=g)
+    expected = main_grad + dy.t() @ x
+    dense_wgrad.TORCH_WGRAD_ACCUM.wgrad_gemm_accum_fp32(x, dy, main_grad)
+    torch.testing.assert_close(main_grad, expected)
+
+
+def test_only_trainable_dense_linears_with_a_main_grad_are_fused_and_only_on_cuda(monkeypatch):
+    monkeypatch.setattr(tp_layers, "_grad_accum_fusion_available", False)
+    monkeypatch.setattr(tp_layers, "fused_weight_gradient_mlp_cuda", None, raising=False)
+
+    def linear(trainable=True, main_grad=True):
+        layer = tp_layers.ColumnParallelLinear.__new__(tp_layers.ColumnParallelLinear)
+        torch.nn.Module.__init__(layer)
+        layer.weight = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=trainable)
+        if main_grad:
+            layer.weight.main_grad = torch.zeros(2, 2)
+        layer.gradient_accumulation_fusion = False
+        return layer
+
+    chunk = torch.nn.ModuleList([linear(), linear(trainable=False), linear(main_grad=False), torch.nn.Linear(2, 2)])
+    assert dense_wgrad.fuse_dense_wgrad([chunk], "cpu") == 0
+    assert not tp_layers._grad_accum_fusion_available
+    assert dense_wgrad.fuse_dense_wgrad([chunk], "cuda") == 1
+    assert [getattr(m, "gradient_accumulation_fusion", None) for m in chunk] == [True, False, False, None]
+    assert tp_layers.fused_weight_gradient_mlp_cuda is dense_wgrad.TORCH_WGRAD_ACCUM
+    assert dense_wgrad.fuse_dense_wgrad([chunk], "cuda", enable=False) == 1
+    assert not chunk[0].gradient_accumulation_fusion
