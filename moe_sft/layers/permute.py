@@ -9,8 +9,8 @@ Here every direction is a gather: slot j of a token names the row of its j-th ex
 combine sums each token's rows in slot order, reading them where they lie (on CUDA one Triton
 pass, moe_sft/layers/gather_sum.py; copying them into a dense [tokens, k, hidden] buffer first
 cost 39 of the 51 ms this phase took at 4096 tokens on an H200). The rows come out in megatron's
-order (expert-major, tokens ascending), so the experts see exactly what they saw before, and the sum is deterministic (an fp32-accumulated
-reduction over k values instead of k rounded atomic adds).
+order (expert-major, tokens ascending), so the experts see exactly what they saw before, and the
+sum is deterministic (an fp32-accumulated reduction over k values instead of k rounded atomic adds).
 
 With EP x TP = 1 the alltoall dispatcher's `sort_chunks_by_idxs` reorders the chunks by the
 identity permutation: it copies every row into the same place forward and backward. It is skipped.

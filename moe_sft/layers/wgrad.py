@@ -20,7 +20,9 @@ memory-bound next to the compute-bound input-gradient GEMMs and attention of the
 (`MOE_SFT_WGRAD_OVERLAP=0` keeps it on the compute stream). The compute stream waits for the side
 stream at the end of each backward pass (an autograd engine callback), before megatron's gradient
 reduction, the optimizer or anything else can read a main grad; the inputs are held for the side
-stream (`record_stream`) so the allocator does not hand their memory out early.
+stream (`record_stream`) so the allocator does not hand their memory out early. With
+`overlap_grad_reduce` megatron starts a bucket's reduction inside the backward pass, as soon as
+its gradients are marked ready: `guard_grad_sync` makes that start wait for the side stream too.
 """
 
 from __future__ import annotations
@@ -126,6 +128,32 @@ class _overlapped:
     def __exit__(self, *exc):
         if self.stream is not None:
             self.stream.__exit__(*exc)
+
+
+def wait_for_side_streams() -> None:
+    """The current stream waits for every side-stream addition queued so far on its device."""
+    if _side_streams:
+        current = torch.cuda.current_stream()
+        side = _side_streams.get(current.device.index)
+        if side is not None:
+            current.wait_stream(side)
+
+
+def guard_grad_sync() -> None:
+    """megatron's bucket reductions (started during backward under overlap_grad_reduce) read the
+    main grads: make each start wait for the side stream first."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    start = _ParamAndGradBucketGroup.start_grad_sync
+    if getattr(start, "_moe_sft_guarded", False):
+        return
+
+    def start_grad_sync(self, *args, **kwargs):
+        wait_for_side_streams()
+        return start(self, *args, **kwargs)
+
+    start_grad_sync._moe_sft_guarded = True
+    _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
 
 
 class GroupedMatmulIntoMainGrad(torch.autograd.Function):

@@ -26,7 +26,7 @@ from moe_sft.config import (ConfigError, TrainConfig, save_resolved_config, vali
                             validate_config)
 from moe_sft.config.validate import optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
-from moe_sft.layers import dense_wgrad
+from moe_sft.layers import dense_wgrad, wgrad
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
@@ -188,6 +188,8 @@ class Trainer:
         self.model = [DDP(config=self.tconfig, ddp_config=ddp_config, module=c,
                           disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         overlap.install_sync_funcs(self.tconfig, self.model, ddp_config)
+        if self.rt.device == "cuda":
+            wgrad.guard_grad_sync()  # bucket reductions wait for the experts' side-stream gradients
         fused = dense_wgrad.fuse_dense_wgrad(self.model, self.rt.device)
         if fused:
             _say(f"{fused} dense linear layers add their weight gradients into the fp32 main grads inside the "

@@ -38,3 +38,4 @@ def test_only_trainable_dense_linears_with_a_main_grad_are_fused_and_only_on_cud
     assert tp_layers.fused_weight_gradient_mlp_cuda is dense_wgrad.TORCH_WGRAD_ACCUM
     assert dense_wgrad.fuse_dense_wgrad([chunk], "cuda", enable=False) == 1
     assert not chunk[0].gradient_accumulation_fusion
+
