@@ -8,13 +8,6 @@ pass count is its time. The flag is read per step from the param groups, so we s
 a pre-step hook keeps it set (a checkpoint load replaces the groups) and moves each parameter's
 'step' counter to the parameter's device, where the fused kernel reads it.
 
-Clipping inside Adam. megatron scales every fp32 gradient by the clip coefficient (one read and
-one write of 4 bytes per parameter: 12 ms of the H200 benchmark's 71 ms optimizer phase) right
-before Adam reads them again. torch's fused Adam divides each gradient by its optional
-`grad_scale` tensor as it reads it (the hook GradScaler uses), so a clip of gradients that all
-belong to one fused Adam becomes that Adam's `grad_scale = 1 / coefficient` for its next step.
-Anything else (decoupled gradients, the CPU-offload optimizer) is clipped by megatron's code.
-
 Gradient norm and clipping. megatron's local stand-ins for apex's multi_tensor_l2norm/scale take
 one norm per tensor, then build a tensor from the list of norms, which copies each one to the
 host (a device sync per parameter tensor), and scale tensor by tensor. torch's `_foreach_norm`
@@ -22,8 +15,6 @@ and `_foreach_mul` do the same sums and products in a few multi-tensor kernels, 
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -51,52 +42,15 @@ def _keep_fused(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
                 state["step"] = step.to(p.device, torch.float32)
 
 
-def _clear_grad_scale(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
-    opt.grad_scale = None  # a clip coefficient is for one step
-
-
 def use_fused_adam(optimizer) -> int:
-    """Switch every torch Adam inside `optimizer` to the fused kernel (and let it apply megatron's
-    gradient clipping); returns how many were switched."""
+    """Switch every torch Adam inside `optimizer` to the fused kernel; returns how many were."""
     switched = 0
     for opt in _torch_adams(optimizer):
         if _fused_supported(opt):
             _keep_fused(opt, (), {})
             opt.register_step_pre_hook(_keep_fused)
-            opt.register_step_post_hook(_clear_grad_scale)
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p._moe_sft_fused_adam = weakref.ref(opt)
             switched += 1
-    if switched:
-        _use_clip_in_adam()
     return switched
-
-
-def _clip_in_adam(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """megatron's `clip_grad_by_total_norm_fp32`, the scaling handed to the fused Adam's step."""
-    params = [p for p in parameters if p.grad is not None]
-    owners = {getattr(p, "_moe_sft_fused_adam", None) for p in params}
-    adam = owners.pop()() if len(owners) == 1 and None not in owners else None
-    if use_decoupled_grad or adam is None:
-        return _megatron_clip(parameters, max_norm, total_norm, use_decoupled_grad)
-    clip_coeff = max_norm / (total_norm + 1.0e-6)  # megatron's formula and condition
-    # set on every call (None: no clipping), so a step skipped after its clip leaves nothing stale
-    adam.grad_scale = (torch.full((1,), 1.0 / clip_coeff, dtype=torch.float32, device=params[0].device)
-                       if clip_coeff < 1.0 else None)
-
-
-_megatron_clip = None
-
-
-def _use_clip_in_adam() -> None:
-    """megatron's optimizers call the clip function by the name their module imported."""
-    global _megatron_clip
-    from megatron.core.optimizer import optimizer
-
-    if _megatron_clip is None:
-        _megatron_clip = optimizer.clip_grad_by_total_norm_fp32
-        optimizer.clip_grad_by_total_norm_fp32 = _clip_in_adam
 
 
 def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

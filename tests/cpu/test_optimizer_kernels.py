@@ -91,39 +91,3 @@ def test_megatron_clip_grads_uses_them_after_the_fixes(megatron_on_this_machine)
     assert float(norm) == pytest.approx(4.0)  # sqrt(3*4 + 4*1)
     clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=4.0)
     torch.testing.assert_close(params[0].grad, torch.full((3,), 0.5), rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("total_norm", [8.0, 0.5])  # clipped (coefficient 1/8), not clipped
-def test_clipping_folded_into_the_fused_adam_step_equals_megatron_clip_then_adam(megatron_on_this_machine,
-                                                                                 total_norm):
-    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
-
-    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ref_params, params = _params(), _params()
-    reference, inner = torch.optim.AdamW(ref_params, fused=True, **kw), torch.optim.AdamW(params, **kw)
-    assert use_fused_adam(SimpleNamespace(optimizer=inner)) == 1
-    for step in range(3):
-        for i, (a, b) in enumerate(zip(ref_params, params)):
-            a.grad = torch.sin(a.detach() * (step + 1) + i)
-            b.grad = a.grad.clone()
-        clip_grads.clip_grad_by_total_norm_fp32(ref_params, max_norm=1.0, total_norm=total_norm)  # megatron's
-        mcore_optimizer.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=total_norm)  # what it calls
-        clipped = total_norm > 1.0
-        assert (inner.grad_scale is not None) == clipped
-        if clipped:  # left for the step: the gradients themselves are untouched
-            assert torch.equal(params[0].grad, torch.sin(params[0].detach() * (step + 1)))
-        reference.step()
-        inner.step()
-        assert inner.grad_scale is None  # for one step only
-        for a, b in zip(ref_params, params):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
-
-
-def test_clipping_of_parameters_outside_a_fused_adam_is_megatron_s(megatron_on_this_machine):
-    from megatron.core.optimizer import optimizer as mcore_optimizer
-
-    use_fused_adam(SimpleNamespace(optimizer=torch.optim.AdamW(_params())))  # installs the folding
-    loose = [torch.nn.Parameter(torch.zeros(3))]
-    loose[0].grad = torch.full((3,), 2.0)
-    mcore_optimizer.clip_grad_by_total_norm_fp32(loose, max_norm=1.0, total_norm=4.0)
-    torch.testing.assert_close(loose[0].grad, torch.full((3,), 0.5), rtol=1e-5, atol=0)
