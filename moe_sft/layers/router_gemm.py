@@ -41,9 +41,9 @@ class _BF16RouterGating(torch.autograd.Function):
     def backward(ctx, grad_logits):
         inp, weight = ctx.saved_tensors
         flat = inp.reshape(-1, inp.shape[-1])
-        hi, lo = _split_bf16(grad_logits.reshape(-1, weight.shape[0]).float())
-        grad_input = torch.mm(torch.cat([hi, lo], dim=1), torch.cat([weight, weight], dim=0))
-        both = torch.mm(torch.cat([hi, lo], dim=1).t(), flat, out_dtype=torch.float32)
+        parts = torch.cat(_split_bf16(grad_logits.reshape(-1, weight.shape[0]).float()), dim=1)  # [hi | lo]
+        grad_input = torch.mm(parts, torch.cat([weight, weight], dim=0))
+        both = torch.mm(parts.t(), flat, out_dtype=torch.float32)
         grad_weight = both.view(2, *weight.shape).sum(0).to(weight.dtype)
         return grad_input.view(inp.shape).to(inp.dtype), grad_weight
 

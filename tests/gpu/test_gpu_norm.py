@@ -11,6 +11,18 @@ pytestmark = pytest.mark.gpu
 HIDDEN, QK_NORM = (4096, 2048), (4096, 32, 128)  # Qwen3-30B-A3B: input/pre-MLP norm; q norm (32 heads x 128)
 
 
+def _saved_storages(module, x):
+    """module(x), and {storage pointer: bytes} of what autograd saved for its backward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return module(x), storages
+
+
 def _modules(width, dtype=torch.bfloat16):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
@@ -47,14 +59,7 @@ def test_fused_rmsnorm_saves_what_the_planner_counts_and_matches_transformers(sh
     ours, theirs = _modules(shape[-1])
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     assert triton_fits(x, ours.weight)
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = ours(x)
+    y, storages = _saved_storages(ours, x)
     storages.pop(ours.weight.untyped_storage().data_ptr(), None)
     rows = x.numel() // shape[-1]
     assert sum(storages.values()) == _norm(rows, shape[-1])
@@ -99,14 +104,7 @@ def test_fused_rmsnorm_takes_strided_inputs():
     for strided in (k, transposed):
         assert not strided.is_contiguous()
         a, b = strided.detach().requires_grad_(True), strided.detach().contiguous().requires_grad_(True)
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ya = ours(a)
+        ya, storages = _saved_storages(ours, a)
         assert a.untyped_storage().data_ptr() in storages  # saved as it is, no copy kept
         ours.weight.grad = None
         dy = torch.randn_like(ya)
