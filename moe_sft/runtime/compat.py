@@ -58,6 +58,10 @@ def apply_megatron_fixes() -> list[str]:
 
             use_bf16_router_gemms()
             applied.append("router fp32 logits from bf16 GEMMs on CUDA (as TE's), not fp32 GEMMs")
+        from moe_sft.layers.router_topk import use_fused_routing
+
+        use_fused_routing()
+        applied.append("router score function, top-k and routing map: one Triton pass each way on CUDA")
         _fix_mla_without_te(applied)
         _fix_fully_reshardable_step_load()
         applied.append("DistributedOptimizer: torch Adam's per-parameter 'step' restored correctly on resume")

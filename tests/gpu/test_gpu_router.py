@@ -1,5 +1,6 @@
-"""The router's logits and gradients from bf16 GEMMs (moe_sft/layers/router_gemm.py) against
-megatron's fp32 GEMMs, at the Qwen3-30B-A3B router shape."""
+"""The router on CUDA against megatron's torch ops: the logits and gradients from bf16 GEMMs
+(moe_sft/layers/router_gemm.py) at the Qwen3-30B-A3B router shape, and the Triton top-k routing
+and aux-loss scores (moe_sft/layers/router_topk.py) at the shapes of every family's router."""
 
 import pytest
 import torch
@@ -34,3 +35,62 @@ def test_bf16_router_gemms_give_megatron_s_fp32_logits_and_gradients():
         # one bf16 rounding of (nearly) the same fp32 value: at most one ulp apart, rarely
         torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6)
         assert (a != b).float().mean() < 0.05
+
+
+# (tokens, experts, top-k, score function, pre-softmax, expert bias, scaling factor, groups, groups kept)
+ROUTERS = {
+    "qwen3_30b": (4096, 128, 8, "softmax", False, False, None, None, None),
+    "mixtral": (4096, 8, 2, "softmax", False, False, None, None, None),
+    "pre_softmax_60_experts": (1000, 60, 4, "softmax", True, False, None, None, None),
+    "deepseek_v3": (4096, 256, 8, "sigmoid", False, True, 2.5, 8, 4),
+    "sigmoid_top1": (777, 16, 1, "sigmoid", False, False, None, None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_triton_routing_matches_megatron_s_routing_and_its_gradient(name):
+    from moe_sft.layers import router_topk
+
+    tokens, experts, k, score, pre, bias, scale, groups, kept = ROUTERS[name]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(tokens, experts, device="cuda", generator=g) * 2
+    expert_bias = torch.randn(experts, device="cuda", generator=g) * 0.1 if bias else None
+    grad = torch.randn(tokens, experts, device="cuda", generator=g)
+    kwargs = dict(use_pre_softmax=pre, num_groups=groups, group_topk=kept, scaling_factor=scale,
+                  score_function=score, expert_bias=expert_bias)
+
+    def run(fn):
+        x = logits.clone().requires_grad_(True)
+        probs, routing_map = fn(x, k, **kwargs)
+        probs.backward(grad)
+        return probs, routing_map, x.grad
+
+    assert router_topk._kernel_fits(logits, k) and router_topk._groups_fit(experts, k, groups, kept)
+    probs, routing_map, d_logits = run(router_topk.topk_routing_with_score_function)
+    ref_probs, ref_map, ref_d_logits = run(router_topk._megatron_topk_routing)
+    assert routing_map.dtype == torch.bool and torch.equal(routing_map, ref_map)
+    assert routing_map.sum(1).eq(k).all()
+    # Triton's exp against torch's: the last bits of an fp32 probability
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(d_logits, ref_d_logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_triton_aux_loss_scores_match_megatron_s_and_take_the_aux_loss_s_broadcast_gradient(score):
+    from moe_sft.layers import router_topk
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits = torch.randn(4096, 128, device="cuda", generator=g)
+    padding = torch.rand(4096, device="cuda", generator=g) < 0.1
+    per_expert = torch.randn(128, device="cuda", generator=g)  # d aux / d scores: one value per expert
+
+    def run(fn):
+        x = logits.clone().requires_grad_(True)
+        routing_map, scores = fn(x, 8, score, padding_mask=padding)
+        (scores.sum(0) * per_expert).sum().backward()  # as megatron's aux loss: a [tokens] stride of 0
+        return routing_map, scores, x.grad
+
+    ours, ref = run(router_topk.compute_routing_scores_for_aux_loss), run(router_topk._megatron_aux_loss_scores)
+    assert torch.equal(ours[0], ref[0]) and ours[0][padding].sum() == 0
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours[2], ref[2], rtol=1e-5, atol=1e-6)
