@@ -4,7 +4,8 @@ megatron-core's local `DotProductAttention` rejects `packed_seq_params` and allo
 so the torch-native spec uses this module instead. Kernels, best first:
 
 * flash-attn's `flash_attn_varlen_func` when the package imports (GPU);
-* torch's `torch.nn.attention.varlen.varlen_attn` (a flash kernel inside torch) on CUDA;
+* torch's flash varlen kernel on CUDA: the aten op `torch.nn.attention.varlen.varlen_attn`
+  runs, called directly (`_FlashVarlen`);
 * a per-document `scaled_dot_product_attention` loop that honours cu_seqlens (CPU, and any
   head dim the kernels refuse) — the reference the fast paths are tested against.
 
@@ -42,12 +43,39 @@ except ImportError:  # pragma: no cover - torch < 2.10
     varlen_attn, _VARLEN_PARAMS = None, set()
 
 
+class _FlashVarlen(torch.autograd.Function):
+    """Causal varlen attention through torch's flash kernels (aten `_flash_attention_forward` /
+    `_flash_attention_backward`) with the arguments `varlen_attn` gives them, without its
+    torch.library custom op around them (dispatch, fake-tensor and autograd wrappers, three fills).
+    The step is host-bound (docs/benchmarks.md): on an H200 host a forward + backward took 317 us
+    of host time this way against 907 through varlen_attn, for the same GPU time (1.04 ms at 4096
+    tokens). Same kernels: the output, dk and dv bits match varlen_attn's; dq is summed with fp32
+    atomics, so its last bit varies from run to run with either (tests/gpu/test_gpu_cp_attention.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset)
+        ctx.sizes = (max_seqlen_q, max_seqlen_k, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, scale = ctx.sizes
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            0.0, True, seed, offset, scale=scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
 def attention_kernel_name(device_type: str) -> str:
     """Which kernel `VarlenCoreAttention` uses on this device (printed at startup)."""
     if device_type == "cuda" and flash_attn_varlen_func is not None:
         return "flash_attn.flash_attn_varlen_func"
     if device_type == "cuda" and varlen_attn is not None:
-        return "torch.nn.attention.varlen.varlen_attn"
+        return "torch's flash varlen kernel (the one torch.nn.attention.varlen.varlen_attn runs), called directly"
     return "per-document scaled_dot_product_attention (reference path)"
 
 
@@ -80,6 +108,11 @@ def _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=scale, causal=True)
+    return _FlashVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+
+
+def torch_varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    """torch's public varlen_attn with the causal window: what `_FlashVarlen` is tested against."""
     extra = {"enable_gqa": True} if ("enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]) else {}
     return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                        window_size=(-1, 0), **extra)

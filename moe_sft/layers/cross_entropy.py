@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_sft.layers.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -102,7 +104,7 @@ if triton is not None:
 def _local_stats_triton(logits, local_target, valid):
     rows = logits.shape[0]
     row_max, sum_exp, picked = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(3))
-    _stats_kernel[(rows,)](logits, logits.stride(0), local_target, row_max, sum_exp, picked, valid,
+    launch(_stats_kernel, (rows,), logits, logits.stride(0), local_target, row_max, sum_exp, picked, valid,
                            BLOCK=STATS_BLOCK, num_warps=8)
     return row_max, sum_exp, picked
 
@@ -110,7 +112,7 @@ def _local_stats_triton(logits, local_target, valid):
 def _logits_grad_triton(logits, log_sum_exp, local_target, valid, grad_loss):
     grad = torch.empty_like(logits)
     rows, width = logits.shape
-    _grad_kernel[(rows, triton.cdiv(width, GRAD_BLOCK))](
+    launch(_grad_kernel, (rows, triton.cdiv(width, GRAD_BLOCK)),
         logits, logits.stride(0), grad, grad.stride(0), log_sum_exp, local_target, grad_loss.float().contiguous(),
         valid, width, BLOCK=GRAD_BLOCK, num_warps=8)
     return grad

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_sft.layers.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -58,6 +60,6 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if src.stride(-1) != 1:
         src = src.contiguous()
     out = src.new_empty(num_out, hidden)
-    _gather_sum_kernel[(num_out, triton.cdiv(hidden, BLOCK_H))](
+    launch(_gather_sum_kernel, (num_out, triton.cdiv(hidden, BLOCK_H)),
         src, src.stride(0), index.contiguous(), out, out.stride(0), hidden, WIDTH=width, BLOCK=BLOCK_H, num_warps=4)
     return out

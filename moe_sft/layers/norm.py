@@ -32,6 +32,8 @@ import functools
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moe_sft.layers.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -163,7 +165,7 @@ def _forward_triton(x, weight, eps):
     rstd = torch.empty(rows.shape[0], device=x.device, dtype=torch.float32)
     if rows.shape[0]:
         block, tile_rows, warps = _launch_shape(width)
-        _forward_kernel[(triton.cdiv(rows.shape[0], tile_rows),)](
+        launch(_forward_kernel, (triton.cdiv(rows.shape[0], tile_rows),),
             rows, rows.stride(0), weight.contiguous(), y, rstd, rows.shape[0], width, 1.0 / width, eps,
             BLOCK=block, ROWS=tile_rows, num_warps=warps)
     return y, rstd
@@ -181,7 +183,7 @@ def _backward_triton(dy, x, weight, rstd, need_dx, need_dw):
     rows_per_program = triton.cdiv(triton.cdiv(n, programs), tile_rows) * tile_rows  # whole tiles each
     programs = triton.cdiv(n, rows_per_program)
     dw_partial = torch.empty(programs, width, device=x.device, dtype=torch.float32)
-    _backward_kernel[(programs,)](
+    launch(_backward_kernel, (programs,),
         x_rows, x_rows.stride(0), dy_rows, dy_rows.stride(0), weight.contiguous(), rstd, dx, dw_partial,
         n, width, 1.0 / width, rows_per_program, BLOCK=block, ROWS=tile_rows, num_warps=warps)
     if not need_dw:
@@ -189,7 +191,7 @@ def _backward_triton(dy, x, weight, rstd, need_dx, need_dw):
     dw = torch.empty_like(weight)
     partial_rows = min(512, triton.next_power_of_2(programs))  # all of them on H100/H200 (132 SMs)
     cols = max(16, TILE_ELEMENTS // partial_rows)
-    _column_sum_kernel[(triton.cdiv(width, cols),)](dw_partial, dw, programs, width, COLS=cols, ROWS=partial_rows,
+    launch(_column_sum_kernel, (triton.cdiv(width, cols),), dw_partial, dw, programs, width, COLS=cols, ROWS=partial_rows,
                                                    num_warps=8)
     return (dx if need_dx else None), dw
 

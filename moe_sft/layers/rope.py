@@ -35,6 +35,8 @@ import numbers
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from moe_sft.layers.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -173,7 +175,7 @@ def _rope_launch(src, cu_seqlens, freqs, multi_latent_attention, mscale, backwar
     from_documents = cu_seqlens is not None
     boundaries = cu_seqlens.numel() if from_documents else 1
     grid = (triton.cdiv(tokens, token_block), triton.cdiv(heads, head_block))
-    _rope_kernel[grid](
+    launch(_rope_kernel, grid,
         src, src.stride(0), src.stride(1), dst, dst.stride(0), dst.stride(1),
         freqs, freqs.stride(0), cu_seqlens if from_documents else freqs, (boundaries - 1).bit_length(),
         boundaries - 1, tokens, heads, float(mscale),

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+from moe_sft.layers.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -213,7 +215,7 @@ class _TopKRouting(torch.autograd.Function):
         routing_map = torch.empty(tokens, experts, dtype=torch.bool, device=logits.device)
         has_bias = sigmoid and expert_bias is not None
         bias = expert_bias.float().contiguous() if has_bias else logits
-        _routing_forward_kernel[_grid(tokens, rows)](
+        launch(_routing_forward_kernel, _grid(tokens, rows),
             logits, bias, probs, routing_map.view(torch.int8), tokens, experts, scale,
             SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, HAS_BIAS=has_bias, K=topk, GROUPS=groups,
             GROUP_K=group_topk, ROWS=rows, BLOCK_E=block_e)
@@ -229,7 +231,7 @@ class _TopKRouting(torch.autograd.Function):
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
         grad_logits = torch.empty_like(logits)
-        _routing_backward_kernel[_grid(tokens, rows)](
+        launch(_routing_backward_kernel, _grid(tokens, rows),
             logits, routing_map.view(torch.int8), grad_probs, grad_probs.stride(0), grad_probs.stride(1),
             grad_logits, tokens, experts, scale, SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, K=topk,
             ROWS=rows, BLOCK_E=block_e)
@@ -244,7 +246,7 @@ class _AuxLossScores(torch.autograd.Function):
         rows, block_e = _launch(experts)
         scores = torch.empty_like(logits)
         routing_map = torch.empty(tokens, experts, dtype=torch.bool, device=logits.device)
-        _aux_scores_forward_kernel[_grid(tokens, rows)](
+        launch(_aux_scores_forward_kernel, _grid(tokens, rows),
             logits, scores, routing_map.view(torch.int8), tokens, experts, SIGMOID=sigmoid, K=topk,
             ROWS=rows, BLOCK_E=block_e)
         ctx.save_for_backward(logits)
@@ -258,7 +260,7 @@ class _AuxLossScores(torch.autograd.Function):
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
         grad_logits = torch.empty_like(logits)
-        _aux_scores_backward_kernel[_grid(tokens, rows)](
+        launch(_aux_scores_backward_kernel, _grid(tokens, rows),
             logits, grad_scores, grad_scores.stride(0), grad_scores.stride(1), grad_logits, tokens, experts,
             SIGMOID=ctx.sigmoid, ROWS=rows, BLOCK_E=block_e)
         return grad_logits, None, None

@@ -32,6 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from moe_sft.layers.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -90,7 +92,7 @@ def accumulate_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tens
                          f"{ends.numel()} groups, out {tuple(out.shape)}")
     tiles = tiles or TILES
     grid = (triton.cdiv(k, tiles["BLOCK_K"]), triton.cdiv(n, tiles["BLOCK_N"]), experts)
-    _accumulate_kernel[grid](x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(), **tiles)
+    launch(_accumulate_kernel, grid, x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(), **tiles)
 
 
 OVERLAP = os.environ.get("MOE_SFT_WGRAD_OVERLAP", "1") != "0"

@@ -58,6 +58,18 @@ def cases():
             scores.sum().backward()
         return run
 
+    def flash(direct):
+        from moe_sft.layers import attention
+
+        q = torch.randn(tokens, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(tokens, 4, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        cu = torch.tensor([0, 20, tokens], device=dev, dtype=torch.int32)
+        fn = attention._varlen_cuda if direct else attention.torch_varlen_attn
+
+        def run():
+            fn(q, kv, kv, cu, cu, 44, 44, 0.088).sum().backward()
+        return run
+
     def empty_sum():
         x.detach().sum()
 
@@ -82,6 +94,7 @@ def cases():
            routing(router_topk._megatron_topk_routing))
     yield ("aux-loss scores fwd+bwd: Triton | megatron's torch ops",
            aux_scores(router_topk.compute_routing_scores_for_aux_loss), aux_scores(router_topk._megatron_aux_loss_scores))
+    yield ("direct flash varlen | torch's varlen_attn, fwd+bwd", flash(True), flash(False))
     yield ("gather_sum fwd: Triton | torch ops", lambda: gather_sum.gather_sum(rows, slots),
            lambda: gather_sum._gather_sum_torch(rows, slots))
 
@@ -109,7 +122,10 @@ def triton_launch_paths():
                      src, dst, 4096, 1024)
 
     yield "Triton launch: JIT entry | direct launcher", lambda: _copy[(4,)](src, dst, 4096, BLOCK=1024), direct
-    yield "Triton launch: compiled runner", lambda: compiled[(4, 1, 1)](src, dst, 4096, 1024), None
+    from moe_sft.layers.triton_launch import launch
+
+    yield ("Triton launch: compiled runner | moe_sft's launch()", lambda: compiled[(4, 1, 1)](src, dst, 4096, 1024),
+           lambda: launch(_copy, (4,), src, dst, 4096, BLOCK=1024))
 
 
 def main() -> int:

@@ -76,3 +76,37 @@ def test_cp_varlen_kernel_matches_reference(cp, dk, dv):
         e_cp, e_full = _error(ours, r), _error(base, r)
         print(f"  d{name} error {e_cp:.3e} (no CP: {e_full:.3e})")
         assert e_cp <= 2 * e_full + 5e-2 * r.abs().max().item()
+
+
+@pytest.mark.parametrize("dk,dv,hq,hkv,kv_offset", [(128, 128, 32, 4, 0), (192, 128, 8, 8, 0), (128, 128, 8, 2, 64)])
+def test_direct_flash_call_gives_torch_varlen_attn_s_bits(dk, dv, hq, hkv, kv_offset):
+    """moe_sft's direct call of torch's flash kernels (`_FlashVarlen`) against torch's public
+    varlen_attn: the same kernels, so the same output, dk and dv bits; dq is accumulated with fp32
+    atomics in an order that changes from run to run (measured: one bf16 ulp apart, 1e-3 at 4.4),
+    so it is held to one ulp. GQA, MLA's head dims (through the zero-padded v), and queries that
+    are the tail of longer keys (the CP layout)."""
+    from moe_sft.layers import attention
+
+    if attention.flash_attn_varlen_func is not None or attention.varlen_attn is None:
+        pytest.skip("flash-attn is installed: the direct torch call is not the kernel in use")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cu_q = torch.tensor([0] + list(torch.tensor(DOCS).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = cu_q + torch.arange(len(DOCS) + 1, device="cuda", dtype=torch.int32) * kv_offset
+    q = torch.randn(int(cu_q[-1]), hq, dk, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(int(cu_k[-1]), hkv, d, device="cuda", generator=g).to(torch.bfloat16) for d in (dk, dv))
+    grad = torch.randn(q.shape[0], hq, dv, device="cuda", generator=g).to(torch.bfloat16)
+    max_q, max_k = max(DOCS), max(DOCS) + kv_offset
+
+    def run(direct: bool):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        if direct:
+            out = attention._varlen_cuda(*ins, cu_q, cu_k, max_q, max_k, SCALE)
+        else:
+            vv = torch.nn.functional.pad(ins[2], (0, dk - dv)) if dv != dk else ins[2]
+            out = attention.torch_varlen_attn(ins[0], ins[1], vv, cu_q, cu_k, max_q, max_k, SCALE)[..., :dv]
+        out.backward(grad)
+        return [out] + [t.grad for t in ins]
+
+    (out, dq, dk, dv), (ref_out, ref_dq, ref_dk, ref_dv) = run(True), run(False)
+    assert torch.equal(out, ref_out) and torch.equal(dk, ref_dk) and torch.equal(dv, ref_dv)
+    torch.testing.assert_close(dq, ref_dq, rtol=2 ** -7, atol=2 ** -7 * ref_dq.abs().max().item())

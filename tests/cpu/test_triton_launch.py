@@ -1,0 +1,16 @@
+"""moe_sft/layers/triton_launch.py's cache key on CPU: it must separate every case Triton compiles
+separately (the launches themselves run on CUDA: tests/gpu/test_gpu_triton_launch.py)."""
+
+import torch
+
+from moe_sft.layers.triton_launch import _arg_key
+
+
+def test_the_key_separates_what_triton_specialises_on():
+    x = torch.zeros(64)
+    assert _arg_key(x) != _arg_key(x[1:])                      # 16-byte aligned pointer or not
+    assert _arg_key(x) != _arg_key(x.to(torch.bfloat16))        # pointer dtype
+    assert _arg_key(x) == _arg_key(torch.ones(64))              # same dtype and alignment: one kernel
+    assert len({_arg_key(n) for n in (1, 16, 17, 2 ** 31)}) == 4  # ==1, divisible by 16, other, 64-bit
+    assert _arg_key(32) == _arg_key(4096) and _arg_key(3) == _arg_key(4095)
+    assert _arg_key(True) != _arg_key(1) and _arg_key(0.5) != _arg_key(0)
