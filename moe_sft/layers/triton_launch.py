@@ -21,49 +21,48 @@ import torch
 
 _cache: dict = {}
 _UNUSABLE = object()
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _arg_key(arg):
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool):
-        return bool, arg
-    if isinstance(arg, int):
-        return int, arg == 1, arg % 16 == 0, -2 ** 31 <= arg < 2 ** 31
-    if isinstance(arg, float):
-        return float
-    return type(arg), arg
+def _arg_key(arg) -> tuple:
+    """What Triton specialises an argument on (a superset: see the module docstring)."""
+    kind = type(arg)
+    if kind in _TENSOR_TYPES:
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    if kind is int:
+        return arg == 1, arg & 15 == 0, -2 ** 31 <= arg < 2 ** 31
+    return (kind,) if kind is not bool else (kind, arg)
 
 
-def _direct(compiled):
-    """The compiled kernel's launcher, or _UNUSABLE where this Triton has none."""
+def _direct(compiled, kernel, args, kwargs):
+    """(launcher, function, metadata, constexpr values in parameter order), or _UNUSABLE where
+    this Triton's compiled kernel has no launcher to call."""
     try:
         compiled._init_handles()
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     except AttributeError:
         return _UNUSABLE
-    return run, function, metadata
+    return run, function, metadata, tuple(kwargs[name] for name in kernel.arg_names[len(args):])
 
 
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)`: positional runtime arguments (the first a tensor), then every
     remaining kernel parameter (the constexprs) and the launch options by keyword."""
-    if not args[0].is_cuda:  # the Triton interpreter's CPU tensors
+    first = args[0]
+    if not first.is_cuda:  # the Triton interpreter's CPU tensors
         kernel[grid](*args, **kwargs)
         return
-    device = torch.cuda.current_device()
-    key = (kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+    device = first.get_device()
+    key = (kernel, device, tuple(kwargs.items()), *map(_arg_key, args))
     entry = _cache.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
-        _cache[key] = _direct(compiled) if compiled is not None and hasattr(compiled, "run") else _UNUSABLE
+        usable = compiled is not None and hasattr(compiled, "run")
+        _cache[key] = _direct(compiled, kernel, args, kwargs) if usable else _UNUSABLE
         return
     if entry is _UNUSABLE:
         kernel[grid](*args, **kwargs)
         return
-    run, function, metadata = entry
-    constexprs = [kwargs[name] for name in kernel.arg_names[len(args):]]
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-        *args, *constexprs)
+    run, function, metadata, constexprs = entry
+    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None, *args, *constexprs)

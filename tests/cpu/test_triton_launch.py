@@ -14,3 +14,4 @@ def test_the_key_separates_what_triton_specialises_on():
     assert len({_arg_key(n) for n in (1, 16, 17, 2 ** 31)}) == 4  # ==1, divisible by 16, other, 64-bit
     assert _arg_key(32) == _arg_key(4096) and _arg_key(3) == _arg_key(4095)
     assert _arg_key(True) != _arg_key(1) and _arg_key(0.5) != _arg_key(0)
+    assert _arg_key(torch.nn.Parameter(x)) == _arg_key(x)   # a weight passed as it is

@@ -1,12 +1,13 @@
 """Interleaved A/B of a kernel switch: the same model, data and process, the two sides alternating.
 
 The timed step is host-bound (docs/benchmarks.md), and H200 machines of one kind time the same code
-0.59-0.76 s apart, so an A/B across runs or machines measures the machine. Here one benchmark
-model (tools/benchmark.py's moe-sft arm) trains `--rounds` rounds; each round runs `--steps` timed
-steps with the switch on and as many with it off, the order flipping every round.
+0.59-0.76 s apart, so an A/B across runs or machines measures the machine; within one process the
+host's speed drifts too (0.58-0.85 s within a minute, measured). Here one benchmark model
+(tools/benchmark.py's moe-sft arm) trains `--pairs` pairs of back-to-back steps, one with the switch
+on and one off, the order flipping every pair; the median of the pairs' time ratios is the result.
 
 Usage: python3 tests/gpu/ab_steps.py --switch router_topk [--model qwen3_30b --layers 8 --budget 4096
-       --tokens-per-step 32768 --rounds 4 --steps 3 --out DIR]
+       --tokens-per-step 32768 --pairs 12 --out DIR]
 """
 
 import argparse
@@ -22,10 +23,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# name: (module, attribute, value that turns it off)
+class _ThroughTriton(dict):
+    """A launch cache that never hits: every Triton launch goes through Triton's own entry."""
+
+    def get(self, key, default=None):
+        return None
+
+    def __setitem__(self, key, value):
+        pass
+
+
+class _TorchVarlenAttn:
+    apply = None  # set below: torch's public varlen_attn in place of the direct flash call
+
+
+def _off_values():
+    from moe_sft.layers import attention
+
+    _TorchVarlenAttn.apply = staticmethod(attention.torch_varlen_attn)
+    return {"router_topk": None, "wgrad_overlap": False, "triton_launch": _ThroughTriton(),
+            "flash_direct": _TorchVarlenAttn}
+
+
+# name: (module, attribute); the value that turns it off comes from _off_values()
 SWITCHES = {
-    "router_topk": ("moe_sft.layers.router_topk", "triton", None),  # off: megatron's torch ops
-    "wgrad_overlap": ("moe_sft.layers.wgrad", "OVERLAP", False),    # off: the compute stream
+    "router_topk": ("moe_sft.layers.router_topk", "triton"),         # off: megatron's torch ops
+    "wgrad_overlap": ("moe_sft.layers.wgrad", "OVERLAP"),            # off: the compute stream
+    "triton_launch": ("moe_sft.layers.triton_launch", "_cache"),     # off: Triton's JIT entry each launch
+    "flash_direct": ("moe_sft.layers.attention", "_FlashVarlen"),    # off: torch's varlen_attn custom op
 }
 
 
@@ -44,8 +69,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--tokens-per-step", type=int, default=32768)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--pairs", dest="rounds", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path("ab_out"))
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (not a timing)")
     args = p.parse_args()
@@ -54,12 +78,13 @@ def main() -> int:
     from moe_sft.bench.ours import OursArm
     from moe_sft.bench.workload import Workload, hf_config
 
-    module_name, attr, off_value = SWITCHES[args.switch]
+    module_name, attr = SWITCHES[args.switch]
+    off_value = _off_values()[args.switch]
     module = importlib.import_module(module_name)
     on_value = getattr(module, attr)
     work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
                     vocab=hf_config(args.model, args.layers)[1].vocab_size)
-    total = args.warmup + 2 * args.rounds * args.steps
+    total = args.warmup + 1 + 2 * args.rounds
     arm = OursArm(args.model, args.layers, args.out / "work", ep=1, first=work, max_steps=total, device=args.device)
     arm.use(work)
     times, losses, step = {"on": [], "off": []}, {"on": [], "off": []}, 0
@@ -70,32 +95,35 @@ def main() -> int:
         arm.prepare(step)
         arm.step(step)
         step += 1
-    for r in range(args.rounds):
+    for r in range(args.rounds):  # pairs of adjacent steps, the order flipping every pair
         for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
             setattr(module, attr, on_value if side == "on" else off_value)
-            for _ in range(args.steps):
-                arm.prepare(step)
-                _sync(arm.device)
-                before = _allocator_counts(arm.device)
-                start = time.perf_counter()
-                losses[side].append(arm.step(step))
-                _sync(arm.device)
-                times[side].append(time.perf_counter() - start)
-                after = _allocator_counts(arm.device)
-                allocator["device_allocs"].append(after[0] - before[0])
-                allocator["alloc_retries"].append(after[1] - before[1])
-                step += 1
+            arm.prepare(step)
+            _sync(arm.device)
+            before = _allocator_counts(arm.device)
+            start = time.perf_counter()
+            losses[side].append(arm.step(step))
+            _sync(arm.device)
+            times[side].append(time.perf_counter() - start)
+            after = _allocator_counts(arm.device)
+            allocator["device_allocs"].append(after[0] - before[0])
+            allocator["alloc_retries"].append(after[1] - before[1])
+            step += 1
     setattr(module, attr, on_value)
     result = {"switch": args.switch, "model": args.model, "layers": args.layers, "budget": args.budget,
               "tokens_per_step": args.tokens_per_step, "step_seconds": times, "losses": losses,
               "allocator": allocator, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
               "median_s": {k: statistics.median(v) for k, v in times.items()},
+              # each pair's two steps ran back to back: their ratio cancels the host's slow drift
+              "median_pair_ratio_off_over_on": statistics.median(
+                  off / on for on, off in zip(times["on"], times["off"])),
               "device": torch.cuda.get_device_name() if arm.device == "cuda" else arm.device}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"ab_{args.switch}.json").write_text(json.dumps(result, indent=1))
     on, off = result["median_s"]["on"], result["median_s"]["off"]
-    print(f"[ab] {args.switch}: median step on {on:.4f} s, off {off:.4f} s ({(off / on - 1) * 100:+.1f}% "
-          f"slower off); cudaMalloc calls per step {allocator['device_allocs']}, retries "
+    pair = result["median_pair_ratio_off_over_on"]
+    print(f"[ab] {args.switch}: median step on {on:.4f} s, off {off:.4f} s; median of the pairs' off/on "
+          f"{pair:.3f} ({(pair - 1) * 100:+.1f}% slower off); cudaMalloc calls per step {allocator['device_allocs']}, retries "
           f"{sum(allocator['alloc_retries'])}; steps on {[round(t, 3) for t in times['on']]} off {[round(t, 3) for t in times['off']]}")
     arm.close()
     return 0
