@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+from moe_sft.layers import topk_rows
 from moe_sft.layers.gather_sum import gather_sum
 from moe_sft.runtime.device import host_to_device
 
@@ -125,15 +126,19 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
         return _megatron_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
                                  fused=fused, drop_and_pad=drop_and_pad)
     permuted_probs = None
-    if isinstance(num_out_tokens, TopKRows) and routing_map.shape[0]:
-        rows, places, width, flat = _rows_and_slots_topk(routing_map, num_out_tokens)
-        if probs is not None:
-            permuted_probs = probs.T.reshape(-1).index_select(0, flat)
+    exact_topk = isinstance(num_out_tokens, TopKRows) and routing_map.shape[0]
+    if exact_topk and topk_rows.fits(routing_map):  # CUDA: one Triton pass
+        rows, slot_rows, permuted_probs = topk_rows.topk_rows(routing_map, probs, num_out_tokens // routing_map.shape[0])
     else:
-        rows, places, width = _rows_and_slots(routing_map)
-        if probs is not None:
-            permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
-    slot_rows = _slot_rows(places, tokens.shape[0], width)
+        if exact_topk:
+            rows, places, width, flat = _rows_and_slots_topk(routing_map, num_out_tokens)
+            if probs is not None:
+                permuted_probs = probs.T.reshape(-1).index_select(0, flat)
+        else:
+            rows, places, width = _rows_and_slots(routing_map)
+            if probs is not None:
+                permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
+        slot_rows = _slot_rows(places, tokens.shape[0], width)
     # megatron hands `rows` (its "sorted_indices") back to unpermute: the slots travel with it, so
     # the combine does not recompute them (another masked_select, i.e. another host sync).
     rows._moe_sft_slots = slot_rows

@@ -105,3 +105,25 @@ def test_triton_gather_sum_equals_the_torch_sum_of_the_gathered_rows():
         tol = dict(rtol=2 ** -8, atol=1e-5) if src.dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(ours.double(), exact, **tol)
         torch.testing.assert_close(torch_ops.double(), exact, **tol)
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(4096, 128, 8), (4096, 256, 8), (1000, 60, 4), (7, 8, 2)])
+def test_triton_topk_rows_equal_the_torch_permutation(tokens, experts, k):
+    """moe_sft/layers/topk_rows.py against permute.py's torch ops (the CPU path): the same rows,
+    slots and row probabilities; a token with another count than k raises the flag that
+    `topk_rows` asserts on (a failed device assert would end the process's CUDA context)."""
+    from moe_sft.layers import permute, topk_rows
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    choice = torch.randn(tokens, experts, device="cuda", generator=g).topk(k, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda").scatter(1, choice, True)
+    probs = torch.rand(tokens, experts, device="cuda", generator=g)
+    assert topk_rows.fits(routing_map)
+    rows, places, width, flat = permute._rows_and_slots_topk(routing_map, tokens * k)
+    expected = (rows, permute._slot_rows(places, tokens, width), probs.T.reshape(-1).index_select(0, flat))
+    *ours, bad = topk_rows.unchecked_topk_rows(routing_map, probs, k)
+    for a, b in zip(ours, expected):
+        assert torch.equal(a, b)
+    assert bad.item() == 0
+    routing_map[tokens // 2, choice[tokens // 2, 0]] = False
+    assert topk_rows.unchecked_topk_rows(routing_map, probs, k)[-1].item() == 1
