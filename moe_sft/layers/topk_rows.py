@@ -1,5 +1,5 @@
 """The permutation of dropless top-k routing in one Triton pass (CUDA): every routed row's token,
-each token's rows by slot, and the rows' probabilities.
+each token's rows by slot, and where each row's probability lies in the [tokens, experts] probs.
 
 moe_sft/layers/permute.py orders the rows of a routing map with exactly k experts per token as
 megatron does (expert-major, tokens ascending) with torch ops of static size: a cumsum, an argsort
@@ -7,8 +7,9 @@ of the flattened map, index arithmetic, an index_copy_ to invert it, the probabi
 a device-side check: about 20 kernels per MoE layer and micro-batch, each one a host launch in a
 host-bound step (docs/benchmarks.md). Here: one column cumsum of the map (torch), then one kernel
 that puts row (t, e) at start[e] + (tokens before t routed to e), with start the exclusive prefix
-sum of the experts' counts, and writes the three outputs; a token with another count than k
-trips a device-side assert, as before.
+sum of the experts' counts, and writes the three outputs; the probabilities are then one
+index_select (autograd carries their gradient back to the router). A token with another count
+than k trips a device-side assert, as before.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ MAX_EXPERTS = 1024
 
 if triton is not None:
     @triton.jit
-    def _topk_rows_kernel(map_ptr, cum_ptr, probs_ptr, rows_ptr, slot_rows_ptr, row_probs_ptr, bad_ptr,
-                          tokens, experts, HAS_PROBS: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK_E: tl.constexpr):
+    def _topk_rows_kernel(map_ptr, cum_ptr, rows_ptr, slot_rows_ptr, sources_ptr, bad_ptr, tokens, experts,
+                          K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         token = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         col = tl.arange(0, BLOCK_E)
         real = col < experts
@@ -46,8 +46,7 @@ if triton is not None:
         write = chosen & ok[:, None] & (slot < K)
         tl.store(rows_ptr + row, token64 + tl.zeros_like(row), mask=write)
         tl.store(slot_rows_ptr + token64 * K + slot, row, mask=write)
-        if HAS_PROBS:
-            tl.store(row_probs_ptr + row, tl.load(probs_ptr + offset, mask=write, other=0.0), mask=write)
+        tl.store(sources_ptr + row, offset, mask=write)
         tl.atomic_max(bad_ptr, tl.max(((~ok) & (token < tokens)).to(tl.int32), axis=0))
 
 
@@ -58,27 +57,25 @@ def fits(routing_map: torch.Tensor) -> bool:
 def topk_rows(routing_map: torch.Tensor, probs, k: int):
     """(rows [T*k] int64, slot_rows [T, k] int64, row probs [T*k] or None) for a [T, E] routing map
     with k experts per token: permute.py's `_rows_and_slots_topk` and `_slot_rows` in one pass."""
-    rows, slot_rows, row_probs, bad = unchecked_topk_rows(routing_map, probs, k)
+    rows, slot_rows, sources, bad = unchecked_topk_rows(routing_map, k)
     # Checked on the device (no wait): a token with another count would shift every later row.
     torch._assert_async(bad == 0, "moe_sft permute: a token without exactly top-k experts")
+    row_probs = probs.reshape(-1).index_select(0, sources) if probs is not None else None
     return rows, slot_rows, row_probs
 
 
-def unchecked_topk_rows(routing_map: torch.Tensor, probs, k: int):
-    """`topk_rows` and, instead of its assert, a [1] int32 flag: 1 if a token has another count than k."""
+def unchecked_topk_rows(routing_map: torch.Tensor, k: int):
+    """(rows, slot_rows, sources: each row's flat index t * E + e in the routing map, a [1] int32
+    flag: 1 if a token has another count than k); no assert."""
     tokens, experts = routing_map.shape
     routed = (routing_map if routing_map.dtype == torch.bool else routing_map.bool()).contiguous()
     cum = torch.cumsum(routed, dim=0, dtype=torch.int32)
     rows = torch.empty(tokens * k, dtype=torch.long, device=routed.device)
     slot_rows = torch.empty(tokens, k, dtype=torch.long, device=routed.device)
+    sources = torch.empty(tokens * k, dtype=torch.long, device=routed.device)
     bad = torch.zeros(1, dtype=torch.int32, device=routed.device)
-    has_probs = probs is not None
-    row_probs = torch.empty(tokens * k, dtype=probs.dtype, device=routed.device) if has_probs else rows
-    if has_probs:
-        probs = probs.contiguous()
     block_e = triton.next_power_of_2(experts)
     per_program = max(1, 2048 // block_e)
-    launch(_topk_rows_kernel, (triton.cdiv(tokens, per_program),), routed.view(torch.int8), cum,
-           probs if has_probs else cum, rows, slot_rows, row_probs, bad, tokens, experts, HAS_PROBS=has_probs,
-           K=k, ROWS=per_program, BLOCK_E=block_e)
-    return rows, slot_rows, (row_probs if has_probs else None), bad
+    launch(_topk_rows_kernel, (triton.cdiv(tokens, per_program),), routed.view(torch.int8), cum, rows, slot_rows,
+           sources, bad, tokens, experts, K=k, ROWS=per_program, BLOCK_E=block_e)
+    return rows, slot_rows, sources, bad

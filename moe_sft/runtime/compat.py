@@ -77,6 +77,10 @@ def apply_megatron_fixes() -> list[str]:
         use_gather_permutation()
         applied.append("token dispatchers: permute/unpermute by gathers, no atomic adds; dropless "
                        "dispatch without host syncs")
+        from moe_sft.layers.one_rank_collectives import skip_one_rank_collectives
+
+        skip_one_rank_collectives()
+        applied.append("TP/EP collectives over one rank: the input itself, without megatron's identity autograd Function")
         from moe_sft.layers.rope import use_sync_free_rope
 
         use_sync_free_rope()

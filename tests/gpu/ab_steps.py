@@ -42,7 +42,7 @@ def _off_values():
 
     _TorchVarlenAttn.apply = staticmethod(attention.torch_varlen_attn)
     return {"router_topk": None, "wgrad_overlap": False, "triton_launch": _ThroughTriton(),
-            "flash_direct": _TorchVarlenAttn}
+            "flash_direct": _TorchVarlenAttn, "topk_rows": None, "one_rank_collectives": lambda group: False}
 
 
 # name: (module, attribute); the value that turns it off comes from _off_values()
@@ -51,6 +51,8 @@ SWITCHES = {
     "wgrad_overlap": ("moe_sft.layers.wgrad", "OVERLAP"),            # off: the compute stream
     "triton_launch": ("moe_sft.layers.triton_launch", "_cache"),     # off: Triton's JIT entry each launch
     "flash_direct": ("moe_sft.layers.attention", "_FlashVarlen"),    # off: torch's varlen_attn custom op
+    "topk_rows": ("moe_sft.layers.topk_rows", "triton"),             # off: the permutation's torch ops
+    "one_rank_collectives": ("moe_sft.layers.one_rank_collectives", "_one_rank"),  # off: megatron's Functions
 }
 
 

@@ -95,6 +95,19 @@ def cases():
     yield ("aux-loss scores fwd+bwd: Triton | megatron's torch ops",
            aux_scores(router_topk.compute_routing_scores_for_aux_loss), aux_scores(router_topk._megatron_aux_loss_scores))
     yield ("direct flash varlen | torch's varlen_attn, fwd+bwd", flash(True), flash(False))
+    from moe_sft.layers import permute, topk_rows
+
+    choice = torch.randn(tokens, experts, device=dev).topk(k, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device=dev).scatter(1, choice, True)
+    probs = torch.rand(tokens, experts, device=dev, requires_grad=True)
+
+    def rows_torch():
+        rows, places, width, flat = permute._rows_and_slots_topk(routing_map, tokens * k)
+        permute._slot_rows(places, tokens, width)
+        probs.T.reshape(-1).index_select(0, flat)
+
+    yield ("top-k permutation indices fwd: Triton | torch ops", lambda: topk_rows.topk_rows(routing_map, probs, k),
+           rows_torch)
     yield ("gather_sum fwd: Triton | torch ops", lambda: gather_sum.gather_sum(rows, slots),
            lambda: gather_sum._gather_sum_torch(rows, slots))
 

@@ -121,9 +121,13 @@ def test_triton_topk_rows_equal_the_torch_permutation(tokens, experts, k):
     assert topk_rows.fits(routing_map)
     rows, places, width, flat = permute._rows_and_slots_topk(routing_map, tokens * k)
     expected = (rows, permute._slot_rows(places, tokens, width), probs.T.reshape(-1).index_select(0, flat))
-    *ours, bad = topk_rows.unchecked_topk_rows(routing_map, probs, k)
+    expected = tuple(t.detach() for t in expected)
+    probs.requires_grad_(True)
+    ours = topk_rows.topk_rows(routing_map, probs, k)
     for a, b in zip(ours, expected):
         assert torch.equal(a, b)
-    assert bad.item() == 0
+    ours[2].sum().backward()  # the router's probabilities get their gradient through the gather
+    assert torch.equal(probs.grad, routing_map.float())
+    assert topk_rows.unchecked_topk_rows(routing_map, k)[-1].item() == 0
     routing_map[tokens // 2, choice[tokens // 2, 0]] = False
-    assert topk_rows.unchecked_topk_rows(routing_map, probs, k)[-1].item() == 1
+    assert topk_rows.unchecked_topk_rows(routing_map, k)[-1].item() == 1
