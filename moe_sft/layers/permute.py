@@ -31,13 +31,11 @@ A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad go
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from moe_sft.layers import topk_rows
 from moe_sft.layers.gather_sum import gather_sum
-from moe_sft.runtime.device import host_to_device
 
 _megatron_permute = moe_utils.permute
 _megatron_unpermute = moe_utils.unpermute
@@ -164,53 +162,12 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
     return merged.to(input_dtype)
 
 
-class _PermuteRows(torch.autograd.Function):
-    """Forward: x[source]. Backward: the gradient's rows put back, grad[inverse] (a permutation:
-    every row has exactly one place, so no index_add_ and no zero fill)."""
-
-    @staticmethod
-    def forward(ctx, x, source, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, source)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
-def chunk_order_rows(split_sizes: torch.Tensor, sorted_idxs: torch.Tensor) -> torch.Tensor:
-    """[2, rows] int64 on the host: row 0 the source of each output row of `sort_chunks_by_idxs`
-    (output row r is input row source[r]), row 1 the inverse (input row i lands at inverse[i]).
-    numpy, not torch ops: ~6x less host time at 128 chunks of 30k rows."""
-    sizes = split_sizes.numpy().astype(np.int64)
-    order = sorted_idxs.cpu().numpy().astype(np.int64)
-    starts = np.cumsum(sizes) - sizes
-    out_sizes = sizes[order]
-    out_starts = np.cumsum(out_sizes) - out_sizes
-    total = int(out_sizes.sum())
-    lands = np.empty_like(order)
-    lands[order] = np.arange(order.size)  # the output chunk of each input chunk
-    rows = np.arange(total)
-    return torch.from_numpy(np.stack([rows + np.repeat(starts[order] - out_starts, out_sizes),
-                                      rows + np.repeat(out_starts[lands] - starts, sizes)]))
-
-
 def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
-    """megatron's `moe_utils.sort_chunks_by_idxs` (same arguments and results): the identity order
-    returns its input; any other order is one row gather (and probs one more) instead of a split
-    and a cat of every chunk, forward and backward. With expert parallelism on 2 H200s the cats
-    took 166 ms of a step (docs/benchmarks.md). The split sizes are host tensors here already
-    (megatron synchronised for the all-to-all), so the row order costs no wait."""
+    """megatron's `moe_utils.sort_chunks_by_idxs`, returning its input when the order is the identity."""
     order = sorted_idxs.tolist()
     if order == list(range(len(order))):
         return input, probs
-    if fused or split_sizes.is_cuda:
-        return _megatron_sort_chunks(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
-    source, inverse = host_to_device(chunk_order_rows(split_sizes, sorted_idxs), input.device)  # one copy
-    output = _PermuteRows.apply(input, source, inverse)
-    permuted_probs = _PermuteRows.apply(probs, source, inverse) if probs is not None else None
-    return output, permuted_probs
+    return _megatron_sort_chunks(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
 
 
 _megatron_alltoall_preprocess = token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess

@@ -120,34 +120,6 @@ def test_identity_chunk_order_is_not_copied_and_other_orders_are_megatron_s():
     torch.testing.assert_close(swapped, torch.cat([x[3:], x[:3]]))
 
 
-def test_chunk_sort_by_one_gather_equals_megatron_s_split_and_cat_with_gradients():
-    # the EP2 dispatcher's layout: [rank, local expert] chunks sorted expert-major, then restored
-    g = torch.Generator().manual_seed(0)
-    ranks, local = 2, 4
-    sizes = torch.randint(0, 6, (ranks * local,), generator=g)
-    sizes[3] = 0  # an expert without tokens
-    sort = torch.arange(ranks * local).reshape(ranks, local).T.ravel()
-    restore = torch.arange(ranks * local).reshape(local, ranks).T.ravel()
-    x = torch.randn(int(sizes.sum()), 5, generator=g)
-    probs = torch.rand(int(sizes.sum()), generator=g)
-    dy, dp = torch.randn_like(x), torch.randn_like(probs)
-
-    def run(fn):
-        xi, pi = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
-        y, p = fn(xi, sizes, sort, probs=pi)
-        (y * dy).sum().backward()
-        (p * dp).sum().backward()
-        back, _ = fn(y.detach(), sizes.reshape(ranks, local).T.ravel(), restore)
-        return y, p, xi.grad, pi.grad, back
-
-    ours_out, theirs = run(ours.sort_chunks_by_idxs), run(ours._megatron_sort_chunks)
-    for a, b in zip(ours_out, theirs):
-        assert torch.equal(a, b)  # copies only: bit-equal
-    assert torch.equal(ours_out[-1], x)  # the restore undoes the sort
-    rows = ours.chunk_order_rows(sizes, sort)
-    assert torch.equal(rows[0][rows[1]], torch.arange(x.shape[0]))  # inverse of each other
-
-
 def test_the_dispatchers_use_it_once_megatron_fixes_are_applied():
     from moe_sft.runtime import compat
 
