@@ -6,7 +6,7 @@
   expert shapes: T x top-k routed rows spread evenly over the experts, fc1 [H -> 2F] and
   fc2 [F -> H], forward and forward + backward;
 * varlen causal attention through moe_sft.layers.attention.cp_kernel (the kernel the model's core
-  attention uses: torch's varlen_attn / flash-attn on CUDA, per-document SDPA on CPU) on one
+  attention uses: torch's flash varlen kernel / flash-attn on CUDA, per-document SDPA on CPU) on one
   micro-batch of the benchmark workload and on equal 2048-token documents.
 
 FLOPs: matmul 2mkn; attention 2 n_h (d_qk + d_v) per causal (query, key) pair; forward + backward

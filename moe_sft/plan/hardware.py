@@ -44,7 +44,7 @@ def kernels(gpu: GPU, backend: str) -> list[str]:
             ": Transformer Engine importable here, would be used on CUDA" if te and backend == "auto" else
             ": torch-native spec (varlen attention, grouped_mm experts)"))
     lines.append("attention kernel on CUDA: " + ("flash_attn.flash_attn_varlen_func" if flash else
-                                                 "torch.nn.attention.varlen.varlen_attn (flash-attn not installed here)"))
+                                                 "torch's flash varlen kernel (flash-attn not installed here)"))
     return lines
 
 
