@@ -76,16 +76,23 @@ if triton is not None:
         return tl.where(kept, key, float("-inf"))
 
     @triton.jit
-    def _routing_forward_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, tokens, experts, scale,
-                                SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                K: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
-                                ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _rows_of_logits(logits_ptr, tokens, experts, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+        """This program's ROWS tokens: expert columns, the real-expert and in-bounds masks, row
+        offsets, flat offsets into a [tokens, experts] tensor, and the logits (-inf outside)."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         col = tl.arange(0, BLOCK_E)
         real = col[None, :] < experts
         inside = (row[:, None] < tokens) & real
-        offset = row.to(tl.int64)[:, None] * experts + col[None, :]
-        logits = tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
+        row64 = row.to(tl.int64)[:, None]
+        offset = row64 * experts + col[None, :]
+        return col, real, inside, row64, offset, tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
+
+    @triton.jit
+    def _routing_forward_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, tokens, experts, scale,
+                                SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                K: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                                ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+        col, real, inside, _, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         if SIGMOID:
             scores = tl.sigmoid(logits)
             key = scores
@@ -117,12 +124,7 @@ if triton is not None:
                                  tokens, experts, scale, SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
                                  K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         """d logits from d probs: the chosen scores are recomputed from the logits and the map."""
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        col = tl.arange(0, BLOCK_E)
-        inside = (row[:, None] < tokens) & (col[None, :] < experts)
-        row64 = row.to(tl.int64)[:, None]
-        offset = row64 * experts + col[None, :]
-        logits = tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
+        col, _, inside, row64, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         chosen = tl.load(map_ptr + offset, mask=inside, other=0) != 0
         grad = tl.load(grad_ptr + row64 * grad_stride_t + col[None, :] * grad_stride_e, mask=inside,
                        other=0.0).to(tl.float32) * scale
@@ -145,12 +147,7 @@ if triton is not None:
     @triton.jit
     def _aux_scores_forward_kernel(logits_ptr, scores_ptr, map_ptr, tokens, experts, SIGMOID: tl.constexpr,
                                    K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        col = tl.arange(0, BLOCK_E)
-        real = col[None, :] < experts
-        inside = (row[:, None] < tokens) & real
-        offset = row.to(tl.int64)[:, None] * experts + col[None, :]
-        logits = tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
+        col, real, inside, _, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         if SIGMOID:
             scores = tl.sigmoid(logits)
             scores = scores / (tl.sum(scores, axis=1)[:, None] + 1e-20)
@@ -163,12 +160,7 @@ if triton is not None:
     @triton.jit
     def _aux_scores_backward_kernel(logits_ptr, grad_ptr, grad_stride_t, grad_stride_e, out_ptr, tokens,
                                     experts, SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        col = tl.arange(0, BLOCK_E)
-        inside = (row[:, None] < tokens) & (col[None, :] < experts)
-        row64 = row.to(tl.int64)[:, None]
-        offset = row64 * experts + col[None, :]
-        logits = tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
+        col, _, inside, row64, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         grad = tl.load(grad_ptr + row64 * grad_stride_t + col[None, :] * grad_stride_e, mask=inside,
                        other=0.0).to(tl.float32)
         if SIGMOID:
