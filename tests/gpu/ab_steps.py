@@ -71,7 +71,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--tokens-per-step", type=int, default=32768)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--pairs", dest="rounds", type=int, default=12)
+    p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path("ab_out"))
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (not a timing)")
     args = p.parse_args()
@@ -86,7 +86,7 @@ def main() -> int:
     on_value = getattr(module, attr)
     work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
                     vocab=hf_config(args.model, args.layers)[1].vocab_size)
-    total = args.warmup + 1 + 2 * args.rounds
+    total = args.warmup + 1 + 2 * args.pairs
     arm = OursArm(args.model, args.layers, args.out / "work", ep=1, first=work, max_steps=total, device=args.device)
     arm.use(work)
     times, losses, step = {"on": [], "off": []}, {"on": [], "off": []}, 0
@@ -97,7 +97,7 @@ def main() -> int:
         arm.prepare(step)
         arm.step(step)
         step += 1
-    for r in range(args.rounds):  # pairs of adjacent steps, the order flipping every pair
+    for r in range(args.pairs):  # pairs of adjacent steps, the order flipping every pair
         for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
             setattr(module, attr, on_value if side == "on" else off_value)
             arm.prepare(step)
