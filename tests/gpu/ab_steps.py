@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.gpu.bench_model import add_model_args, build_arm  # noqa: E402
 
 class _ThroughTriton(dict):
     """A launch cache that never hits: every Triton launch goes through Triton's own entry."""
@@ -66,29 +67,18 @@ def _allocator_counts(device: str) -> tuple[int, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--switch", choices=sorted(SWITCHES), required=True)
-    p.add_argument("--model", default="qwen3_30b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--budget", type=int, default=4096)
-    p.add_argument("--tokens-per-step", type=int, default=32768)
-    p.add_argument("--warmup", type=int, default=3)
+    add_model_args(p)
     p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path("ab_out"))
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (not a timing)")
     args = p.parse_args()
 
     from moe_sft.bench.measure import _sync
-    from moe_sft.bench.ours import OursArm
-    from moe_sft.bench.workload import Workload, hf_config
 
     module_name, attr = SWITCHES[args.switch]
     off_value = _off_values()[args.switch]
     module = importlib.import_module(module_name)
     on_value = getattr(module, attr)
-    work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
-                    vocab=hf_config(args.model, args.layers)[1].vocab_size)
-    total = args.warmup + 1 + 2 * args.pairs
-    arm = OursArm(args.model, args.layers, args.out / "work", ep=1, first=work, max_steps=total, device=args.device)
-    arm.use(work)
+    arm = build_arm(args, args.out / "work", max_steps=args.warmup + 1 + 2 * args.pairs)
     times, losses, step = {"on": [], "off": []}, {"on": [], "off": []}, 0
     # per timed step: the allocator's cudaMalloc calls and retries (a retry frees the cache and waits)
     allocator = {"device_allocs": [], "alloc_retries": []}

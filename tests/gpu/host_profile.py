@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.gpu.bench_model import add_model_args, build_arm  # noqa: E402
 
 
 def step_anatomy(arm, steps) -> list[dict]:
@@ -65,26 +66,15 @@ def step_anatomy(arm, steps) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("--model", default="qwen3_30b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--budget", type=int, default=4096)
-    p.add_argument("--tokens-per-step", type=int, default=32768)
-    p.add_argument("--warmup", type=int, default=3)
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--device", default="cuda")
     p.add_argument("--callees", nargs="*", default=[], help="also list what these functions call (regexes)")
     p.add_argument("--callers", nargs="*", default=[], help="also list who calls these functions (regexes)")
     args = p.parse_args()
 
     from moe_sft.bench.measure import _sync
-    from moe_sft.bench.ours import OursArm
-    from moe_sft.bench.workload import Workload, hf_config
 
-    work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
-                    vocab=hf_config(args.model, args.layers)[1].vocab_size)
-    arm = OursArm(args.model, args.layers, args.out / "work", ep=1, first=work,
-                  max_steps=args.warmup + 1 + 2 * args.steps, device=args.device)
-    arm.use(work)
+    arm = build_arm(args, args.out / "work", max_steps=args.warmup + 1 + 2 * args.steps)
     for step in range(args.warmup):
         arm.prepare(step)
         arm.step(step)
