@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-ARMS = ("moe-sft", "transformers", "torchtitan")
+ARMS = ("moe-sft", "moe-sft-graphs", "transformers", "torchtitan")  # -graphs: trainer.cuda_graphs
 
 
 def _device(choice: str) -> str:
@@ -69,13 +69,13 @@ def _forwarded(args) -> list[str]:
 def _make_arm(name: str, args, device: str, layers: int, first):
     from moe_sft.bench.workload import hf_config
 
-    if name == "moe-sft":
+    if name in ("moe-sft", "moe-sft-graphs"):
         from moe_sft.bench.ours import OursArm
 
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
         return OursArm(args.model, layers, args.out / "work" / args.model, ep=args.ep, first=first,
-                       max_steps=max_steps, device=device)
+                       max_steps=max_steps, device=device, cuda_graphs=name == "moe-sft-graphs")
     if name == "transformers":
         from moe_sft.bench.hf import HFArm
 

@@ -26,7 +26,7 @@ from moe_sft.trainer.trainer import Trainer
 
 
 def bench_config(model: str, work: Path, *, ep: int, budget: int, micro_batches: int, max_steps: int,
-                 device: str = "auto") -> TrainConfig:
+                 device: str = "auto", cuda_graphs: bool = False) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
     return TrainConfig(
@@ -37,7 +37,8 @@ def bench_config(model: str, work: Path, *, ep: int, budget: int, micro_batches:
         parallel=ParallelConfig(expert_model_parallel_size=ep, use_distributed_optimizer=True),
         optimizer=OptimizerConfig(lr=1e-5, min_lr=1e-6, lr_warmup_steps=0, clip_grad=1.0),
         trainer=TrainerConfig(output_dir=str(work / "run"), max_steps=max_steps, global_batch_size=micro_batches,
-                              device=device, log_interval=10**9, export_hf_at_end=False),
+                              device=device, log_interval=10**9, export_hf_at_end=False,
+                              cuda_graphs=cuda_graphs),
         checkpoint=CheckpointConfig(save_at_end=False, resume="never"))
 
 
@@ -68,12 +69,11 @@ class BenchTrainer(Trainer):
 
 
 class OursArm:
-    name = "moe-sft"
-
     def __init__(self, model: str, layers: int, work: Path, *, ep: int, first: Workload, max_steps: int,
-                 device: str = "auto"):
+                 device: str = "auto", cuda_graphs: bool = False):
+        self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft"
         cfg = bench_config(model, work, ep=ep, budget=first.budget, micro_batches=first.micro_batches,
-                           max_steps=max_steps, device=device)
+                           max_steps=max_steps, device=device, cuda_graphs=cuda_graphs)
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer
         t.skips = guard.SkipCounter(cfg.trainer.max_skipped_steps_in_a_row)
@@ -88,6 +88,7 @@ class OursArm:
         t.plan = SyntheticPlan(workload)
         t.cfg.data.pack_length = t.cfg.data.max_seq_len = workload.budget
         t._micro_batch_shape()
+        t._cuda_graphs()  # graphs for this budget's micro-batch length (if on)
 
     def prepare(self, step: int) -> None:
         self.trainer.plan.global_batch(step)

@@ -113,13 +113,14 @@ def ratio_lines(runs: list[dict]) -> list[str]:
         if r.get("status") == "ok" and r["gpus"] == 1:
             by.setdefault((r["model"], r["layers"], r["budget"]), {})[r["arm"]] = r
     for (model, layers, budget), arms in sorted(by.items()):
-        ours = arms.get("moe-sft")
-        for name, other in arms.items():
-            if ours is None or name == "moe-sft":
-                continue
-            same = "same tokens" if other["fed_digest"] == ours["fed_digest"] else "DIFFERENT tokens"
-            out.append(f"- {model} L{layers} budget {budget}: moe-sft / {name} tokens/s = "
-                       f"{ours['tokens_per_s_per_gpu'] / max(other['tokens_per_s_per_gpu'], 1e-9):.2f}x ({same})")
+        for ours_name in ("moe-sft", "moe-sft-graphs"):
+            ours = arms.get(ours_name)
+            for name, other in arms.items():
+                if ours is None or name == ours_name or (ours_name == "moe-sft-graphs" and name == "moe-sft"):
+                    continue
+                same = "same tokens" if other["fed_digest"] == ours["fed_digest"] else "DIFFERENT tokens"
+                out.append(f"- {model} L{layers} budget {budget}: {ours_name} / {name} tokens/s = "
+                           f"{ours['tokens_per_s_per_gpu'] / max(other['tokens_per_s_per_gpu'], 1e-9):.2f}x ({same})")
     return ([""] + out) if out else []
 
 

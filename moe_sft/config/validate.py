@@ -291,6 +291,12 @@ def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
             errors.append(f"{name}={value} must be in [0, 2**32)")
     if not t.output_dir:
         errors.append("trainer.output_dir is empty; set a run directory")
+    if t.cuda_graphs:
+        from moe_sft.trainer.cuda_graphs import ineligible
+
+        device = "cpu" if t.device == "cpu" else "cuda"  # auto: checked again once the device is known
+        errors += [f"trainer.cuda_graphs=true: {why}; or set trainer.cuda_graphs=false"
+                   for why in ineligible(device, cfg)]
     return errors
 
 

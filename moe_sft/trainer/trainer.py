@@ -32,7 +32,7 @@ from moe_sft.models.builder import ModelOptions, build_model_chunks, build_trans
 from moe_sft.models.hf_config import num_experts
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import checkpoint, freeze, guard, offload, optimizer_kernels, overlap, step as train_step
+from moe_sft.trainer import checkpoint, cuda_graphs, freeze, guard, offload, optimizer_kernels, overlap, step as train_step
 from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
 from moe_sft.trainer.telemetry import Telemetry
@@ -77,6 +77,7 @@ class Trainer:
         self._optimizer()
         self._resume()
         self.telemetry = Telemetry.for_trainer(self)  # after loading: expert-bias drift starts here
+        self._cuda_graphs()  # after the telemetry: its routing statistics are part of the graphs
         self.gc = ScheduledGC(self.cfg.trainer.gc_interval, self.rt.device)
         return self
 
@@ -198,6 +199,17 @@ class Trainer:
         _say(f"model {self.family.name}: {params / 1e6:.2f}M parameters on rank 0's shard, "
              f"{self.tconfig.num_layers} layers, {self.tconfig.num_moe_experts} experts")
 
+    def _cuda_graphs(self) -> None:
+        if not self.cfg.trainer.cuda_graphs or cuda_graphs.captured_length(self.model) == self.seq_length:
+            return
+        errors = cuda_graphs.ineligible(self.rt.device, self.cfg)
+        if errors:
+            raise ConfigError("trainer.cuda_graphs=true: " + "; ".join(errors))
+        graphs = cuda_graphs.capture_moe_graphs(self.model, self.seq_length)
+        cuda_graphs.reset_after_capture(self.model, self.telemetry.moe)
+        _say(f"CUDA graphs: the MoE half of {len(graphs)} layers captured for {self.seq_length}-token micro-batches "
+             "(forward and backward)")
+
     def _setup_mtp(self, chunks) -> None:
         """MTP layers train with the recipe's loss weight, or stay frozen (before DDP sees them)."""
         depths = self.tconfig.mtp_num_layers or 0
@@ -279,7 +291,7 @@ class Trainer:
         expert_group = p.expert_model_parallel_size * (p.expert_tensor_parallel_size
                                                        or p.tensor_model_parallel_size)
         self.fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
-        if self.fixed_shape:
+        if self.fixed_shape or self.cfg.trainer.cuda_graphs:  # graphs: one micro-batch length
             pad_to = d.pack_length
         self.seq_length = d.pack_length
         return pad_to
@@ -395,6 +407,10 @@ class Trainer:
                      "checkpoint saved: run the same command again to resume")
                 return
         logger.close()
+        if t.cuda_graphs:
+            replays, eager = cuda_graphs.replay_counts(self.model)
+            _say(f"CUDA graphs: {replays} MoE-half replays, {eager} eager training forwards"
+                 + ("" if cuda_graphs.REPLAY else " (MOE_SFT_CUDA_GRAPHS_REPLAY=0)"))
         # the telemetry resets the CUDA peak every step (per-step peaks) and keeps the run's peak
         peaks = peak_memory_per_rank(self.rt.device, self.telemetry.run_peak_gib)
         if peaks:

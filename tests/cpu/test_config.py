@@ -267,6 +267,7 @@ TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_paralle
     ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 16}, 4),
     ({**TP2_SP, "parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4,
       "parallel__expert_tensor_parallel_size": 1}, 4),
+    ({"trainer__cuda_graphs": True}, 8),  # data parallel is fine: each rank replays its own graphs
 ])
 def test_good_configs_pass(good, changes, world_size):
     validate_config(_with(good, **changes), world_size)
@@ -359,6 +360,16 @@ def test_good_configs_pass(good, changes, world_size):
      "optimizer.optimizer_offload_fraction=1.5 must be in (0, 1]"),
     ({"trainer__offload_between_steps": True, "parallel__use_distributed_optimizer": False}, 1,
      "trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true"),
+    ({"trainer__cuda_graphs": True, "trainer__device": "cpu"}, 1,
+     "[trainer] trainer.cuda_graphs=true: trainer.device=cpu: CUDA graphs need CUDA; or set trainer.cuda_graphs=false"),
+    ({"trainer__cuda_graphs": True, "parallel__expert_model_parallel_size": 2}, 2,
+     "trainer.cuda_graphs=true: parallel.expert_model_parallel_size=2: the graphed MoE half needs 1"),
+    ({"trainer__cuda_graphs": True, "parallel__pipeline_model_parallel_size": 2}, 2,
+     "trainer.cuda_graphs=true: parallel.pipeline_model_parallel_size=2: the graphed MoE half needs 1"),
+    ({"trainer__cuda_graphs": True, "model__recompute_granularity": "selective",
+      "model__recompute_modules": ["moe"]}, 1, "trainer.cuda_graphs=true: model.recompute_granularity=selective"),
+    ({"trainer__cuda_graphs": True, "trainer__offload_between_steps": True}, 1,
+     "trainer.cuda_graphs=true: trainer.offload_between_steps=true"),
     ({"model__mcore_path": None}, 1, "[model_paths] model.mcore_path is null"),
     ({"model__mcore_path": "/nonexistent/mcore"}, 1, "model.mcore_path='/nonexistent/mcore' does not exist"),
 ])

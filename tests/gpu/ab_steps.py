@@ -43,7 +43,8 @@ def _off_values():
 
     _TorchVarlenAttn.apply = staticmethod(attention.torch_varlen_attn)
     return {"router_topk": None, "wgrad_overlap": False, "triton_launch": _ThroughTriton(),
-            "flash_direct": _TorchVarlenAttn, "topk_rows": None, "one_rank_collectives": lambda group: False}
+            "flash_direct": _TorchVarlenAttn, "topk_rows": None, "one_rank_collectives": lambda group: False,
+            "cuda_graphs": False}
 
 
 # name: (module, attribute); the value that turns it off comes from _off_values()
@@ -54,6 +55,7 @@ SWITCHES = {
     "flash_direct": ("moe_sft.layers.attention", "_FlashVarlen"),    # off: torch's varlen_attn custom op
     "topk_rows": ("moe_sft.layers.topk_rows", "triton"),             # off: the permutation's torch ops
     "one_rank_collectives": ("moe_sft.layers.one_rank_collectives", "_one_rank"),  # off: megatron's Functions
+    "cuda_graphs": ("moe_sft.trainer.cuda_graphs", "REPLAY"),        # off: the captured layers run eagerly
 }
 
 
@@ -78,6 +80,7 @@ def main() -> int:
     off_value = _off_values()[args.switch]
     module = importlib.import_module(module_name)
     on_value = getattr(module, attr)
+    args.cuda_graphs = args.switch == "cuda_graphs"  # the graphs must exist to be switched
     arm = build_arm(args, args.out / "work", max_steps=args.warmup + 1 + 2 * args.pairs)
     times, losses, step = {"on": [], "off": []}, {"on": [], "off": []}, 0
     # per timed step: the allocator's cudaMalloc calls and retries (a retry frees the cache and waits)

@@ -11,6 +11,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--tokens-per-step", type=int, default=32768)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cuda-graphs", action="store_true", help="trainer.cuda_graphs (the MoE halves as CUDA graphs)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (not a timing)")
 
 
@@ -21,6 +22,7 @@ def build_arm(args, work_dir: Path, max_steps: int):
 
     work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
                     vocab=hf_config(args.model, args.layers)[1].vocab_size)
-    arm = OursArm(args.model, args.layers, work_dir, ep=1, first=work, max_steps=max_steps, device=args.device)
+    arm = OursArm(args.model, args.layers, work_dir, ep=1, first=work, max_steps=max_steps, device=args.device,
+                  cuda_graphs=getattr(args, "cuda_graphs", False))
     arm.use(work)
     return arm

@@ -1,0 +1,272 @@
+"""CUDA graphs of the MoE half of every MoE layer (`trainer.cuda_graphs`).
+
+Why: at a 4096-token micro-batch the step is bound by the host, not the GPU. On one H200 the
+forward + backward took 550-574 ms against ~455 ms of kernels (docs/benchmarks.md): the Python of
+megatron's MoE layer (router, aux loss, dispatcher, experts, combine, ~20 autograd Functions) is
+launched 64 times a step. A graph replays all of those kernels, forward and backward, for the cost
+of one launch.
+
+What is captured, per MoE layer: megatron's `TransformerLayer._forward_mlp`, i.e. the pre-MLP norm,
+the router (top-k, aux loss, our routing statistics), the permutation, the grouped expert GEMMs,
+the combine and the residual add. Attention stays eager: its kernels depend on the documents of a
+micro-batch (cu_seqlens, max length), the MoE half only on the token count. With EP x TP = 1 the
+dropless dispatch has no host sync and fixed sizes (moe_sft/layers/permute.py), so one graph
+serves every micro-batch of that length; micro-batches are padded to `data.pack_length`.
+
+What the graphs rely on, and how it is kept true:
+- Every micro-batch's forward is followed by its backward before the next forward (PP = 1): each
+  graph's inputs, outputs and saved activations are static buffers, reused per micro-batch.
+- Python side effects do not replay. The fused weight-gradient paths (our expert wgrad, megatron's
+  gradient_accumulation_fusion) set `grad_added_to_main_grad` in their backward; the replay sets it
+  for the weights that set it during capture (as megatron's own graph runner does), so DDP's hook
+  does not add their placeholder gradient again. Those weights are not graph inputs, so their
+  placeholders cost no static memory; their gradients go into main_grad inside the graph.
+- In-place state is captured by address: main grads, the aux-loss tracker and scale
+  (`set_loss_scale` copies in place), the routing statistics, the expert-bias token counts.
+  Capture runs warm-up iterations that add into all of them; `reset_after_capture` clears them.
+- The expert wgrad's side stream (moe_sft/layers/wgrad.py) would fork inside the capture and join
+  outside it: graphs keep it on the compute stream.
+Not graphable, refused with the reason (`ineligible`): CPU, TP/EP/CP/PP > 1, recompute,
+activation offload, overlapped parameter all-gather (its pre-forward hooks would not run), offload
+between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+# 0: capture, then run every layer eagerly anyway: the same padding, data and stream use, for
+# parity checks and A/B timings (tests/gpu/test_gpu_cuda_graphs.py, tests/gpu/ab_steps.py)
+REPLAY = os.environ.get("MOE_SFT_CUDA_GRAPHS_REPLAY", "1") != "0"
+
+
+def ineligible(device: str, cfg) -> list[str]:
+    """Why `trainer.cuda_graphs` cannot be used with this run's layout (empty: it can)."""
+    parallel, model, reasons = cfg.parallel, cfg.model, []
+    if device != "cuda":
+        reasons.append(f"trainer.device={device}: CUDA graphs need CUDA")
+    for name in ("tensor_model_parallel_size", "expert_model_parallel_size", "context_parallel_size",
+                 "pipeline_model_parallel_size"):
+        if getattr(parallel, name) != 1:
+            reasons.append(f"parallel.{name}={getattr(parallel, name)}: the graphed MoE half needs 1 (its "
+                           "dispatch then has fixed sizes and no host sync; PP > 1 keeps several micro-batches "
+                           "in flight, whose activations would share the graph's buffers)")
+    if (parallel.expert_tensor_parallel_size or 1) != 1:
+        reasons.append(f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: needs 1")
+    if parallel.overlap_param_gather:
+        reasons.append("parallel.overlap_param_gather=true: its pre-forward hooks would not run inside a graph")
+    if model.recompute_granularity:
+        reasons.append(f"model.recompute_granularity={model.recompute_granularity}: recompute re-runs the "
+                       "forward inside the backward; use one or the other")
+    if model.activation_offload_modules:
+        reasons.append("model.activation_offload_modules is set: offload moves activations the graph owns")
+    if cfg.trainer.offload_between_steps:
+        reasons.append("trainer.offload_between_steps=true: moving the weights and grads moves what the graphs "
+                       "read and write")
+    return reasons
+
+
+def moe_layers(chunks) -> list:
+    """The decoder's MoE TransformerLayers of the (DDP-wrapped) chunks, in forward order."""
+    layers = []
+    for chunk in chunks:
+        module = chunk
+        while hasattr(module, "module"):  # DDP, Float16Module
+            module = module.module
+        layers += [layer for layer in module.decoder.layers if getattr(layer, "is_moe_layer", False)]
+    return layers
+
+
+@dataclass
+class _LayerGraph:
+    """One layer's captured forward and backward, and the static buffers they read and write."""
+    eager: Callable                      # the layer's own _forward_mlp
+    params: list                         # weights whose gradient the graph returns (graph inputs)
+    fused: list                          # weights whose gradient the graph adds into main_grad
+    static_in: torch.Tensor
+    static_mask: torch.Tensor            # [1, tokens] padding mask (all False for a batch without padding)
+    static_out: Optional[torch.Tensor] = None
+    static_grad_out: Optional[torch.Tensor] = None
+    static_grads: tuple = ()
+    fwd: torch.cuda.CUDAGraph = field(default_factory=torch.cuda.CUDAGraph)
+    bwd: torch.cuda.CUDAGraph = field(default_factory=torch.cuda.CUDAGraph)
+    replays: int = 0
+    eager_calls: int = 0                 # training forwards that did not match (another length)
+
+    def matches(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> bool:
+        s = self.static_in
+        return (x.shape == s.shape and x.dtype == s.dtype and x.device == s.device and x.requires_grad
+                and (padding_mask is None or padding_mask.shape == self.static_mask.shape))
+
+    def run(self, x: torch.Tensor):
+        return self.eager(x, None, padding_mask=self.static_mask)
+
+    def run_eager(self) -> None:
+        """A warm-up iteration (Triton compiles, cuBLAS plans, allocator pools), as in the capture."""
+        out = self.run(self.static_in)
+        torch.autograd.grad(out, [self.static_in, *self.params], torch.ones_like(out), allow_unused=True)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph: _LayerGraph, x: torch.Tensor, padding_mask: Optional[torch.Tensor], *params):
+        graph.static_in.copy_(x)
+        if padding_mask is None:
+            graph.static_mask.zero_()
+        else:
+            graph.static_mask.copy_(padding_mask)
+        graph.fwd.replay()
+        ctx.graph = graph
+        return graph.static_out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        graph = ctx.graph
+        graph.static_grad_out.copy_(grad_out)
+        graph.bwd.replay()
+        return (None, graph.static_grads[0], None, *graph.static_grads[1:])
+
+
+def _trainable(modules) -> list:
+    seen, out = set(), []
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def capture_moe_graphs(chunks, tokens: int, warmup: int = 2) -> list[_LayerGraph]:
+    """Capture every MoE layer's `_forward_mlp` for `tokens`-token micro-batches and route the layer's
+    training forward through the replay; replaces the graphs of an earlier call (one length at a
+    time). Call `reset_after_capture` afterwards: the warm-up iterations had side effects."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from moe_sft.layers import wgrad
+
+    layers = moe_layers(chunks)
+    if not layers:
+        return []
+    wgrad.OVERLAP = False  # the side stream would fork inside a capture and join outside it
+    if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
+        # The backward reads the aux-loss scale by address; the schedule later copies into this [1]
+        # tensor. (Left unset, the warm-up's backward would create a 0-d one the copy cannot fill.)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device="cuda"))
+    config = layers[0].config
+    graphs = []
+    for layer in layers:
+        if not hasattr(layer, "_moe_sft_eager_mlp"):
+            layer._moe_sft_eager_mlp = layer._forward_mlp
+            layer._forward_mlp = _dispatch(layer)
+        layer._moe_sft_graph = None  # an earlier length's graph: its memory goes back
+        weights = _trainable([layer.pre_mlp_layernorm, layer.mlp])
+        for p in weights:
+            p.grad_added_to_main_grad = False
+        x = torch.randn(tokens, 1, config.hidden_size, dtype=config.params_dtype, device="cuda", requires_grad=True)
+        mask = torch.zeros(1, tokens, dtype=torch.bool, device="cuda")  # megatron's [b, s] padding mask
+        graphs.append(_LayerGraph(eager=layer._moe_sft_eager_mlp, params=weights, fused=[], static_in=x,
+                                  static_mask=mask))
+
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for graph in graphs:
+            for _ in range(warmup):
+                graph.run_eager()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for graph in graphs:  # a weight whose backward added into main_grad itself is not a graph input
+        graph.fused = [p for p in graph.params if getattr(p, "grad_added_to_main_grad", False)]
+        graph.params = [p for p in graph.params if not getattr(p, "grad_added_to_main_grad", False)]
+
+    # One memory pool, captured in the order of replay (forwards in layer order, backwards in
+    # reverse), as torch.cuda.make_graphed_callables does: a later capture reuses only memory an
+    # earlier graph no longer needs.
+    pool = torch.cuda.graph_pool_handle()
+    leaves = []
+    for layer, graph in zip(layers, graphs):
+        # Autograd runs a leaf's gradient on the stream its accumulator was made on: the input's on
+        # the warm-up stream, DDP's parameters' on the legacy default stream, and waiting on either
+        # from inside a capture invalidates it. So the capture differentiates fresh leaves, made
+        # while capturing: a new input, and aliases (same storage) of the weights the graph returns
+        # gradients for, swapped into their modules for the capture only.
+        graph.static_in = graph.static_in.detach().requires_grad_()
+        with torch.cuda.graph(graph.fwd, pool=pool), _aliased(layer, graph.params) as aliases:
+            graph.static_out = graph.run(graph.static_in)
+        leaves.append(aliases)
+    for graph, aliases in reversed(list(zip(graphs, leaves))):
+        graph.static_grad_out = torch.empty_like(graph.static_out)
+        with torch.cuda.graph(graph.bwd, pool=pool):
+            grads = torch.autograd.grad(graph.static_out, [graph.static_in, *aliases],
+                                        graph.static_grad_out, allow_unused=True)
+        graph.static_grads = tuple(g.detach() if g is not None else None for g in grads)
+        graph.static_out = graph.static_out.detach()  # frees the captured autograd graph
+    for layer, graph in zip(layers, graphs):
+        layer._moe_sft_graph = graph
+    return graphs
+
+
+@contextlib.contextmanager
+def _aliased(layer, params):
+    """Swap each of `params` in its module for a new leaf Parameter on the same storage; restore."""
+    owners = {id(p): (module, name) for top in (layer.pre_mlp_layernorm, layer.mlp)
+              for module in top.modules() for name, p in module._parameters.items() if p is not None}
+    slots = [owners[id(p)] for p in params]
+    aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in params]
+    try:
+        for (module, name), alias in zip(slots, aliases):
+            module._parameters[name] = alias
+        yield aliases
+    finally:
+        for (module, name), p in zip(slots, params):
+            module._parameters[name] = p
+
+
+def _dispatch(layer):
+    def forward_mlp(hidden_states, inference_context=None, padding_mask=None):
+        graph = layer._moe_sft_graph
+        if graph is not None and layer.training and torch.is_grad_enabled():
+            if REPLAY and inference_context is None and graph.matches(hidden_states, padding_mask):
+                for p in graph.fused:
+                    p.grad_added_to_main_grad = True
+                graph.replays += 1
+                return _Replay.apply(graph, hidden_states, padding_mask, *graph.params)
+            graph.eager_calls += 1
+        return layer._moe_sft_eager_mlp(hidden_states, inference_context, padding_mask=padding_mask)
+    return forward_mlp
+
+
+def reset_after_capture(chunks, routing_stats=None) -> None:
+    """Undo what the warm-up iterations accumulated: main grads, aux-loss logs, routing statistics and
+    the expert-bias token counts (all updated in place, which is why the graphs can keep them)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    moe_utils.clear_aux_losses_tracker()
+    if routing_stats is not None:
+        routing_stats.acc.zero_()
+    for layer in moe_layers(chunks):
+        counts = getattr(layer.mlp.router, "local_tokens_per_expert", None)
+        if counts is not None:
+            counts.zero_()
+
+
+def captured_length(chunks) -> Optional[int]:
+    """The micro-batch length the MoE layers' graphs were captured for (None: none are)."""
+    lengths = {getattr(layer, "_moe_sft_graph", None) and layer._moe_sft_graph.static_in.shape[0]
+               for layer in moe_layers(chunks)}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def replay_counts(chunks) -> tuple[int, int]:
+    """(graph replays, eager training forwards) summed over the MoE layers."""
+    graphs = [g for g in (getattr(layer, "_moe_sft_graph", None) for layer in moe_layers(chunks)) if g is not None]
+    return sum(g.replays for g in graphs), sum(g.eager_calls for g in graphs)
