@@ -5,7 +5,7 @@ moe_sft/layers/permute.py orders the rows of a routing map with exactly k expert
 megatron does (expert-major, tokens ascending) with torch ops of static size: a cumsum, an argsort
 of the flattened map, index arithmetic, an index_copy_ to invert it, the probabilities' gather and
 a device-side check: about 20 kernels per MoE layer and micro-batch, each one a host launch in a
-host-bound step (docs/benchmarks.md). Here: one column cumsum of the map (torch), then one kernel
+host-bound step (docs/benchmarks.md). Here: one cumsum of the transposed map (torch), then one kernel
 that puts row (t, e) at start[e] + (tokens before t routed to e), with start the exclusive prefix
 sum of the experts' counts, and writes the three outputs; the probabilities are then one
 index_select (autograd carries their gradient back to the router). A token with another count
@@ -37,8 +37,9 @@ if triton is not None:
         token64 = token.to(tl.int64)[:, None]
         offset = token64 * experts + col[None, :]
         chosen = (tl.load(map_ptr + offset, mask=inside, other=0) != 0) & inside
-        earlier = tl.load(cum_ptr + offset, mask=inside, other=0) - 1      # tokens before t routed to e
-        counts = tl.load(cum_ptr + (tokens - 1).to(tl.int64) * experts + col, mask=real, other=0)
+        by_expert = col.to(tl.int64)[None, :] * tokens + token64           # cum is [experts, tokens]
+        earlier = tl.load(cum_ptr + by_expert, mask=inside, other=0) - 1  # tokens before t routed to e
+        counts = tl.load(cum_ptr + col.to(tl.int64) * tokens + tokens - 1, mask=real, other=0)
         start = tl.cumsum(counts, axis=0) - counts                        # each expert's first row
         row = (start[None, :] + earlier).to(tl.int64)
         slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1                  # j-th chosen expert of t
@@ -69,7 +70,10 @@ def unchecked_topk_rows(routing_map: torch.Tensor, k: int):
     flag: 1 if a token has another count than k); no assert."""
     tokens, experts = routing_map.shape
     routed = (routing_map if routing_map.dtype == torch.bool else routing_map.bool()).contiguous()
-    cum = torch.cumsum(routed, dim=0, dtype=torch.int32)
+    # Each expert's running count over the tokens, scanned along the contiguous dim: torch's scan
+    # along dim 0 of the [tokens, experts] map runs one thread per expert through all the tokens
+    # (0.72 ms per call at 4096 x 128 on an H200, 46 ms of a 590 ms step).
+    cum = torch.cumsum(routed.t().contiguous(), dim=1, dtype=torch.int32)
     rows = torch.empty(tokens * k, dtype=torch.long, device=routed.device)
     slot_rows = torch.empty(tokens, k, dtype=torch.long, device=routed.device)
     sources = torch.empty(tokens * k, dtype=torch.long, device=routed.device)
