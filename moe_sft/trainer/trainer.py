@@ -193,8 +193,8 @@ class Trainer:
             wgrad.guard_grad_sync()  # bucket reductions wait for the experts' side-stream gradients
         fused = dense_wgrad.fuse_dense_wgrad(self.model, self.rt.device)
         if fused:
-            _say(f"{fused} dense linear layers add their weight gradients into the fp32 main grads inside the "
-                 "GEMM (megatron's gradient_accumulation_fusion, through torch.addmm)")
+            _say(f"{fused} dense layers add their weight gradients into the fp32 main grads inside the "
+                 "GEMM (megatron's gradient_accumulation_fusion, through torch.addmm), the input embedding's by row")
         params = sum(x.numel() for c in chunks for x in c.parameters())
         _say(f"model {self.family.name}: {params / 1e6:.2f}M parameters on rank 0's shard, "
              f"{self.tconfig.num_layers} layers, {self.tconfig.num_moe_experts} experts")

@@ -93,8 +93,8 @@ def test_bf16_training_steps_lower_the_loss(converted):
 @pytest.mark.parametrize("overlap", [True, False], ids=["side-stream", "compute-stream"])
 def test_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch, overlap):
     """Under megatron's DDP the routed experts' weight gradients are added into the fp32 main grad
-    by moe_sft/layers/wgrad.py, the dense layers' by megatron's gradient accumulation fusion
-    (moe_sft/layers/dense_wgrad.py); DDP's hook must then skip its own add. Two micro-batches, with and
+    by moe_sft/layers/wgrad.py, the dense layers' by megatron's gradient accumulation fusion and the
+    input embedding's rows by index_put_ (moe_sft/layers/dense_wgrad.py); DDP's hook must then skip its own add. Two micro-batches, with and
     without the fused path: the same main grads (the fused one skips the bf16 rounding of each
     micro-batch's gradient). With the overlap the kernel runs on the side stream, and the compute
     stream has waited for it when the backward pass returns."""
@@ -115,6 +115,9 @@ def test_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypat
     monkeypatch.setattr(wgrad, "OVERLAP", overlap)
     monkeypatch.setattr(wgrad, "_side_streams", {})
     monkeypatch.setattr(wgrad.GroupedMatmulIntoMainGrad, "apply", lambda *a: used.append(1) or fused_apply(*a))
+    embedded, embedding_apply = [], dense_wgrad.EmbeddingIntoMainGrad.apply
+    monkeypatch.setattr(dense_wgrad.EmbeddingIntoMainGrad, "apply",
+                        lambda *a: embedded.append(1) or embedding_apply(*a))
 
     def main_grads():
         ddp.zero_grad_buffer()
@@ -124,6 +127,8 @@ def test_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypat
     assert dense_wgrad.fuse_dense_wgrad([ddp], "cuda") > 0  # the dense layers' (as the trainer does)
     fused = main_grads()
     assert used, "the fused expert path did not run"
+    # the input embedding's rows go into the main grad too, unless it is tied to the LM head
+    assert bool(embedded) != bool(ddp.module.share_embeddings_and_output_weights)
     assert not wgrad._joins, "a side-stream join was queued and never ran"
     assert bool(wgrad._side_streams) == overlap
     monkeypatch.setattr(wgrad, "fuses", lambda *a: False)
