@@ -23,8 +23,7 @@ moe_sft/layers/rope.py, and the batch copies' they left the H200 idle ~200 ms of
 without any, 0.87 s: docs/benchmarks.md). Nothing needs the per-expert counts on the host
 either (torch's grouped_mm takes device offsets), so the dispatcher's device-to-host copy and its
 wait are dropped too. With EP x TP > 1 the all-to-all split sizes need the host once per layer
-anyway; there the permutation keeps its synchronised form until the static one is measured on
-several GPUs.
+anyway (megatron's one device-to-host copy and wait); the local permutation is static there too.
 
 A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
 """
@@ -183,11 +182,11 @@ def _alltoall_preprocess(self, routing_map):
     tokens_per_expert = _megatron_alltoall_preprocess(self, routing_map)
     dropless = (not self.drop_and_pad and self.config.moe_expert_capacity_factor is None
                 and not self.config.moe_router_padding_for_quantization)
-    # EP x TP > 1 keeps megatron's synchronised path (measured on 4 GPUs): the all-to-all needs its
-    # split sizes on the host anyway, and the static path has only run on one GPU so far.
-    if dropless and not self.config.moe_permute_fusion and self.ep_size == 1 and self.tp_size == 1:
+    if dropless and not self.config.moe_permute_fusion:
+        # The local permutation has tokens x k rows at any EP / TP: no wait for its size.
         self.num_out_tokens = TopKRows(self.num_out_tokens)
-        self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # a point never reached
+        if self.ep_size == 1 and self.tp_size == 1:  # else the all-to-all needs its splits on the host
+            self.cuda_dtoh_point = self.cuda_sync_point = "no_sync"  # a point never reached
     return tokens_per_expert
 
 
