@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one go (one GPU): bf16 parity test, then the quickstart in bf16 with its
-# throughput. Usage: bash tests/gpu/run_all.sh LOG_DIR  (PYTEST_ARGS="-k 'not cuda_graphs'": a subset)
+# throughput. Usage: bash tests/gpu/run_all.sh LOG_DIR  (PYTEST_ARGS=--ignore=tests/gpu/FILE: a subset)
 set -uo pipefail
 log=${1:-gpu_logs}
 mkdir -p "$log"
