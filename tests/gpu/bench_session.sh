@@ -38,9 +38,9 @@ elif [ "$mode" = ep4 ]; then
   part ep4 590 torchrun --standalone --nproc_per_node=4 tools/benchmark.py train --arm moe-sft --model $qwen \
     --layers "${EP4_LAYERS:-24}" --ep 4 --tokens-per-step 131072 --budgets 4096,8192 $common
 else
-  arms=moe-sft,transformers; [ "${TITAN:-0}" = 1 ] && arms=$arms,torchtitan
+  arms=moe-sft,moe-sft-graphs,transformers; [ "${TITAN:-0}" = 1 ] && arms=$arms,torchtitan
   part ceilings 90 $bench ceilings --model $qwen,$dsv3 --budget 8192 --out "$out"
-  part qwen3_30b 330 $bench compare --model $qwen --layers "${LAYERS:-8}" --arms $arms \
+  part qwen3_30b 420 $bench compare --model $qwen --layers "${LAYERS:-8}" --arms $arms \
     --tokens-per-step 32768 --budgets 4096,8192 $common
   part dsv3_reduced 170 $bench train --arm moe-sft --model $dsv3 --layers "${DSV3_LAYERS:-5}" \
     --tokens-per-step 32768 --budgets 4096,8192 $common
