@@ -32,7 +32,8 @@ from moe_sft.models.builder import ModelOptions, build_model_chunks, build_trans
 from moe_sft.models.hf_config import num_experts
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import checkpoint, cuda_graphs, freeze, guard, offload, optimizer_kernels, overlap, step as train_step
+from moe_sft.trainer import (checkpoint, cuda_graphs, freeze, guard, offload, optimizer_kernels, overlap,
+                             step as train_step)
 from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
 from moe_sft.trainer.telemetry import Telemetry
