@@ -230,7 +230,7 @@ class TrainerConfig:
         False, "capture the MoE half of every MoE layer (pre-MLP norm, router, dispatch, experts, combine) as "
         "CUDA graphs, forward and backward: the host stops bounding short micro-batches (docs/benchmarks.md). "
         "Needs CUDA and TP = EP = ETP = CP = PP = 1, no recompute or activation offload, no "
-        "overlap_param_gather; micro-batches are padded to data.pack_length"
+        "overlap_grad_reduce / overlap_param_gather; micro-batches are padded to data.pack_length"
     )
     max_skipped_steps_in_a_row: int = _f(
         3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after "

@@ -29,8 +29,9 @@ What the graphs rely on, and how it is kept true:
 - The expert wgrad's side stream (moe_sft/layers/wgrad.py) would fork inside the capture and join
   outside it: graphs keep it on the compute stream.
 Not graphable, refused with the reason (`ineligible`): CPU, TP/EP/CP/PP > 1, recompute,
-activation offload, overlapped parameter all-gather (its pre-forward hooks would not run), offload
-between steps.
+activation offload, overlapped gradient reduction or parameter all-gather (DDP's hooks would not
+run for the graphed weights), offload between steps. Data parallel is fine: each rank replays its
+own graphs and DDP reduces the main grads after the backward.
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def ineligible(device: str, cfg) -> list[str]:
                            "in flight, whose activations would share the graph's buffers)")
     if (parallel.expert_tensor_parallel_size or 1) != 1:
         reasons.append(f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: needs 1")
-    if parallel.overlap_param_gather:
-        reasons.append("parallel.overlap_param_gather=true: its pre-forward hooks would not run inside a graph")
+    if parallel.overlap_grad_reduce or parallel.overlap_param_gather:
+        # The graphed weights whose gradient goes into main_grad inside the graph never reach
+        # autograd's accumulator, so DDP's hook never marks their bucket ready; without overlap
+        # the buckets are reduced after the backward regardless.
+        reasons.append("parallel.overlap_grad_reduce / overlap_param_gather=true: DDP's per-parameter hooks do "
+                       "not run for the weights inside a graph")
     if model.recompute_granularity:
         reasons.append(f"model.recompute_granularity={model.recompute_granularity}: recompute re-runs the "
                        "forward inside the backward; use one or the other")

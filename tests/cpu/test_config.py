@@ -370,6 +370,8 @@ def test_good_configs_pass(good, changes, world_size):
       "model__recompute_modules": ["moe"]}, 1, "trainer.cuda_graphs=true: model.recompute_granularity=selective"),
     ({"trainer__cuda_graphs": True, "trainer__offload_between_steps": True}, 1,
      "trainer.cuda_graphs=true: trainer.offload_between_steps=true"),
+    ({"trainer__cuda_graphs": True, "parallel__overlap_grad_reduce": True}, 2,
+     "trainer.cuda_graphs=true: parallel.overlap_grad_reduce / overlap_param_gather=true"),
     ({"model__mcore_path": None}, 1, "[model_paths] model.mcore_path is null"),
     ({"model__mcore_path": "/nonexistent/mcore"}, 1, "model.mcore_path='/nonexistent/mcore' does not exist"),
 ])
