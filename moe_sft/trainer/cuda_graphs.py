@@ -80,13 +80,10 @@ def ineligible(device: str, cfg) -> list[str]:
 
 def moe_layers(chunks) -> list:
     """The decoder's MoE TransformerLayers of the (DDP-wrapped) chunks, in forward order."""
-    layers = []
-    for chunk in chunks:
-        module = chunk
-        while hasattr(module, "module"):  # DDP, Float16Module
-            module = module.module
-        layers += [layer for layer in module.decoder.layers if getattr(layer, "is_moe_layer", False)]
-    return layers
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return [layer for chunk in chunks for layer in get_attr_wrapped_model(chunk, "decoder").layers
+            if getattr(layer, "is_moe_layer", False)]
 
 
 @dataclass
