@@ -1,0 +1,128 @@
+"""Does a kernel change move how well the quickstart learns, or is it run-to-run spread?
+
+Trains the quickstart (recipes/quickstart.yaml, bf16 on one GPU) once per (variant, data seed),
+several runs side by side on the one GPU, each from the same tiny model, and reports per run the
+train loss at steps 100/150/200, the eval loss at step 200 and the exported model's exact match
+on the demo eval (tools/eval_demo.py). A variant switches kernels off: `base` runs the code as it
+is, `off_all` every switch below, any other name one switch (ab_steps.py's names, plus
+`embedding` for the embedding's main-grad fusion). Spread across data seeds within a variant is
+the yardstick a variant's difference has to beat.
+
+    python3 tests/gpu/quickstart_spread.py --out DIR --variants base,off_all --seeds 1234,1,2
+
+Under torchrun (LOCAL_RANK set) this file is the child: it applies QS_OFF's switches, then runs
+moe_sft.train with the given Hydra overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SWITCHES = ("router_topk", "topk_rows", "flash_direct", "triton_launch", "one_rank_collectives")
+
+
+def _switch_off(name: str) -> None:
+    if name == "embedding":
+        from moe_sft.layers import dense_wgrad
+
+        dense_wgrad._fusable_embedding = lambda module: False
+        return
+    import importlib
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ab_steps import SWITCHES, _off_values
+
+    module_name, attr = SWITCHES[name]
+    setattr(importlib.import_module(module_name), attr, _off_values()[name])
+
+
+def child() -> None:
+    sys.path.insert(0, str(ROOT))  # a script's own folder, not the repo, heads sys.path
+    for name in filter(None, os.environ.get("QS_OFF", "").split(",")):
+        _switch_off(name)
+        print(f"quickstart_spread: {name} switched off", flush=True)
+    sys.argv = ["moe_sft.train", *sys.argv[1:]]
+    runpy.run_module("moe_sft.train", run_name="__main__", alter_sys=True)
+
+
+def _off_list(variant: str) -> list[str]:
+    if variant == "base":
+        return []
+    if variant == "off_all":
+        return [*KERNEL_SWITCHES, "embedding"]
+    return variant.split("+")
+
+
+def _parse(log: str) -> dict:
+    train = {int(s): float(v) for s, v in re.findall(r"^step (\d+)/\d+ loss=(\S+)", log, re.M)}
+    evals = [float(v) for v in re.findall(r"^eval \d+/\d+ loss=(\S+)", log, re.M)]
+    return {"loss": {s: train.get(s) for s in (50, 100, 150, 200)}, "eval_loss": evals[-1] if evals else None}
+
+
+def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str]) -> dict:
+    run = work / f"{variant}_s{seed}"
+    run.mkdir(parents=True, exist_ok=True)
+    # runs share the host's cores: two threads each keeps the Python side from thrashing
+    env = {"OMP_NUM_THREADS": "2", **os.environ, "QS_OFF": ",".join(_off_list(variant))}
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__)),
+           "--config-path", str(ROOT / "recipes"), "--config-name", "quickstart",
+           f"trainer.output_dir={run}/out", f"model.hf_path={shared}/tiny_hf",
+           f"model.mcore_path={shared}/tiny_mcore", f"data.cache_dir={run}/cache", f"data.seed={seed}", *extra]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    (run / "train.log").write_text(log)
+    result = {"variant": variant, "seed": seed, "rc": proc.returncode, "train_s": round(time.time() - start, 1),
+              **_parse(log)}
+    if proc.returncode == 0:
+        ev = subprocess.run([sys.executable, "tools/eval_demo.py", "--model", f"{run}/out/hf"], cwd=ROOT,
+                            capture_output=True, text=True)
+        m = re.search(r"exact match: (\d+)/(\d+)", ev.stdout)
+        result["exact_match"] = f"{m.group(1)}/{m.group(2)}" if m else ev.stderr[-400:]
+    else:
+        result["tail"] = log[-1500:]
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--variants", default="base,off_all")
+    p.add_argument("--seeds", default="1234,1,2")
+    p.add_argument("--parallel", type=int, default=6)
+    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
+    args = p.parse_args()
+    work, shared = args.out / "runs", args.out / "shared"
+    shared.mkdir(parents=True, exist_ok=True)
+    if not (shared / "tiny_mcore").exists():
+        subprocess.run([sys.executable, "-m", "moe_sft.quickstart_model", "--hf-path", f"{shared}/tiny_hf",
+                        "--mcore-path", f"{shared}/tiny_mcore", "--tokenizer", "recipes/demo/tokenizer"],
+                       cwd=ROOT, check=True)
+    jobs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        results = list(pool.map(lambda j: one_run(work, j[0], j[1], shared, args.extra), jobs))
+    (args.out / "spread.json").write_text(json.dumps(results, indent=1))
+    print(f"{'variant':<28}{'seed':>6}{'loss@100':>10}{'loss@150':>10}{'loss@200':>10}{'eval':>9}  exact")
+    for r in results:
+        f = lambda x: f"{x:.4f}" if isinstance(x, float) else "-"  # noqa: E731
+        print(f"{r['variant']:<28}{r['seed']:>6}{f(r['loss'].get(100)):>10}{f(r['loss'].get(150)):>10}"
+              f"{f(r['loss'].get(200)):>10}{f(r['eval_loss']):>9}  {r.get('exact_match', 'rc=%d' % r['rc'])}")
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:
+        child()
+    else:
+        sys.exit(main())
