@@ -86,7 +86,7 @@ def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str])
               **_parse(log)}
     if proc.returncode == 0:
         ev = subprocess.run([sys.executable, "tools/eval_demo.py", "--model", f"{run}/out/hf"], cwd=ROOT,
-                            capture_output=True, text=True)
+                            env=env, capture_output=True, text=True)
         m = re.search(r"exact match: (\d+)/(\d+)", ev.stdout)
         result["exact_match"] = f"{m.group(1)}/{m.group(2)}" if m else ev.stderr[-400:]
     else:
@@ -105,7 +105,7 @@ def main() -> int:
     args = p.parse_args()
     work, shared = args.out / "runs", args.out / "shared"
     shared.mkdir(parents=True, exist_ok=True)
-    if not (shared / "tiny_mcore").exists():
+    if not (shared / "tiny_mcore").exists():  # made once: every run starts from the same weights
         subprocess.run([sys.executable, "-m", "moe_sft.quickstart_model", "--hf-path", f"{shared}/tiny_hf",
                         "--mcore-path", f"{shared}/tiny_mcore", "--tokenizer", "recipes/demo/tokenizer"],
                        cwd=ROOT, check=True)
