@@ -78,13 +78,15 @@ def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str])
            "--config-path", str(ROOT / "recipes"), "--config-name", "quickstart",
            f"trainer.output_dir={run}/out", f"model.hf_path={shared}/tiny_hf",
            f"model.mcore_path={shared}/tiny_mcore", f"data.cache_dir={run}/cache", f"data.seed={seed}", *extra]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    (run / "train.log").write_text(log)
-    result = {"variant": variant, "seed": seed, "rc": proc.returncode, "train_s": round(time.time() - start, 1),
-              **_parse(log)}
-    if proc.returncode == 0:
+    start, rc = time.time(), 0
+    if (run / "out" / "hf").is_dir():  # trained by an earlier call that ran out of time in the evals
+        log = (run / "train.log").read_text()
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+        (run / "train.log").write_text(log)
+    result = {"variant": variant, "seed": seed, "rc": rc, "train_s": round(time.time() - start, 1), **_parse(log)}
+    if rc == 0:
         ev = subprocess.run([sys.executable, "tools/eval_demo.py", "--model", f"{run}/out/hf"], cwd=ROOT,
                             env=env, capture_output=True, text=True)
         m = re.search(r"exact match: (\d+)/(\d+)", ev.stdout)
