@@ -25,6 +25,9 @@ class SFTGPTModel(GPTModel):
     """
 
     run_mtp: bool = False
+    # set by the forward step around one call: the head then runs over these rows alone
+    # (moe_sft/trainer/loss_rows.py); its output is [1, rows, V/tp]
+    loss_rows = None
 
     def mtp_depths(self) -> int:
         return self.config.mtp_num_layers if self.config.mtp_num_layers and self.run_mtp else 0
@@ -34,7 +37,8 @@ class SFTGPTModel(GPTModel):
                      decoder_input=None, attention_mask=None, inference_params=None,
                      packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None,
                      extra_block_kwargs=None, inference_context=None):
-        if not self.config.mtp_num_layers or labels is not None or inference_context is not None:
+        if (labels is not None or inference_context is not None
+                or (not self.config.mtp_num_layers and self.loss_rows is None)):
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                 rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask,
@@ -54,6 +58,10 @@ class SFTGPTModel(GPTModel):
         if not self.post_process:
             return hidden_states
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if self.loss_rows is not None:  # hidden [(1 + depths) s, 1, h]: one GEMM over the picked rows
+            picked = hidden_states.index_select(0, self.loss_rows.rows)
+            logits = self.output_layer(picked, weight=weight, runtime_gather_output=runtime_gather_output)[0]
+            return logits.transpose(0, 1)
         logits = [self.output_layer(h, weight=weight, runtime_gather_output=runtime_gather_output)[0]
                   for h in torch.chunk(hidden_states, 1 + depths, dim=0)]
         return torch.cat(logits, dim=0).transpose(0, 1).contiguous()

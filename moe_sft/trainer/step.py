@@ -33,7 +33,7 @@ from moe_sft.layers import cross_entropy
 from moe_sft.models.forward import packed_seq_params
 from moe_sft.models.mtp import shift_targets
 from moe_sft.runtime.device import host_to_device
-from moe_sft.trainer import context_parallel
+from moe_sft.trainer import context_parallel, loss_rows
 
 
 def _to_device(mb: PackedMicroBatch, device: str) -> dict:
@@ -61,12 +61,13 @@ def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: 
     return cross_entropy.vocab_parallel_cross_entropy(logits, labels, vocab_size, group)
 
 
-def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_weight: float,
-               output: torch.Tensor):
-    # output: [b, (1 + D) s, V/tp], the main head's logits then each MTP depth's. One cross entropy
-    # over all of them, against the labels shifted once more per depth: one logits gradient the size
-    # of the output (per-depth slices each made a full-size gradient in backward: +4 GiB at 16k
-    # tokens with one MTP depth, measured on an H200).
+def _depth_sums(batch: dict, output: torch.Tensor, vocab_size: int, mtp_depths: int) -> torch.Tensor:
+    """Σ weight x token loss per depth (the main head first), over every position.
+
+    output: [b, (1 + D) s, V/tp], the main head's logits then each MTP depth's. One cross entropy
+    over all of them, against the labels shifted once more per depth: one logits gradient the size
+    of the output (per-depth slices each made a full-size gradient in backward: +4 GiB at 16k
+    tokens with one MTP depth, measured on an H200)."""
     b, seq = output.shape[0], output.shape[1] // (1 + mtp_depths)
     labels, masks = [batch["labels"]], [batch["loss_mask"]]
     for _ in range(mtp_depths):
@@ -74,9 +75,18 @@ def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_
         labels.append(shifted[0])
         masks.append(shifted[1])
     losses = masked_token_losses(output, torch.cat(labels, dim=1), vocab_size)
-    per_depth = (losses * torch.cat(masks, dim=1)).view(b, 1 + mtp_depths, seq).sum(dim=(0, 2))
+    return (losses * torch.cat(masks, dim=1)).view(b, 1 + mtp_depths, seq).sum(dim=(0, 2))
+
+
+def _loss_func(batch: dict, scale: float, vocab_size: int, mtp_depths: int, mtp_weight: float,
+               rows: loss_rows.LossRows | None, output: torch.Tensor):
+    if rows is None:
+        per_depth = _depth_sums(batch, output, vocab_size, mtp_depths)
+    else:  # output [1, N, V/tp]: the head ran over the rows with loss weight only
+        losses = (masked_token_losses(output, rows.targets, vocab_size) * rows.weights)[0]
+        per_depth = torch.stack([part.sum() for part in losses.split(rows.counts)])
     local_sum = per_depth[0]
-    count = masks[0].sum().detach()
+    count = batch["loss_mask"].sum().detach()
     mtp_sum = torch.zeros_like(local_sum)
     total = local_sum
     if mtp_depths:
@@ -106,15 +116,22 @@ def _sequence_parallel_slice(padding: torch.Tensor, model) -> torch.Tensor:
 
 
 def make_forward_step(device: str, scale: float, vocab_size: int, mtp_depths: int = 0,
-                      mtp_weight: float = 0.0):
+                      mtp_weight: float = 0.0, pick_loss_rows: bool = False):
     def forward_step(data_iterator, model):
-        batch = _to_device(next(data_iterator), device)
+        micro_batch = next(data_iterator)
+        batch = _to_device(micro_batch, device)
         if batch["padding"] is not None and not get_attr_wrapped_model(model, "pre_process"):
             batch["padding"] = _sequence_parallel_slice(batch["padding"], model)
-        output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=None, packed_seq_params=batch["params"],
-                       padding_mask=batch["padding"])
-        return output, partial(_loss_func, batch, scale, vocab_size, mtp_depths, mtp_weight)
+        rows = loss_rows.loss_rows(micro_batch, mtp_depths, device) if pick_loss_rows else None
+        gpt = get_attr_wrapped_model(model, "loss_rows", return_model_obj=True)
+        gpt.loss_rows = rows
+        try:
+            output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                           attention_mask=None, packed_seq_params=batch["params"],
+                           padding_mask=batch["padding"])
+        finally:
+            gpt.loss_rows = None
+        return output, partial(_loss_func, batch, scale, vocab_size, mtp_depths, mtp_weight, rows)
 
     return forward_step
 
@@ -138,9 +155,10 @@ def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, d
     dp = parallel_state.get_data_parallel_world_size()
     scale = num_mb * dp / max(global_loss_tokens, 1e-12)  # a float weight sum may be < 1
     mtp_depths = get_attr_wrapped_model(model_chunks[-1], "mtp_depths")()
+    pick_rows = loss_rows.applies(get_attr_wrapped_model(model_chunks[0], "config"), cp)
     iterators = [iter(micro_batches) for _ in model_chunks]
     fb = get_forward_backward_func()
-    outputs = fb(forward_step_func=make_forward_step(device, scale, vocab_size, mtp_depths, mtp_weight),
+    outputs = fb(forward_step_func=make_forward_step(device, scale, vocab_size, mtp_depths, mtp_weight, pick_rows),
                  data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
                  model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
                  num_microbatches=num_mb, seq_length=seq_length, micro_batch_size=1,
