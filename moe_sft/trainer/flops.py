@@ -24,6 +24,10 @@ not attend to each other) and per attention layer (MTP layers included):
 A 2-layer MLP without a gate (gated_linear_unit false) uses 2 matmuls instead of 3.
 Embedding lookups, norms, rotary, softmax and activations are not matmuls and are not counted.
 Only real tokens count: the padding segment of a micro-batch is wasted work, not model FLOPs.
+The LM head counts every real token, as megatron's formula does, although the trainer runs it
+only over the tokens that carry loss (moe_sft/trainer/loss_rows.py): on the benchmark's data that
+leaves 11-12% (Qwen3-30B-A3B shape) and 19-21% (reduced DeepSeek-V3, two heads) of these FLOPs
+unexecuted; docs/benchmarks.md gives both figures.
 """
 
 from __future__ import annotations
