@@ -8,8 +8,11 @@ logits of every depth instead, and the loss function does the rest.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
@@ -58,13 +61,39 @@ class SFTGPTModel(GPTModel):
         if not self.post_process:
             return hidden_states
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if self.loss_rows is not None:  # hidden [(1 + depths) s, 1, h]: one GEMM over the picked rows
-            picked = hidden_states.index_select(0, self.loss_rows.rows)
-            logits = self.output_layer(picked, weight=weight, runtime_gather_output=runtime_gather_output)[0]
+        if self.loss_rows is not None:  # one GEMM over the picked rows of [(1 + depths) s, 1, h]
+            picked = _whole_sequences(hidden_states, depths, self.output_layer).index_select(0, self.loss_rows.rows)
+            with _replicated_input(self.output_layer):
+                logits = self.output_layer(picked, weight=weight, runtime_gather_output=runtime_gather_output)[0]
             return logits.transpose(0, 1)
         logits = [self.output_layer(h, weight=weight, runtime_gather_output=runtime_gather_output)[0]
                   for h in torch.chunk(hidden_states, 1 + depths, dim=0)]
         return torch.cat(logits, dim=0).transpose(0, 1).contiguous()
+
+
+def _whole_sequences(hidden_states, depths: int, output_layer):
+    """With sequence parallelism each depth's hidden states are [s / tp, b, h] on each TP rank; the
+    output layer would gather them itself. Gathered here, depth by depth, so that rows index the
+    whole sequence; the gather's backward reduce-scatters the partial input gradients of the TP
+    ranks' vocabulary shards, as the output layer's own would."""
+    if not output_layer.sequence_parallel:
+        return hidden_states
+    return torch.cat([gather_from_sequence_parallel_region(h, True, group=output_layer.tp_group)
+                      for h in torch.chunk(hidden_states, 1 + depths, dim=0)])
+
+
+@contextmanager
+def _replicated_input(output_layer):
+    """The output layer over an input that `_whole_sequences` gathered: no gather of its own and no
+    all-reduce of the input gradient (the gather's reduce-scatter sums it)."""
+    if not output_layer.sequence_parallel:
+        yield
+        return
+    output_layer.sequence_parallel, output_layer.disable_grad_reduce = False, True
+    try:
+        yield
+    finally:
+        output_layer.sequence_parallel, output_layer.disable_grad_reduce = True, False
 
 
 def shift_targets(labels: torch.Tensor, loss_mask: torch.Tensor, packed_seq_params, cp_group=None):

@@ -14,9 +14,10 @@ roll within each packed document, moe_sft/models/mtp.py `shift_targets`), so its
 weights are labels and mask read k places further, inside the document; with the hidden states of
 all depths concatenated along the sequence, depth k's rows are offset by k x the sequence length.
 
-Used when the final hidden states are whole sequences on every rank: no sequence parallelism
-(the output layer gathers them itself) and no context parallelism (each rank holds a shard, and
-the MTP roll crosses shards). Other layouts run the head over every position, as megatron does.
+With sequence parallelism the model gathers the final hidden states across the TP group first
+(the output layer would have), then picks the rows. Context parallelism is left out: each rank
+holds a shard of every document and the MTP roll crosses shards; there the head runs over every
+position, as megatron's does.
 """
 
 from __future__ import annotations
@@ -75,6 +76,5 @@ def loss_rows(mb: PackedMicroBatch, depths: int, device: str) -> LossRows:
                     host_to_device(torch.from_numpy(weights)[None], device), counts)
 
 
-def applies(config, cp_size: int) -> bool:
-    """Whether this layout's final hidden states are whole sequences on every rank."""
-    return ENABLED and cp_size == 1 and not config.sequence_parallel
+def applies(cp_size: int) -> bool:
+    return ENABLED and cp_size == 1

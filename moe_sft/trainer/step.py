@@ -155,7 +155,7 @@ def run_forward_backward(model_chunks, micro_batches, global_loss_tokens: int, d
     dp = parallel_state.get_data_parallel_world_size()
     scale = num_mb * dp / max(global_loss_tokens, 1e-12)  # a float weight sum may be < 1
     mtp_depths = get_attr_wrapped_model(model_chunks[-1], "mtp_depths")()
-    pick_rows = loss_rows.applies(get_attr_wrapped_model(model_chunks[0], "config"), cp)
+    pick_rows = loss_rows.applies(cp)
     iterators = [iter(micro_batches) for _ in model_chunks]
     fb = get_forward_backward_func()
     outputs = fb(forward_step_func=make_forward_step(device, scale, vocab_size, mtp_depths, mtp_weight, pick_rows),
