@@ -1,6 +1,6 @@
 """DeepSeek-V3 with a multi-token-prediction layer through the trainer (torchrun, gloo, CPU):
-trained MTP gives the same losses on one rank and on two pipeline stages (MTP sits on the last
-stage with its own tied copy of the embedding), a frozen MTP layer is exported unchanged, and the
+trained MTP gives the same losses on one rank, on two pipeline stages (MTP sits on the last
+stage with its own tied copy of the embedding) and at TP2 with sequence parallelism, a frozen MTP layer is exported unchanged, and the
 export always carries the MTP tensors."""
 
 from __future__ import annotations
@@ -38,17 +38,22 @@ def _train(tmp, name, nproc, *extra):
 def trained(source):
     one = _train(source, "one_rank", 1)
     pp2 = _train(source, "pp2", 2, "parallel.pipeline_model_parallel_size=2", "trainer.export_hf_at_end=false")
-    return one, pp2
+    # sequence parallel: both heads' rows are picked from hidden states gathered across TP
+    tp2 = _train(source, "tp2_sp", 2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                 "trainer.export_hf_at_end=false")
+    return one, pp2, tp2
 
 
-def test_mtp_trains_and_pipeline_parallel_matches_one_rank(trained):
-    (one, log), (pp2, _) = trained
+@pytest.mark.parametrize("layout", ["pp2", "tp2_sp"])
+def test_mtp_trains_and_other_layouts_match_one_rank(trained, layout):
+    (one, log), *others = trained
+    other = dict(zip(["pp2", "tp2_sp"], (o[0] for o in others)))[layout]
     assert "multi-token prediction: 1 layer(s), trained with loss weight 0.3" in log
-    assert sorted(one) == sorted(pp2) == [1, 2, 3]
+    assert sorted(one) == sorted(other) == [1, 2, 3]
     for step in (1, 2, 3):
-        assert "mtp_loss" in one[step] and "mtp_loss" in pp2[step]
+        assert "mtp_loss" in one[step] and "mtp_loss" in other[step]
         for key in ("loss", "mtp_loss", "grad_norm"):  # printed to 4 significant digits
-            assert pp2[step][key] == pytest.approx(one[step][key], rel=2e-3), (key, one, pp2)
+            assert other[step][key] == pytest.approx(one[step][key], rel=2e-3), (key, one, other)
     assert one[3]["mtp_loss"] < one[1]["mtp_loss"]
 
 
