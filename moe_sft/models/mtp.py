@@ -86,14 +86,13 @@ def _whole_sequences(hidden_states, depths: int, output_layer):
 def _replicated_input(output_layer):
     """The output layer over an input that `_whole_sequences` gathered: no gather of its own and no
     all-reduce of the input gradient (the gather's reduce-scatter sums it)."""
-    if not output_layer.sequence_parallel:
-        yield
-        return
-    output_layer.sequence_parallel, output_layer.disable_grad_reduce = False, True
+    saved = output_layer.sequence_parallel, output_layer.disable_grad_reduce
+    if output_layer.sequence_parallel:
+        output_layer.sequence_parallel, output_layer.disable_grad_reduce = False, True
     try:
         yield
     finally:
-        output_layer.sequence_parallel, output_layer.disable_grad_reduce = True, False
+        output_layer.sequence_parallel, output_layer.disable_grad_reduce = saved
 
 
 def shift_targets(labels: torch.Tensor, loss_mask: torch.Tensor, packed_seq_params, cp_group=None):

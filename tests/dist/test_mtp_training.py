@@ -1,7 +1,7 @@
 """DeepSeek-V3 with a multi-token-prediction layer through the trainer (torchrun, gloo, CPU):
 trained MTP gives the same losses on one rank, on two pipeline stages (MTP sits on the last
-stage with its own tied copy of the embedding) and at TP2 with sequence parallelism, a frozen MTP layer is exported unchanged, and the
-export always carries the MTP tensors."""
+stage with its own tied copy of the embedding) and at TP2 with sequence parallelism, a frozen MTP
+layer is exported unchanged, and the export always carries the MTP tensors."""
 
 from __future__ import annotations
 
@@ -41,13 +41,12 @@ def trained(source):
     # sequence parallel: both heads' rows are picked from hidden states gathered across TP
     tp2 = _train(source, "tp2_sp", 2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                  "trainer.export_hf_at_end=false")
-    return one, pp2, tp2
+    return {"one": one, "pp2": pp2, "tp2_sp": tp2}
 
 
 @pytest.mark.parametrize("layout", ["pp2", "tp2_sp"])
 def test_mtp_trains_and_other_layouts_match_one_rank(trained, layout):
-    (one, log), *others = trained
-    other = dict(zip(["pp2", "tp2_sp"], (o[0] for o in others)))[layout]
+    (one, log), (other, _) = trained["one"], trained[layout]
     assert "multi-token prediction: 1 layer(s), trained with loss weight 0.3" in log
     assert sorted(one) == sorted(other) == [1, 2, 3]
     for step in (1, 2, 3):
