@@ -12,11 +12,23 @@ Gradient norm and clipping. megatron's local stand-ins for apex's multi_tensor_l
 one norm per tensor, then build a tensor from the list of norms, which copies each one to the
 host (a device sync per parameter tensor), and scale tensor by tensor. torch's `_foreach_norm`
 and `_foreach_mul` do the same sums and products in a few multi-tensor kernels, no host copy.
+
+Clip and update in one pass (CUDA, `use_triton_adam`): megatron's chained step multiplies every
+main gradient by the clip coefficient, then the Adam kernel reads them again. Here the chained step
+hands the coefficient to the Adam step instead, whose Triton kernel (adam_kernel.py) multiplies as
+it loads. The CPU keeps torch's path.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from moe_sft.trainer import adam_kernel
+
+# tests/gpu/ab_steps.py's switch: False runs megatron's clip multiply and torch's fused Adam instead.
+ENABLED = True
 
 
 def _torch_adams(optimizer):
@@ -79,3 +91,82 @@ def use_foreach_grad_norm() -> bool:
     clip_grads.multi_tensor_scale_impl = _foreach_scale
     optimizer.multi_tensor_scale_impl = _foreach_scale
     return True
+
+
+def _adams_for_the_kernel(optimizer) -> list[torch.optim.Adam] | None:
+    """The torch Adams of a chained optimizer whose whole step the kernel path can take, or None
+    where megatron's step does something it does not: a grad scaler (fp16), zero counting, a
+    non-Adam inner optimizer (the CPU offload), amsgrad/maximize, or a parameter the kernel
+    cannot step (CPU, not fp32, not contiguous)."""
+    inners = [o for o in getattr(optimizer, "chained_optimizers", ()) if not getattr(o, "is_stub_optimizer", False)]
+    adams = []
+    for inner in inners:
+        opt = getattr(inner, "optimizer", None)
+        if (not isinstance(opt, torch.optim.Adam) or getattr(inner, "grad_scaler", None) is not None
+                or inner.config.log_num_zeros_in_grad or inner.config.use_precision_aware_optimizer):
+            return None
+        groups = opt.param_groups
+        if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in groups):
+            return None
+        if not all(adam_kernel.supported(p) for g in groups for p in g["params"]):
+            return None
+        adams.append(opt)
+    return adams or None
+
+
+def use_triton_adam(optimizer) -> bool:
+    """Clip + Adam in one Triton pass (module docstring); False, changing nothing, where it cannot."""
+    adams = _adams_for_the_kernel(optimizer)
+    if adams is None:
+        return False
+    for opt in adams:
+        opt.step = functools.partial(_kernel_step, opt)  # instance attributes shadow the class's step
+    optimizer.step = functools.partial(_chained_step, optimizer)
+    return True
+
+
+@torch.no_grad()
+def _chained_step(chained):
+    """megatron's ChainedOptimizer.step, the clip multiply handed to the Adam kernels."""
+    if not ENABLED:
+        return type(chained).step(chained)
+    if chained.prepare_grads():
+        return False, None, None
+    grad_norm = chained.get_grad_norm()  # an instance override (trainer/guard.py) may raise here
+    for inner in chained.chained_optimizers:
+        clip = inner.config.clip_grad
+        coeff = clip / (grad_norm + 1.0e-6) if clip > 0.0 else 1.0  # clip_grad_by_total_norm_fp32's
+        if hasattr(inner, "optimizer"):
+            inner.optimizer.__dict__["_grad_coeff"] = coeff if coeff < 1.0 else None
+    return chained.step_with_ready_grads(), grad_norm, None
+
+
+def _adam_state(opt: torch.optim.Adam, p: torch.Tensor) -> dict:
+    """torch's fused-Adam state for `p` (created as torch's _init_group does), step on p's device."""
+    state = opt.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif not torch.is_tensor(state["step"]) or state["step"].device != p.device:
+        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+    return state
+
+
+@torch.no_grad()
+def _kernel_step(opt: torch.optim.Adam, closure=None):
+    coeff = opt.__dict__.pop("_grad_coeff", None)
+    if not ENABLED:
+        return type(opt).step(opt, closure)
+    assert closure is None, "megatron's optimizer steps without a closure"
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [_adam_state(opt, p) for p in params]
+        torch._foreach_add_([s["step"] for s in states], 1)
+        hyper = adam_kernel.hyper_parameters(group, coeff, params[0].device)
+        decoupled = group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
+        for p, s in zip(params, states):
+            adam_kernel.adam_step(p, p.grad, s["exp_avg"], s["exp_avg_sq"], s["step"], hyper, decoupled=decoupled,
+                                  weight_decay=group["weight_decay"] != 0, grad_coeff=coeff is not None)

@@ -91,3 +91,84 @@ def test_megatron_clip_grads_uses_them_after_the_fixes(megatron_on_this_machine)
     assert float(norm) == pytest.approx(4.0)  # sqrt(3*4 + 4*1)
     clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=4.0)
     torch.testing.assert_close(params[0].grad, torch.full((3,), 0.5), rtol=1e-5, atol=0)
+
+
+# ----------------------------------------------------------------- clip handed to the Adam kernel
+
+
+def _kernel_stand_in(param, grad, exp_avg, exp_avg_sq, step, hyper, *, decoupled, weight_decay, grad_coeff):
+    """adam_kernel.adam_step's contract (clip multiply in fp32, then torch's fused Adam math, the
+    step already counted) through torch's CPU kernels: the Triton kernel itself needs a GPU
+    (tests/gpu/test_gpu_adam.py); this checks what megatron's step hands it."""
+    from moe_sft.trainer import adam_kernel as k
+
+    h = hyper.tolist()
+    g = grad * torch.tensor(h[k.GRAD_COEFF], dtype=torch.float32) if grad_coeff else grad
+    update = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    update([param], [g], [exp_avg], [exp_avg_sq], [], [step], lr=h[k.LR], beta1=h[k.BETA1], beta2=h[k.BETA2],
+           weight_decay=h[k.WEIGHT_DECAY] if weight_decay else 0.0, eps=h[k.EPS], amsgrad=False, maximize=False)
+
+
+@pytest.fixture(scope="module")
+def two_megatron_optimizers():
+    """The same tiny Qwen3-MoE twice, each under megatron DDP + the distributed optimizer (chained,
+    as get_megatron_optimizer returns it); the second steps through use_triton_adam's path."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from moe_sft.conversion.convert import build_single_rank_model, init_single_rank
+    from moe_sft.models import registry
+
+    family = registry.family_by_name("qwen3_moe")
+    init_single_rank()
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        module = build_single_rank_model(family, family.tiny_hf_config(num_hidden_layers=2))
+        ddp = DistributedDataParallel(config=module.config, module=module, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                                     use_distributed_optimizer=True), [ddp])
+        use_fused_adam(opt)
+        pairs.append((ddp, opt))
+    return pairs
+
+
+def _set_grads(ddp, seed: int, scale: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in ddp.module.parameters():
+        p.main_grad.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def test_the_clip_handed_to_the_kernel_gives_megatrons_step(two_megatron_optimizers, monkeypatch):
+    from moe_sft.trainer import adam_kernel, guard, optimizer_kernels
+
+    (ref_model, reference), (model, optimizer) = two_megatron_optimizers
+    assert not optimizer_kernels.use_triton_adam(optimizer), "CPU parameters: the kernel path stays off"
+    monkeypatch.setattr(adam_kernel, "supported", lambda p: p.dtype == torch.float32)
+    monkeypatch.setattr(adam_kernel, "adam_step", _kernel_stand_in)
+    assert optimizer_kernels.use_triton_adam(optimizer)
+    # scales: clipped (norm ~100), unclipped (norm < 1), a non-finite norm (skipped), clipped again
+    for step, scale in enumerate((1.0, 1e-3, float("nan"), 0.3)):
+        for m in (ref_model, model):
+            _set_grads(m, step, scale)
+        expected = guard.step_unless_non_finite(reference, 0.0)
+        got = guard.step_unless_non_finite(optimizer, 0.0)
+        assert got[0] == expected[0] == (scale == scale), (step, got, expected)
+        assert got[1] == expected[1] or (got[1] != got[1] and expected[1] != expected[1])
+        for inner in optimizer.chained_optimizers:
+            assert "_grad_coeff" not in inner.optimizer.__dict__  # consumed or never set
+        for (name, a), b in zip(ref_model.module.named_parameters(), model.module.parameters()):
+            assert torch.equal(a, b), (step, name)
+    states = [s for inner in optimizer.chained_optimizers for s in inner.optimizer.state.values()]
+    ref_states = [s for inner in reference.chained_optimizers for s in inner.optimizer.state.values()]
+    assert [float(s["step"]) for s in states] == [float(s["step"]) for s in ref_states] == [3.0] * len(states)
+    for a, b in zip(ref_states, states):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    # the A/B switch: off, megatron's own step again
+    monkeypatch.setattr(optimizer_kernels, "ENABLED", False)
+    for m in (ref_model, model):
+        _set_grads(m, 9, 1.0)
+    assert guard.step_unless_non_finite(reference, 0.0) == guard.step_unless_non_finite(optimizer, 0.0)
+    for a, b in zip(ref_model.module.parameters(), model.module.parameters()):
+        assert torch.equal(a, b)

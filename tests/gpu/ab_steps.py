@@ -44,7 +44,7 @@ def _off_values():
     _TorchVarlenAttn.apply = staticmethod(attention.torch_varlen_attn)
     return {"router_topk": None, "wgrad_overlap": False, "triton_launch": _ThroughTriton(),
             "flash_direct": _TorchVarlenAttn, "topk_rows": None, "one_rank_collectives": lambda group: False,
-            "cuda_graphs": False, "loss_rows": False}
+            "cuda_graphs": False, "loss_rows": False, "triton_adam": False}
 
 
 # name: (module, attribute); the value that turns it off comes from _off_values()
@@ -57,6 +57,7 @@ SWITCHES = {
     "one_rank_collectives": ("moe_sft.layers.one_rank_collectives", "_one_rank"),  # off: megatron's Functions
     "cuda_graphs": ("moe_sft.trainer.cuda_graphs", "REPLAY"),        # off: the captured layers run eagerly
     "loss_rows": ("moe_sft.trainer.loss_rows", "ENABLED"),           # off: the LM head over every position
+    "triton_adam": ("moe_sft.trainer.optimizer_kernels", "ENABLED"),  # off: clip multiply + torch's fused Adam
 }
 
 
