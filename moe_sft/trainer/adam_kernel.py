@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from moe_sft.layers.triton_launch import launch
+from moe_sft.runtime.device import host_to_device
 
 try:
     import triton
@@ -90,8 +91,8 @@ def hyper_parameters(group: dict, grad_coeff: float | None, device) -> torch.Ten
     values[LR], (values[BETA1], values[BETA2]) = float(group["lr"]), group["betas"]
     values[WEIGHT_DECAY], values[EPS] = group["weight_decay"], group["eps"]
     values[GRAD_COEFF] = 1.0 if grad_coeff is None else grad_coeff
-    # the host has just waited for the gradient norm: there is no queue for this copy to wait behind
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    # through pinned memory: a pageable copy would make the host wait for the previous group's kernels
+    return host_to_device(torch.tensor(values, dtype=torch.float64), device)
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, step, hyper: torch.Tensor, *, decoupled: bool,

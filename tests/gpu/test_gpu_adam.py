@@ -101,3 +101,23 @@ def test_offsets_past_two_to_the_31_elements():
                           decoupled=True, weight_decay=True, grad_coeff=False)
     for part, want in zip((head, tail), expected):
         torch.testing.assert_close(param[part], want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_does_not_make_the_host_wait():
+    """The hyper-parameters go up through pinned memory: no host sync between groups' kernels."""
+    from moe_sft.trainer import adam_kernel
+
+    param = torch.randn(10_000, device="cuda")
+    grad, exp_avg, exp_avg_sq = torch.randn_like(param), torch.zeros_like(param), torch.zeros_like(param)
+    step = torch.ones((), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for coeff in (None, 0.5):
+            hyper = adam_kernel.hyper_parameters(dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+                                                 coeff, "cuda")
+            adam_kernel.adam_step(param, grad, exp_avg, exp_avg_sq, step, hyper, decoupled=True,
+                                  weight_decay=True, grad_coeff=coeff is not None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(param).all()
