@@ -88,6 +88,22 @@ def host_sync_sites(run: Callable[[], None], device: str) -> Optional[dict[str, 
     return dict(sites.most_common())
 
 
+def _one_time_events(device: str) -> collections.Counter:
+    """Running totals of what makes a step slower once: a new Triton specialisation compiled through
+    moe_sft/layers/triton_launch.py, a torch.compile frame compiled, the caching allocator freeing
+    its cache to retry an allocation (a device sync)."""
+    from moe_sft.layers import triton_launch
+    try:
+        from torch._dynamo.utils import counters
+        compiled = counters["stats"]["unique_graphs"]  # a Counter: 0 before the first compile
+    except ImportError:
+        compiled = 0
+    events = collections.Counter(triton_specialisations=len(triton_launch._cache), compiled_graphs=compiled)
+    if device == "cuda":
+        events["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    return events
+
+
 def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: int, steps: int,
             profile_steps: int, peak_tflops: float = PEAK_TFLOPS) -> dict:
     arm.use(workload)
@@ -96,14 +112,18 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         arm.prepare(step)
         arm.step(step)
     arm.reset_fed()
-    seconds, losses, model_flops, tokens = [], [], 0, 0
+    seconds, losses, model_flops, tokens, step_events = [], [], 0, 0, {}
     for step in range(warmup, warmup + steps):
         arm.prepare(step)
         _sync(arm.device)
+        before = _one_time_events(arm.device)
         start = time.perf_counter()
         losses.append(arm.step(step))
         _sync(arm.device)
         seconds.append(time.perf_counter() - start)
+        new = _one_time_events(arm.device) - before  # Counter subtraction keeps the positive counts
+        if new:
+            step_events[step - warmup] = dict(new)
         batch = workload.global_batch(step)
         model_flops += flops.train_step_flops(shape, batch)
         tokens += real_tokens(batch)
@@ -143,7 +163,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         peak_allocated_gib=alloc, peak_reserved_gib=reserved, losses=losses,
         phases_ms=phases_ms, phase_ops=phase_ops, gpu_idle=idle, profiled_step_seconds=profiled_s,
         phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time", phase_error=phase_error,
-        host_syncs=host_syncs,
+        host_syncs=host_syncs, step_events=step_events,
         phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items()
                       if phases_ms.get(k)},
         status="ok")

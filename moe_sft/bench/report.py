@@ -152,7 +152,7 @@ def phase_tables(runs: list[dict]) -> list[str]:
             f"{1e3 * (r['profiled_step_seconds'] or 0):.1f}" for r in group) + " |")
         out.append("| timed step (median, no profiler) | " + " | ".join(
             f"{1e3 * (r['step_seconds_median'] or 0):.1f}" for r in group) + " |")
-        out += host_sync_lines(group) + phase_detail_lines(group)
+        out += host_sync_lines(group) + one_time_event_lines(group) + phase_detail_lines(group)
     return out
 
 
@@ -183,6 +183,21 @@ def host_sync_lines(group: list[dict], top: int = 6) -> list[str]:
         where = ", ".join(f"{site} x{n}" for site, n in list(sites.items())[:top])
         more = f", {len(sites) - top} more lines" if len(sites) > top else ""
         out.append(f"- {r['arm']}: {sum(sites.values())} host syncs in one step" + (f": {where}{more}" if sites else ""))
+    return ([""] + out) if out else []
+
+
+def one_time_event_lines(group: list[dict]) -> list[str]:
+    """Per arm: timed steps that compiled a kernel or retried an allocation, with their seconds
+    (a step slow once, for a reason a longer run pays only once)."""
+    out = []
+    for r in group:
+        events = r.get("step_events") or {}
+        steps = []
+        for index, counts in sorted(events.items(), key=lambda kv: int(kv[0])):
+            what = ", ".join(f"{name} {n}" for name, n in counts.items())
+            steps.append(f"step {int(index) + 1} ({r['step_seconds'][int(index)]:.3f} s): {what}")
+        if steps:
+            out.append(f"- {r['arm']}: one-time work in timed steps: " + "; ".join(steps))
     return ([""] + out) if out else []
 
 

@@ -63,7 +63,7 @@ def test_every_run_is_complete(report):
         (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS)
     keys = {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "peak_allocated_gib", "peak_reserved_gib",
             "phases_ms", "profiled_step_seconds", "step_seconds", "model_flop", "real_tokens", "losses",
-            "implementation", "host_syncs"}
+            "implementation", "host_syncs", "step_events"}
     for r in runs + _runs(data, "tiny_dsv3"):
         assert r["status"] == "ok", r
         assert keys <= set(r), keys - set(r)
@@ -215,6 +215,24 @@ def test_host_sync_lines_name_the_busiest_lines_per_arm():
     lines = host_sync_lines(group, top=2)
     assert lines == ["", "- moe-sft: 11 host syncs in one step: trainer/step.py:50 x8, a.py:1 x2, 1 more lines",
                      "- transformers: 0 host syncs in one step"]
+
+
+def test_one_time_work_is_named_with_the_step_it_slowed():
+    from moe_sft.bench.measure import _one_time_events
+    from moe_sft.bench.report import one_time_event_lines
+    from moe_sft.layers import triton_launch
+
+    before = _one_time_events("cpu")
+    triton_launch._cache[("a kernel specialisation",)] = None
+    try:
+        assert dict(_one_time_events("cpu") - before) == {"triton_specialisations": 1}
+    finally:
+        del triton_launch._cache[("a kernel specialisation",)]
+    # as read back from benchmark.json: the step index is a string
+    group = [dict(arm="moe-sft", step_seconds=[0.45, 1.2, 0.46], step_events={"1": {"triton_specialisations": 3}}),
+             dict(arm="transformers", step_seconds=[1.1], step_events={}), dict(arm="old-run")]
+    assert one_time_event_lines(group) == ["", "- moe-sft: one-time work in timed steps: step 2 (1.200 s): "
+                                               "triton_specialisations 3"]
 
 
 def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
