@@ -90,15 +90,15 @@ def host_sync_sites(run: Callable[[], None], device: str) -> Optional[dict[str, 
 
 def _one_time_events(device: str) -> collections.Counter:
     """Running totals of what makes a step slower once: a new Triton specialisation compiled through
-    moe_sft/layers/triton_launch.py, a torch.compile frame compiled, the caching allocator freeing
-    its cache to retry an allocation (a device sync)."""
+    moe_sft/layers/triton_launch.py (by kernel), a torch.compile graph compiled, the caching
+    allocator freeing its cache to retry an allocation (a device sync)."""
     from moe_sft.layers import triton_launch
+    events = collections.Counter(f"triton {getattr(key[0], '__name__', key[0])}" for key in triton_launch._cache)
     try:
         from torch._dynamo.utils import counters
-        compiled = counters["stats"]["unique_graphs"]  # a Counter: 0 before the first compile
+        events["compiled_graphs"] = counters["stats"]["unique_graphs"]  # a Counter: 0 before the first compile
     except ImportError:
-        compiled = 0
-    events = collections.Counter(triton_specialisations=len(triton_launch._cache), compiled_graphs=compiled)
+        pass
     if device == "cuda":
         events["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     return events

@@ -78,7 +78,7 @@ def _backward_torch(dy, x, weight, rstd, need_dx, need_dw):
 # --------------------------------------------------------------------------- Triton (CUDA)
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])  # token counts: one compile for every micro-batch
     def _forward_kernel(x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr, rows, width, inv_width, eps,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """ROWS rows: fp32 1/rms, the normalised value rounded to x's dtype, times the weight."""
@@ -95,7 +95,7 @@ if triton is not None:
                  mask=inside)
         tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "rows_per_program"])
     def _backward_kernel(x_ptr, x_row_stride, dy_ptr, dy_row_stride, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
                          rows, width, inv_width, rows_per_program, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """dx for a contiguous run of rows, ROWS at a time; their fp32 sum of dy * y_hat into one
@@ -120,7 +120,7 @@ if triton is not None:
             tl.store(dx_ptr + row64 * width + col[None, :], dx.to(dx_ptr.dtype.element_ty), mask=inside)
         tl.store(dw_partial_ptr + program.to(tl.int64) * width + col, tl.sum(dw, axis=0), mask=col < width)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def _column_sum_kernel(partial_ptr, out_ptr, rows, width, COLS: tl.constexpr, ROWS: tl.constexpr):
         """out = partial.sum(0) in fp32, stored in out's dtype. A few columns' partial rows, ROWS at
         a time: with ROWS >= rows (the usual case) one load, where a loop waits on memory once per

@@ -87,7 +87,7 @@ if triton is not None:
         offset = row64 * experts + col[None, :]
         return col, real, inside, row64, offset, tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])  # one compile for every micro-batch's token count
     def _routing_forward_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, tokens, experts, scale,
                                 SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 K: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
@@ -119,7 +119,7 @@ if triton is not None:
         tl.store(probs_ptr + offset, probs * scale, mask=inside)
         tl.store(map_ptr + offset, chosen.to(tl.int8), mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])
     def _routing_backward_kernel(logits_ptr, map_ptr, grad_ptr, grad_stride_t, grad_stride_e, out_ptr,
                                  tokens, experts, scale, SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
                                  K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -144,7 +144,7 @@ if triton is not None:
             d_logits = probs * (grad - tl.sum(grad * probs, axis=1)[:, None])
         tl.store(out_ptr + offset, d_logits, mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])
     def _aux_scores_forward_kernel(logits_ptr, scores_ptr, map_ptr, tokens, experts, SIGMOID: tl.constexpr,
                                    K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         col, real, inside, _, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
@@ -157,7 +157,7 @@ if triton is not None:
         tl.store(scores_ptr + offset, scores, mask=inside)
         tl.store(map_ptr + offset, chosen.to(tl.int8), mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])
     def _aux_scores_backward_kernel(logits_ptr, grad_ptr, grad_stride_t, grad_stride_e, out_ptr, tokens,
                                     experts, SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         col, _, inside, row64, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)

@@ -27,7 +27,7 @@ except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
 MAX_EXPERTS = 1024
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens"])  # one compile for every micro-batch's token count
     def _topk_rows_kernel(map_ptr, cum_ptr, rows_ptr, slot_rows_ptr, sources_ptr, bad_ptr, tokens, experts,
                           K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         token = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

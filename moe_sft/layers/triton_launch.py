@@ -10,8 +10,8 @@ take 10-20 arguments, and a layer's forward and backward launch about 30 of them
 specialisation goes through Triton (which compiles and launches, and returns the compiled kernel);
 later calls with the same key launch that kernel directly. The key is at least as fine as Triton's
 own specialisation: per argument its type, for tensors the dtype and 16-byte alignment, for ints
-whether they equal 1, divide by 16 and fit 32 bits; plus every keyword (constexprs, num_warps) and
-the device. Where the compiled launcher cannot be used (the Triton interpreter, another Triton
+whether they equal 1, divide by 16 and fit 32 bits (only the last for a parameter the kernel
+names in `do_not_specialize`); plus every keyword (constexprs, num_warps) and the device. Where the compiled launcher cannot be used (the Triton interpreter, another Triton
 API), every call goes through Triton's entry.
 """
 
@@ -24,14 +24,28 @@ _UNUSABLE = object()
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _arg_key(arg) -> tuple:
+_loose_cache: dict = {}
+
+
+def _arg_key(arg, specialised: bool = True) -> tuple:
     """What Triton specialises an argument on (a superset: see the module docstring)."""
     kind = type(arg)
     if kind in _TENSOR_TYPES:
         return arg.dtype, arg.data_ptr() & 15 == 0
     if kind is int:
-        return arg == 1, arg & 15 == 0, -2 ** 31 <= arg < 2 ** 31
+        fits_32_bits = -2 ** 31 <= arg < 2 ** 31  # i32 or i64 in the signature, specialised or not
+        return (arg == 1, arg & 15 == 0, fits_32_bits) if specialised else (fits_32_bits,)
     return (kind,) if kind is not bool else (kind, arg)
+
+
+def unspecialised_positions(kernel) -> frozenset:
+    """Positions of the parameters `kernel` declares with `do_not_specialize` (Triton's KernelParam):
+    a token count there compiles once, not once per (== 1, divides by 16) class it meets mid-run."""
+    positions = _loose_cache.get(kernel)
+    if positions is None:
+        positions = frozenset(p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
+        _loose_cache[kernel] = positions
+    return positions
 
 
 def _direct(compiled, kernel, args, kwargs):
@@ -53,7 +67,9 @@ def launch(kernel, grid, *args, **kwargs):
         kernel[grid](*args, **kwargs)
         return
     device = first.get_device()
-    key = (kernel, device, tuple(kwargs.items()), *map(_arg_key, args))
+    loose = unspecialised_positions(kernel)
+    keys = map(_arg_key, args) if not loose else (_arg_key(a, i not in loose) for i, a in enumerate(args))
+    key = (kernel, device, tuple(kwargs.items()), *keys)
     entry = _cache.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)

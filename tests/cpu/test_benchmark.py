@@ -16,6 +16,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from moe_sft.bench.phases import PHASES
 from moe_sft.bench.workload import Workload, hf_config, model_shape, real_tokens
@@ -223,16 +224,20 @@ def test_one_time_work_is_named_with_the_step_it_slowed():
     from moe_sft.layers import triton_launch
 
     before = _one_time_events("cpu")
-    triton_launch._cache[("a kernel specialisation",)] = None
+    def _rope_kernel():
+        pass
+
+    key = (_rope_kernel, 0, (("BLOCK", 64),), (torch.bfloat16, True))  # triton_launch's key: kernel first
+    triton_launch._cache[key] = None
     try:
-        assert dict(_one_time_events("cpu") - before) == {"triton_specialisations": 1}
+        assert dict(_one_time_events("cpu") - before) == {"triton _rope_kernel": 1}
     finally:
-        del triton_launch._cache[("a kernel specialisation",)]
+        del triton_launch._cache[key]
     # as read back from benchmark.json: the step index is a string
-    group = [dict(arm="moe-sft", step_seconds=[0.45, 1.2, 0.46], step_events={"1": {"triton_specialisations": 3}}),
+    group = [dict(arm="moe-sft", step_seconds=[0.45, 1.2, 0.46], step_events={"1": {"triton _rope_kernel": 2}}),
              dict(arm="transformers", step_seconds=[1.1], step_events={}), dict(arm="old-run")]
     assert one_time_event_lines(group) == ["", "- moe-sft: one-time work in timed steps: step 2 (1.200 s): "
-                                               "triton_specialisations 3"]
+                                               "triton _rope_kernel 2"]
 
 
 def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
