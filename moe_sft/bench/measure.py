@@ -112,7 +112,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         arm.prepare(step)
         arm.step(step)
     arm.reset_fed()
-    seconds, losses, model_flops, tokens, step_events = [], [], 0, 0, {}
+    seconds, losses, step_flops, step_tokens, step_events = [], [], [], [], {}
     for step in range(warmup, warmup + steps):
         arm.prepare(step)
         _sync(arm.device)
@@ -125,8 +125,9 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         if new:
             step_events[step - warmup] = dict(new)
         batch = workload.global_batch(step)
-        model_flops += flops.train_step_flops(shape, batch)
-        tokens += real_tokens(batch)
+        step_flops.append(flops.train_step_flops(shape, batch))
+        step_tokens.append(real_tokens(batch))
+    model_flops, tokens = sum(step_flops), sum(step_tokens)
     fed_tokens, fed_digest = arm.fed()
     phases_ms, phase_ops, idle, profiled_s, phase_error, profiled_lens = {}, {}, {}, None, None, []
     profiled = range(warmup + steps, warmup + steps + profile_steps)
@@ -163,7 +164,7 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
         peak_allocated_gib=alloc, peak_reserved_gib=reserved, losses=losses,
         phases_ms=phases_ms, phase_ops=phase_ops, gpu_idle=idle, profiled_step_seconds=profiled_s,
         phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time", phase_error=phase_error,
-        host_syncs=host_syncs, step_events=step_events,
+        host_syncs=host_syncs, step_events=step_events, step_real_tokens=step_tokens, step_model_flop=step_flops,
         phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items()
                       if phases_ms.get(k)},
         status="ok")

@@ -187,17 +187,23 @@ def host_sync_lines(group: list[dict], top: int = 6) -> list[str]:
 
 
 def one_time_event_lines(group: list[dict]) -> list[str]:
-    """Per arm: timed steps that compiled a kernel or retried an allocation, with their seconds
-    (a step slow once, for a reason a longer run pays only once)."""
+    """Per arm: timed steps that compiled a kernel or retried an allocation, with their seconds, and
+    the throughput of the other timed steps (a step slow once, for a reason a longer run pays once)."""
     out = []
     for r in group:
-        events = r.get("step_events") or {}
-        steps = []
-        for index, counts in sorted(events.items(), key=lambda kv: int(kv[0])):
-            what = ", ".join(f"{name} {n}" for name, n in counts.items())
-            steps.append(f"step {int(index) + 1} ({r['step_seconds'][int(index)]:.3f} s): {what}")
-        if steps:
-            out.append(f"- {r['arm']}: one-time work in timed steps: " + "; ".join(steps))
+        events = {int(index): counts for index, counts in (r.get("step_events") or {}).items()}
+        if not events:
+            continue
+        seconds = r["step_seconds"]
+        steps = "; ".join(f"step {i + 1} ({seconds[i]:.3f} s): " + ", ".join(f"{name} {n}" for name, n in counts.items())
+                          for i, counts in sorted(events.items()))
+        line = f"- {r['arm']}: one-time work in timed steps: {steps}"
+        rest = [i for i in range(len(seconds)) if i not in events]
+        if rest and r.get("step_real_tokens"):
+            rest_s = sum(seconds[i] for i in rest) * r.get("gpus", 1)
+            line += (f". The other {len(rest)} steps: {sum(r['step_real_tokens'][i] for i in rest) / rest_s:,.0f} "
+                     f"tokens/s/GPU, {_n(sum(r['step_model_flop'][i] for i in rest) / rest_s / 1e12)} TFLOP/s/GPU")
+        out.append(line)
     return ([""] + out) if out else []
 
 

@@ -64,7 +64,7 @@ def test_every_run_is_complete(report):
         (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS)
     keys = {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "peak_allocated_gib", "peak_reserved_gib",
             "phases_ms", "profiled_step_seconds", "step_seconds", "model_flop", "real_tokens", "losses",
-            "implementation", "host_syncs", "step_events"}
+            "implementation", "host_syncs", "step_events", "step_real_tokens", "step_model_flop"}
     for r in runs + _runs(data, "tiny_dsv3"):
         assert r["status"] == "ok", r
         assert keys <= set(r), keys - set(r)
@@ -234,10 +234,12 @@ def test_one_time_work_is_named_with_the_step_it_slowed():
     finally:
         del triton_launch._cache[key]
     # as read back from benchmark.json: the step index is a string
-    group = [dict(arm="moe-sft", step_seconds=[0.45, 1.2, 0.46], step_events={"1": {"triton _rope_kernel": 2}}),
+    group = [dict(arm="moe-sft", gpus=1, step_seconds=[0.5, 1.2, 0.3], step_events={"1": {"triton _rope_kernel": 2}},
+                  step_real_tokens=[30000, 31000, 18000], step_model_flop=[1.6e14, 1.7e14, 0.8e14]),
              dict(arm="transformers", step_seconds=[1.1], step_events={}), dict(arm="old-run")]
     assert one_time_event_lines(group) == ["", "- moe-sft: one-time work in timed steps: step 2 (1.200 s): "
-                                               "triton _rope_kernel 2"]
+                                               "triton _rope_kernel 2. The other 2 steps: 60,000 tokens/s/GPU, "
+                                               "300.0 TFLOP/s/GPU"]
 
 
 def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
