@@ -28,6 +28,10 @@ BACKWARD_NODE = "autograd::engine::evaluate_function: "
 # The profiler's own bookkeeping, which kineto can list among an op's kernels (seen on an H200:
 # 52 ms each under the optimizer's step, doubling that phase).
 PROFILER_OVERHEAD = {"Buffer Flush", "Activity Buffer Request"}
+# Kernels launched straight through Triton's launcher outside any torch op: the profiler ties them to
+# no CPU op, so without this they land in "other". The clip + Adam kernel runs in the optimizer's
+# step, outside autograd (the layers' kernels run inside autograd Functions and are tied to those).
+KERNEL_PHASES = {"_adam_kernel": "optimizer"}
 PHASES = ("embedding", "attention", "attention_core", "norms", "router", "dispatch", "experts",
           "shared_experts", "dense_mlp", "moe_other", "lm_head", "loss", "grads", "optimizer", "other")
 
@@ -163,7 +167,22 @@ def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str,
         if ops is not None and (own_kernels if device else e.self_cpu_time_total):
             key = (phase or "other", e.name)
             ops[key] = ops.get(key, 0.0) + (own_kernels if device else e.self_cpu_time_total)
-    if device:  # kernels not tied to any op (e.g. launched by a library outside the profiler's view)
+    if device:  # kernels not tied to any op: by name where known, else "other"
+        owned = defaultdict(float)
+        for e in events:
+            if e.device_type == DeviceType.CPU:
+                for k in e.kernels:
+                    owned[k.name] += k.duration
+        named = defaultdict(float)
+        for e in events:
+            if e.device_type != DeviceType.CPU and e.name in KERNEL_PHASES:
+                named[e.name] += e.time_range.elapsed_us()
+        for name, us in named.items():
+            unowned = max(us - owned[name], 0.0)
+            totals[KERNEL_PHASES[name]] += unowned
+            if ops is not None and unowned:
+                key = (KERNEL_PHASES[name], name)
+                ops[key] = ops.get(key, 0.0) + unowned
         totals["other"] += max(device_total - sum(totals.values()), 0.0)
     return {p: totals.get(p, 0.0) for p in PHASES if totals.get(p, 0.0) > 0}
 

@@ -171,6 +171,24 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
     assert ops == {("optimizer", "Optimizer.step#AdamW.step"): 40.0}  # where the phase's time went
 
 
+def test_the_adam_kernel_tied_to_no_op_counts_in_the_optimizer():
+    """The clip + Adam Triton kernel is launched outside any torch op: the profiler ties it to none
+    (the first profiles with it put its ~37 ms in "other"). Named, it is the optimizer's;
+    where a profiler does tie it to an op, it is not counted twice."""
+    from moe_sft.bench.phases import SCOPE, attribute_events
+
+    scope = _event(1, SCOPE + "optimizer", 0, 100)
+    norm = _event(2, "aten::_foreach_norm", 1, 9, parent=scope, kernels=[("multi_tensor_apply_kernel", 5.0)])
+    events = [scope, norm, _event(3, "multi_tensor_apply_kernel", 10, 15, device=True),
+              _event(4, "_adam_kernel", 20, 50, device=True), _event(5, "_adam_kernel", 50, 70, device=True),
+              _event(6, "stray_kernel", 80, 90, device=True)]
+    ops = {}
+    assert attribute_events(events, device=True, ops=ops) == {"optimizer": 55.0, "other": 10.0}
+    assert ops[("optimizer", "_adam_kernel")] == 50.0
+    tied = _event(7, "Adam", 20, 70, parent=scope, kernels=[("_adam_kernel", 30.0), ("_adam_kernel", 20.0)])
+    assert attribute_events([scope, norm, tied] + events[2:], device=True) == {"optimizer": 55.0, "other": 10.0}
+
+
 def test_idle_gaps_sum_the_gpu_waits_by_the_kernel_that_ended_them():
     from moe_sft.bench.phases import idle_gaps
 
