@@ -25,8 +25,8 @@ from moe_sft.bench.workload import Workload, hf_config, model_shape
 from moe_sft.trainer import flops
 
 
-def _time(fn, device: str, warmup: int, iters: int) -> float:
-    """Seconds per call."""
+def seconds_per_call(fn, device: str, warmup: int, iters: int) -> float:
+    """Seconds per call of `fn` after `warmup` calls: CUDA events on the GPU, wall clock on CPU."""
     for _ in range(warmup):
         fn()
     if device == "cuda":
@@ -50,7 +50,7 @@ def _row(kind: str, shape: str, flop: float, seconds: float, **extra) -> dict:
 
 def matmul(m: int, k: int, n: int, dtype, device: str, warmup: int, iters: int, label: str) -> dict:
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-    return _row("matmul", f"{label} [{m},{k}]x[{k},{n}]", 2.0 * m * k * n, _time(lambda: a @ b, device, warmup, iters))
+    return _row("matmul", f"{label} [{m},{k}]x[{k},{n}]", 2.0 * m * k * n, seconds_per_call(lambda: a @ b, device, warmup, iters))
 
 
 def grouped(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype, device: str,
@@ -77,7 +77,7 @@ def grouped(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype, 
     flop = 3 * 2.0 * rows * hidden * ffn * (3 if backward else 1)
     shape = f"{experts} experts, {tokens}x top-{topk} rows, {hidden}->2x{ffn}->{hidden}"
     return _row("grouped_mm" + (" fwd+bwd" if backward else " fwd"), shape, flop,
-                _time(fwd_bwd if backward else fwd, device, warmup, iters))
+                seconds_per_call(fwd_bwd if backward else fwd, device, warmup, iters))
 
 
 def varlen(seqlens: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int, dtype, device: str,
@@ -101,7 +101,7 @@ def varlen(seqlens: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int, d
     flop = 2.0 * heads * (d_qk + d_v) * flops.attention_pairs(seqlens) * (3 if backward else 1)
     shape = f"{label}: {len(seqlens)} docs / {total} tokens, {heads}/{kv_heads} heads, d {d_qk}/{d_v}"
     return _row("varlen attention" + (" fwd+bwd" if backward else " fwd"), shape, flop,
-                _time(fwd_bwd if backward else fwd, device, warmup, iters))
+                seconds_per_call(fwd_bwd if backward else fwd, device, warmup, iters))
 
 
 def run(model: str, budget: int, device: str, warmup: int = 3, iters: int = 10, log=print) -> list[dict]:

@@ -14,17 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-
-def _timed(fn, iters: int) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from moe_sft.bench.ceilings import seconds_per_call  # noqa: E402  (after the path insert)
 
 
 def main() -> int:
@@ -62,7 +52,7 @@ def main() -> int:
     elements = sum(sizes)
     for name, fn, bytes_per in (("foreach clip multiply + torch fused AdamW", torch_path, 4 * (2 + 4 + 3)),
                                 ("clip + Adam Triton kernel", kernel_path, 4 * (4 + 3))):
-        ms = _timed(fn, args.iters)
+        ms = seconds_per_call(fn, "cuda", 1, args.iters) * 1e3
         print(f"[adam] {name}: {ms:.2f} ms for {elements / 1e9:.2f}G parameters; {bytes_per} B/param moved, "
               f"{elements * bytes_per / ms / 1e9:.2f} TB/s")
     return 0

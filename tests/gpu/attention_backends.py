@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from moe_sft.bench.ceilings import seconds_per_call
 from moe_sft.bench.workload import Workload
 from moe_sft.layers import attention
 
@@ -70,19 +71,6 @@ def _reference(q, k, v, cu, scale):
     return out
 
 
-def _time(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def run_case(name, budget, hq, hkv, dqk, dv, backends):
     torch.manual_seed(0)
     lens = _docs(budget)
@@ -110,8 +98,8 @@ def run_case(name, budget, hq, hkv, dqk, dv, backends):
             for key, got, want in (("out", out, ref), ("dq", dq, qf.grad), ("dk", dk, kf.grad), ("dv", dvv, vf.grad)):
                 row[f"err_{key}"] = float((got.detach().float() - want).abs().max() / want.abs().max())
             with torch.no_grad():
-                fwd_ms = _time(call)
-            both_ms = _time(lambda: torch.autograd.grad(call(), (q, k, v), grad))
+                fwd_ms = seconds_per_call(call, "cuda", 3, 20) * 1e3
+            both_ms = seconds_per_call(lambda: torch.autograd.grad(call(), (q, k, v), grad), "cuda", 3, 20) * 1e3
             row.update(fwd_ms=round(fwd_ms, 3), fwd_bwd_ms=round(both_ms, 3),
                        fwd_tflops=round(fwd_flops / fwd_ms / 1e9, 1),
                        fwd_bwd_tflops=round(3.5 * fwd_flops / both_ms / 1e9, 1))
