@@ -11,8 +11,9 @@ specialisation goes through Triton (which compiles and launches, and returns the
 later calls with the same key launch that kernel directly. The key is at least as fine as Triton's
 own specialisation: per argument its type, for tensors the dtype and 16-byte alignment, for ints
 whether they equal 1, divide by 16 and fit 32 bits (only the last for a parameter the kernel
-names in `do_not_specialize`); plus every keyword (constexprs, num_warps) and the device. Where the compiled launcher cannot be used (the Triton interpreter, another Triton
-API), every call goes through Triton's entry.
+names in `do_not_specialize`); plus every keyword (constexprs, num_warps) and the device. Where
+the compiled launcher cannot be used (the Triton interpreter, another Triton API), every call goes
+through Triton's entry.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _UNUSABLE = object()
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-_loose_cache: dict = {}
+_loose_cache: dict = {}  # kernel -> positions of its do_not_specialize parameters
 
 
 def _arg_key(arg, specialised: bool = True) -> tuple:
