@@ -168,14 +168,12 @@ def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str,
             key = (phase or "other", e.name)
             ops[key] = ops.get(key, 0.0) + (own_kernels if device else e.self_cpu_time_total)
     if device:  # kernels not tied to any op: by name where known, else "other"
-        owned = defaultdict(float)
+        owned, named = defaultdict(float), defaultdict(float)  # per known name: tied to an op / all
         for e in events:
             if e.device_type == DeviceType.CPU:
                 for k in e.kernels:
                     owned[k.name] += k.duration
-        named = defaultdict(float)
-        for e in events:
-            if e.device_type != DeviceType.CPU and e.name in KERNEL_PHASES:
+            elif e.name in KERNEL_PHASES:
                 named[e.name] += e.time_range.elapsed_us()
         for name, us in named.items():
             unowned = max(us - owned[name], 0.0)
