@@ -49,8 +49,19 @@ _megatron_rope_thd = rope_utils._apply_rotary_pos_emb_thd
 # Tiles, from a sweep on an H200 (GPU time per pass at 4096 packed tokens, bf16): 4096 elements of each
 # rotary half per program and 4 warps run q [4096, 32, 128] at 19 us (a plain copy of q: 17 us); smaller
 # tensors want more programs than that gives (k [4096, 4, 128] as a slice of the QKV output: 6.0 us at 256
-# programs, 3.8 us at 1024), so the tile halves down to 1024 until there are MIN_PROGRAMS.
-TILE, MIN_TILE, MIN_PROGRAMS, NUM_WARPS = 4096, 1024, 1024, 4
+# programs, 3.8 us at 1024), so the tile halves down to 1024 until there are MIN_PROGRAMS at SWEEP_TOKENS.
+TILE, MIN_TILE, MIN_PROGRAMS, NUM_WARPS, SWEEP_TOKENS = 4096, 1024, 1024, 4, 4096
+
+
+def tile_elements(heads: int, half_block: int) -> int:
+    """Elements of each rotary half per program: from the tensor's width per token, never its token
+    count. The tile is a compile-time constant; sized from the micro-batch's token count, a short
+    micro-batch late in a run compiled new kernels mid-run (two ~0.4 s `_rope_kernel` compiles in a
+    timed step, eighth GPU session). The few programs a short micro-batch then gets cost microseconds."""
+    tile = TILE
+    while tile > MIN_TILE and SWEEP_TOKENS * heads * half_block < MIN_PROGRAMS * tile:
+        tile //= 2
+    return tile
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -167,9 +178,7 @@ def _rope_launch(src, cu_seqlens, freqs, multi_latent_attention, mscale, backwar
     dst = torch.empty((tokens, heads, head_dim), dtype=src.dtype, device=src.device)
     half = rot_dim // 2
     half_block = triton.next_power_of_2(half)
-    tile = TILE
-    while tile > MIN_TILE and tokens * heads * half_block < MIN_PROGRAMS * tile:
-        tile //= 2
+    tile = tile_elements(heads, half_block)
     head_block = min(heads & -heads, max(1, tile // half_block))  # a power of two dividing heads: no idle lanes
     token_block = max(1, tile // (half_block * head_block))
     from_documents = cu_seqlens is not None

@@ -17,6 +17,12 @@ Clip and update in one pass (CUDA, `use_triton_adam`): megatron's chained step m
 main gradient by the clip coefficient, then the Adam kernel reads them again. Here the chained step
 hands the coefficient to the Adam step instead, whose Triton kernel (adam_kernel.py) multiplies as
 it loads. The CPU keeps torch's path.
+
+The same kernel writes the bf16 model parameters (distributed optimizer): megatron's
+`_copy_main_params_to_model_params` reads every updated fp32 main shard again to cast it into its
+slice of DDP's parameter buffer. Where the kernel wrote every such slice in the step, that copy is
+skipped; its fp32-parameter half copies each shard onto itself (the main shard of an fp32
+parameter is a view of the buffer), which is checked once, when the slices are collected.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import torch
 
 from moe_sft.trainer import adam_kernel
 
-# tests/gpu/ab_steps.py's switch: False runs megatron's clip multiply and torch's fused Adam instead.
+# tests/gpu/ab_steps.py's switches: False runs megatron's clip multiply and torch's fused Adam instead;
+# the kernel without the bf16 parameter writes (megatron's copy then runs).
 ENABLED = True
+WRITE_MODEL_PARAMS = True
 
 
 def _torch_adams(optimizer):
@@ -93,13 +101,13 @@ def use_foreach_grad_norm() -> bool:
     return True
 
 
-def _adams_for_the_kernel(optimizer) -> list[torch.optim.Adam] | None:
-    """The torch Adams of a chained optimizer whose whole step the kernel path can take, or None
+def _inners_for_the_kernel(optimizer) -> list | None:
+    """The inner optimizers of a chained optimizer whose whole step the kernel path can take, or None
     where megatron's step does something it does not: a grad scaler (fp16), zero counting, a
     non-Adam inner optimizer (the CPU offload), amsgrad/maximize, or a parameter the kernel
     cannot step (CPU, not fp32, not contiguous)."""
     inners = [o for o in getattr(optimizer, "chained_optimizers", ()) if not getattr(o, "is_stub_optimizer", False)]
-    adams = []
+    usable = []
     for inner in inners:
         opt = getattr(inner, "optimizer", None)
         if (not isinstance(opt, torch.optim.Adam) or getattr(inner, "grad_scaler", None) is not None
@@ -110,19 +118,66 @@ def _adams_for_the_kernel(optimizer) -> list[torch.optim.Adam] | None:
             return None
         if not all(adam_kernel.supported(p) for g in groups for p in g["params"]):
             return None
-        adams.append(opt)
-    return adams or None
+        usable.append(inner)
+    return usable or None
 
 
-def use_triton_adam(optimizer) -> bool:
-    """Clip + Adam in one Triton pass (module docstring); False, changing nothing, where it cannot."""
-    adams = _adams_for_the_kernel(optimizer)
-    if adams is None:
-        return False
-    for opt in adams:
+def _model_param_slices(inner) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """id(fp32 main shard) -> (that shard, the bf16 slice of DDP's parameter buffer megatron's
+    DistributedOptimizer._copy_main_params_to_model_params casts it into), for the float16
+    parameters; None where that copy does more than those casts (FSDP, precision-aware or fp8/mxfp8
+    parameters, an fp32 main shard that is not its own buffer slice, not a distributed optimizer)."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    if not hasattr(inner, "model_param_gbuf_map") or inner.ddp_config.use_megatron_fsdp:
+        return None
+    if inner.config.use_precision_aware_optimizer or inner.config.reuse_grad_buf_for_mxfp8_param_ag:
+        return None
+
+    def buffer_slice(model_param):  # the lookup megatron's copy_group_params makes
+        world_range = inner._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+        gbuf_index, _, bucket_id = inner.model_param_gbuf_map[model_param]
+        return inner.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world_range.start:world_range.end]
+
+    slices = {}
+    for main_group, model_group in zip(inner.shard_fp32_from_float16_groups, inner.model_float16_groups):
+        for main, model in zip(main_group, model_group):
+            if is_float8tensor(model) or model.dtype not in (torch.bfloat16, torch.float16):
+                return None
+            slices[id(main)] = (main, buffer_slice(model))
+    for main_group, model_group in zip(inner.shard_fp32_groups, inner.model_fp32_groups):
+        for main, model in zip(main_group, model_group):
+            if main.data_ptr() != buffer_slice(model).data_ptr():
+                return None
+    return slices or None
+
+
+def use_triton_adam(optimizer) -> str | None:
+    """Clip + Adam in one Triton pass (module docstring): what it does, for the startup log; None,
+    changing nothing, where it cannot."""
+    inners = _inners_for_the_kernel(optimizer)
+    if inners is None:
+        return None
+    writes_model_params = 0
+    for inner in inners:
+        opt = inner.optimizer
         opt.step = functools.partial(_kernel_step, opt)  # instance attributes shadow the class's step
+        slices = _model_param_slices(inner)
+        if slices is not None:
+            opt.__dict__["_model_param_slices"] = slices
+            inner._copy_main_params_to_model_params = functools.partial(_copy_unless_written, inner)
+            writes_model_params += 1
     optimizer.step = functools.partial(_chained_step, optimizer)
-    return True
+    done = "gradient clipping and Adam in one Triton pass per tensor"
+    if writes_model_params:
+        done += f", which also writes the bf16 model parameters ({writes_model_params} of {len(inners)} optimizers)"
+    return done
+
+
+def _copy_unless_written(inner) -> None:
+    """megatron's main-to-model copy, skipped after a step whose kernels wrote every bf16 slice."""
+    if not inner.optimizer.__dict__.pop("_wrote_model_params", False):
+        type(inner)._copy_main_params_to_model_params(inner)
 
 
 @torch.no_grad()
@@ -159,6 +214,8 @@ def _kernel_step(opt: torch.optim.Adam, closure=None):
     if not ENABLED:
         return type(opt).step(opt, closure)
     assert closure is None, "megatron's optimizer steps without a closure"
+    slices = (opt.__dict__.get("_model_param_slices") or {}) if WRITE_MODEL_PARAMS else {}
+    written = 0
     for group in opt.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
@@ -168,5 +225,10 @@ def _kernel_step(opt: torch.optim.Adam, closure=None):
         hyper = adam_kernel.hyper_parameters(group, coeff, params[0].device)
         decoupled = group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
         for p, s in zip(params, states):
+            main, model_slice = slices.get(id(p), (None, None))
+            model_slice = model_slice if main is p else None  # an id reused by another tensor: not its slice
             adam_kernel.adam_step(p, p.grad, s["exp_avg"], s["exp_avg_sq"], s["step"], hyper, decoupled=decoupled,
-                                  weight_decay=group["weight_decay"] != 0, grad_coeff=coeff is not None)
+                                  weight_decay=group["weight_decay"] != 0, grad_coeff=coeff is not None,
+                                  model_param=model_slice)
+            written += model_slice is not None
+    opt.__dict__["_wrote_model_params"] = bool(slices) and written == len(slices)

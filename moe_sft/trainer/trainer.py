@@ -244,8 +244,8 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(oc, self.model, config_overrides=overrides)
         if optimizer_kernels.use_fused_adam(self.optimizer):
             _say("optimizer: torch's fused Adam kernel (no TE/apex FusedAdam)")
-        if optimizer_kernels.use_triton_adam(self.optimizer):
-            _say("optimizer: gradient clipping and Adam in one Triton pass per tensor")
+        if triton_adam := optimizer_kernels.use_triton_adam(self.optimizer):
+            _say(f"optimizer: {triton_adam}")
         if o.optimizer_cpu_offload:
             _say(f"optimizer CPU offload: {o.optimizer_offload_fraction:.0%} of this rank's fp32 optimizer "
                  "shard (main params, Adam moments) is stepped on the CPU (megatron's HybridDeviceOptimizer)")

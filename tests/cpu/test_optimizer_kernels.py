@@ -96,10 +96,14 @@ def test_megatron_clip_grads_uses_them_after_the_fixes(megatron_on_this_machine)
 # ----------------------------------------------------------------- clip handed to the Adam kernel
 
 
-def _kernel_stand_in(param, grad, exp_avg, exp_avg_sq, step, hyper, *, decoupled, weight_decay, grad_coeff):
+STAND_IN_MODEL_WRITES = []
+
+
+def _kernel_stand_in(param, grad, exp_avg, exp_avg_sq, step, hyper, *, decoupled, weight_decay, grad_coeff,
+                     model_param=None):
     """adam_kernel.adam_step's contract (clip multiply in fp32, then torch's fused Adam math, the
-    step already counted) through torch's CPU kernels: the Triton kernel itself needs a GPU
-    (tests/gpu/test_gpu_adam.py); this checks what megatron's step hands it."""
+    step already counted, the result cast into `model_param`) through torch's CPU kernels: the Triton
+    kernel itself needs a GPU (tests/gpu/test_gpu_adam.py); this checks what megatron's step hands it."""
     from moe_sft.trainer import adam_kernel as k
 
     h = hyper.tolist()
@@ -107,12 +111,16 @@ def _kernel_stand_in(param, grad, exp_avg, exp_avg_sq, step, hyper, *, decoupled
     update = torch._fused_adamw_ if decoupled else torch._fused_adam_
     update([param], [g], [exp_avg], [exp_avg_sq], [], [step], lr=h[k.LR], beta1=h[k.BETA1], beta2=h[k.BETA2],
            weight_decay=h[k.WEIGHT_DECAY] if weight_decay else 0.0, eps=h[k.EPS], amsgrad=False, maximize=False)
+    if model_param is not None:
+        model_param.copy_(param)
+        STAND_IN_MODEL_WRITES.append(model_param.numel())
 
 
-@pytest.fixture(scope="module")
-def two_megatron_optimizers():
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def two_megatron_optimizers(request):
     """The same tiny Qwen3-MoE twice, each under megatron DDP + the distributed optimizer (chained,
-    as get_megatron_optimizer returns it); the second steps through use_triton_adam's path."""
+    as get_megatron_optimizer returns it); the second steps through use_triton_adam's path. In bf16
+    the kernel also writes the model parameters megatron's main-to-model copy would."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -124,11 +132,12 @@ def two_megatron_optimizers():
     pairs = []
     for _ in range(2):
         torch.manual_seed(0)
-        module = build_single_rank_model(family, family.tiny_hf_config(num_hidden_layers=2))
+        module = build_single_rank_model(family, family.tiny_hf_config(num_hidden_layers=2), request.param)
         ddp = DistributedDataParallel(config=module.config, module=module, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True))
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                     use_distributed_optimizer=True), [ddp])
+                                                     use_distributed_optimizer=True,
+                                                     bf16=request.param == "bf16"), [ddp])
         use_fused_adam(opt)
         pairs.append((ddp, opt))
     return pairs
@@ -147,7 +156,17 @@ def test_the_clip_handed_to_the_kernel_gives_megatrons_step(two_megatron_optimiz
     assert not optimizer_kernels.use_triton_adam(optimizer), "CPU parameters: the kernel path stays off"
     monkeypatch.setattr(adam_kernel, "supported", lambda p: p.dtype == torch.float32)
     monkeypatch.setattr(adam_kernel, "adam_step", _kernel_stand_in)
-    assert optimizer_kernels.use_triton_adam(optimizer)
+    done = optimizer_kernels.use_triton_adam(optimizer)
+    bf16 = next(model.module.parameters()).dtype == torch.bfloat16
+    assert done and ("writes the bf16 model parameters" in done) == bf16, done
+    slices = [inner.optimizer.__dict__.get("_model_param_slices") for inner in optimizer.chained_optimizers]
+    assert all(slices) == bf16, "bf16 slices collected exactly when the model is bf16"
+    copies = []  # megatron's main-to-model copy, by step: skipped when the kernel wrote every slice
+    for inner in optimizer.chained_optimizers:
+        original = type(inner)._copy_main_params_to_model_params
+        monkeypatch.setattr(type(inner), "_copy_main_params_to_model_params",
+                            lambda self, original=original: copies.append(step) or original(self))
+    STAND_IN_MODEL_WRITES.clear()
     # scales: clipped (norm ~100), unclipped (norm < 1), a non-finite norm (skipped), clipped again
     for step, scale in enumerate((1.0, 1e-3, float("nan"), 0.3)):
         for m in (ref_model, model):
@@ -160,6 +179,10 @@ def test_the_clip_handed_to_the_kernel_gives_megatrons_step(two_megatron_optimiz
             assert "_grad_coeff" not in inner.optimizer.__dict__  # consumed or never set
         for (name, a), b in zip(ref_model.module.named_parameters(), model.module.parameters()):
             assert torch.equal(a, b), (step, name)
+    # the reference's copies run too (same class): with the kernel writing, only they remain
+    inner_count = len(optimizer.chained_optimizers)
+    assert copies == [s for s in (0, 1, 3) for _ in range(inner_count * (1 if bf16 else 2))], copies
+    assert sum(STAND_IN_MODEL_WRITES) == (3 * sum(sum(m.numel() for m, _ in s.values()) for s in slices) if bf16 else 0)
     states = [s for inner in optimizer.chained_optimizers for s in inner.optimizer.state.values()]
     ref_states = [s for inner in reference.chained_optimizers for s in inner.optimizer.state.values()]
     assert [float(s["step"]) for s in states] == [float(s["step"]) for s in ref_states] == [3.0] * len(states)

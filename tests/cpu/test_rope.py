@@ -42,3 +42,14 @@ def test_megatron_uses_it_once_fixes_are_applied():
 
     compat.apply_megatron_fixes()
     assert rope_utils._apply_rotary_pos_emb_thd is rope.apply_rope_thd
+
+
+def test_the_kernel_tile_depends_on_the_width_per_token_only():
+    """The sweep's tiles at 4096 tokens (q [*, 32, 128]: 4096; k [*, 4, 128]: 1024), whatever a
+    micro-batch's token count: a tile is a compile-time constant, so a short micro-batch must not
+    change it (the GPU side: tests/gpu/test_gpu_rope.py)."""
+    assert rope.tile_elements(heads=32, half_block=64) == rope.TILE == 4096
+    assert rope.tile_elements(heads=4, half_block=64) == rope.MIN_TILE == 1024
+    assert rope.tile_elements(heads=8, half_block=32) == 1024  # MLA's rope part is narrower still
+    assert rope.tile_elements(heads=16, half_block=64) == 4096
+    assert rope.tile_elements(heads=8, half_block=64) == 2048

@@ -44,7 +44,8 @@ def _off_values():
     _TorchVarlenAttn.apply = staticmethod(attention.torch_varlen_attn)
     return {"router_topk": None, "wgrad_overlap": False, "triton_launch": _ThroughTriton(),
             "flash_direct": _TorchVarlenAttn, "topk_rows": None, "one_rank_collectives": lambda group: False,
-            "cuda_graphs": False, "loss_rows": False, "triton_adam": False}
+            "cuda_graphs": False, "loss_rows": False, "triton_adam": False,
+            "adam_writes_bf16": False}
 
 
 # name: (module, attribute); the value that turns it off comes from _off_values()
@@ -58,6 +59,7 @@ SWITCHES = {
     "cuda_graphs": ("moe_sft.trainer.cuda_graphs", "REPLAY"),        # off: the captured layers run eagerly
     "loss_rows": ("moe_sft.trainer.loss_rows", "ENABLED"),           # off: the LM head over every position
     "triton_adam": ("moe_sft.trainer.optimizer_kernels", "ENABLED"),  # off: clip multiply + torch's fused Adam
+    "adam_writes_bf16": ("moe_sft.trainer.optimizer_kernels", "WRITE_MODEL_PARAMS"),  # off: megatron's copy_
 }
 
 

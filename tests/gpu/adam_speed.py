@@ -1,7 +1,8 @@
-"""Time the optimizer update alone: the foreach clip multiply + torch's fused AdamW against the clip +
-Adam Triton kernel (moe_sft/trainer/adam_kernel.py), on fp32 tensors shaped like the benchmark
-shard's (one big expert tensor per layer and many small ones), with each side's bytes moved and the
-bandwidth that gives.
+"""Time the optimizer update alone, each followed by megatron's cast of the fp32 main parameters into
+the bf16 model parameters: the foreach clip multiply + torch's fused AdamW + `copy_`, the clip + Adam
+Triton kernel (moe_sft/trainer/adam_kernel.py) + `copy_`, and the kernel writing the bf16 parameters
+itself; on fp32 tensors shaped like the benchmark shard's (one big expert tensor per layer and many
+small ones), with each side's bytes moved and the bandwidth that gives.
 
 Usage: python3 tests/gpu/adam_speed.py [--params 5.6e9 --iters 10]
 """
@@ -36,22 +37,34 @@ def main() -> int:
     grads = [q.grad for q in params]
     coeff = 0.5
 
+    models = [torch.empty_like(q, dtype=torch.bfloat16) for q in params]
+
+    def copy_to_models():  # DistributedOptimizer._copy_main_params_to_model_params: one copy_ per tensor
+        for q, model in zip(params, models):
+            model.copy_(q.data)
+
     def torch_path():
         torch._foreach_mul_(grads, coeff)
         reference.step()
+        copy_to_models()
 
     states = [(torch.zeros_like(q), torch.zeros_like(q)) for q in params]
     step = torch.ones((), device="cuda")
 
-    def kernel_path():
+    def kernel_path(write_models):
         hyper = adam_kernel.hyper_parameters(group, coeff, "cuda")
-        for q, (m, v) in zip(params, states):
+        for q, (m, v), model in zip(params, states, models):
             adam_kernel.adam_step(q.data, q.grad, m, v, step, hyper, decoupled=True, weight_decay=True,
-                                  grad_coeff=True)
+                                  grad_coeff=True, model_param=model if write_models else None)
+        if not write_models:
+            copy_to_models()
 
     elements = sum(sizes)
-    for name, fn, bytes_per in (("foreach clip multiply + torch fused AdamW", torch_path, 4 * (2 + 4 + 3)),
-                                ("clip + Adam Triton kernel", kernel_path, 4 * (4 + 3))):
+    # bytes per parameter: fp32 reads and writes, + the bf16 copy's 4-byte read and 2-byte write
+    for name, fn, bytes_per in (
+            ("foreach clip multiply + torch fused AdamW + copy_", torch_path, 4 * (2 + 4 + 3) + 6),
+            ("clip + Adam Triton kernel + copy_", lambda: kernel_path(False), 4 * (4 + 3) + 6),
+            ("clip + Adam Triton kernel writing the bf16 parameters", lambda: kernel_path(True), 4 * (4 + 3) + 2)):
         ms = seconds_per_call(fn, "cuda", 1, args.iters) * 1e3
         print(f"[adam] {name}: {ms:.2f} ms for {elements / 1e9:.2f}G parameters; {bytes_per} B/param moved, "
               f"{elements * bytes_per / ms / 1e9:.2f} TB/s")

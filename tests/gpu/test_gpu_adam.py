@@ -48,6 +48,7 @@ def test_kernel_matches_adam_in_fp64_as_closely_as_torch_fused_adam(decoupled, w
     param = torch.randn(numel, device="cuda", generator=g)
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     step = torch.zeros((), device="cuda")
+    model_param = torch.empty(numel, device="cuda", dtype=torch.bfloat16)  # DDP's bf16 buffer slice
     kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     ours, theirs = [0.0] * 3, [0.0] * 3
     for i in range(6):
@@ -64,7 +65,8 @@ def test_kernel_matches_adam_in_fp64_as_closely_as_torch_fused_adam(decoupled, w
         step += 1
         hyper = adam_kernel.hyper_parameters(group, coeff, "cuda")
         adam_kernel.adam_step(param, grad, exp_avg, exp_avg_sq, step, hyper, decoupled=decoupled,
-                              weight_decay=weight_decay != 0, grad_coeff=coeff is not None)
+                              weight_decay=weight_decay != 0, grad_coeff=coeff is not None, model_param=model_param)
+        assert torch.equal(model_param, param.to(torch.bfloat16)), "the cast megatron's copy_ makes"
         state = reference.state[ref]
         assert float(state["step"]) == float(step)
         for k, (mine, torchs, (value, scale)) in enumerate(zip((param, exp_avg, exp_avg_sq),
@@ -84,8 +86,8 @@ def test_offsets_past_two_to_the_31_elements():
 
     free, _ = torch.cuda.mem_get_info()
     numel = 2 ** 31 + 3 * 1024 + 5
-    if free < 5 * numel * 4:  # 40 GiB: fits an H100/H200; a smaller or shared GPU cannot hold the five tensors
-        pytest.skip(f"needs {5 * numel * 4 / 2**30:.0f} GiB of free GPU memory")
+    if free < 5 * numel * 4 + numel * 2:  # 44 GiB: fits an H100/H200; a smaller or shared GPU cannot
+        pytest.skip(f"needs {(5 * 4 + 2) * numel / 2**30:.0f} GiB of free GPU memory")
     param = torch.randn(numel, device="cuda")
     grad = torch.randn(numel, device="cuda")
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
@@ -97,10 +99,12 @@ def test_offsets_past_two_to_the_31_elements():
         torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, fused=True).step()
         expected.append(ref.detach())
     hyper = adam_kernel.hyper_parameters(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1), None, "cuda")
+    model_param = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
     adam_kernel.adam_step(param, grad, exp_avg, exp_avg_sq, torch.ones((), device="cuda"), hyper,
-                          decoupled=True, weight_decay=True, grad_coeff=False)
+                          decoupled=True, weight_decay=True, grad_coeff=False, model_param=model_param)
     for part, want in zip((head, tail), expected):
         torch.testing.assert_close(param[part], want, rtol=1e-6, atol=1e-7)
+        assert torch.equal(model_param[part], param[part].to(torch.bfloat16))
 
 
 def test_a_step_does_not_make_the_host_wait():
