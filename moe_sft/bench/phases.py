@@ -25,9 +25,12 @@ from torch.autograd.profiler import record_function
 
 SCOPE = "phase::"
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
-# The profiler's own bookkeeping, which kineto can list among an op's kernels (seen on an H200:
-# 52 ms each under the optimizer's step, doubling that phase).
-PROFILER_OVERHEAD = {"Buffer Flush", "Activity Buffer Request"}
+# The profiler's own bookkeeping (CUPTI's overhead records). kineto can list them among an op's
+# kernels (seen on H200s: 52 ms each under the optimizer's step, doubling that phase), and it also
+# records them as host events of their own with "kernels" attached: "Command Buffer Full" (the host
+# waiting for room in the launch queue) added 3.4-10.3 s to the transformers and torchtitan arms'
+# optimizer phase in a ~1.2 s step (ninth session). Neither kind is work on the GPU.
+PROFILER_OVERHEAD = {"Buffer Flush", "Activity Buffer Request", "Command Buffer Full"}
 # Kernels launched straight through Triton's launcher outside any torch op: the profiler ties them to
 # no CPU op, so without this they land in "other". The clip + Adam kernel runs in the optimizer's
 # step, outside autograd (the layers' kernels run inside autograd Functions and are tied to those).
@@ -148,6 +151,8 @@ def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str,
         if e.device_type != DeviceType.CPU:
             if e.name not in annotations:
                 device_total += e.time_range.elapsed_us()  # a kernel (its op, when known, counts it too)
+            continue
+        if e.name in PROFILER_OVERHEAD:
             continue
         parent = e.cpu_parent
         phase = phase_of.get(parent.id) if parent is not None else None

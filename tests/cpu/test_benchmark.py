@@ -160,7 +160,10 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
     step = _event(2, "Optimizer.step#AdamW.step", 1, 99, parent=scope,
                   kernels=[("Optimizer.step#AdamW.step", 5000.0), ("fused_adamw_kernel", 40.0),
                            ("Buffer Flush", 40.0), ("Activity Buffer Request", 40.0)])  # the profiler's own
-    events = [scope, step,
+    # ... and its host-side record of a full launch queue, with "kernels" of seconds attached
+    queue_full = _event(7, "Command Buffer Full", 3, 4, parent=scope, kernels=[("Command Buffer Full", 7e6),
+                                                                             ("fused_adamw_kernel", 7e6)])
+    events = [scope, step, queue_full,
               _event(3, "Optimizer.step#AdamW.step", 2, 5002, device=True),        # the GPU-side copy
               _event(4, "Optimizer.step#AdamW.step", 2, 5002, device=True, annotation=True),
               _event(5, "fused_adamw_kernel", 10, 50, device=True),
