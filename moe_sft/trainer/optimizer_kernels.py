@@ -28,6 +28,7 @@ parameter is a view of the buffer), which is checked once, when the slices are c
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -232,3 +233,7 @@ def _kernel_step(opt: torch.optim.Adam, closure=None):
                                   model_param=model_slice)
             written += model_slice is not None
     opt.__dict__["_wrote_model_params"] = bool(slices) and written == len(slices)
+    if slices and written != len(slices) and not opt.__dict__.get("_warned_slices"):
+        opt.__dict__["_warned_slices"] = True  # correct (megatron's copy runs), only slower: say it once
+        warnings.warn(f"the Adam kernel found {written} of {len(slices)} bf16 parameter slices (main parameters "
+                      "replaced since startup?); megatron's main-to-model copy runs instead", stacklevel=2)
