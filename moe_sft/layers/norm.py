@@ -241,3 +241,12 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class LatentRMSNorm(RMSNorm):
+    """MLA's q/kv latent norms, with the config's `mla_latent_layernorm_epsilon` when set (megatron
+    passes layernorm_epsilon; transformers' DeepSeek-V3 builds these norms with 1e-6)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6):
+        latent_eps = getattr(config, "mla_latent_layernorm_epsilon", None)
+        super().__init__(config, hidden_size, eps if latent_eps is None else latent_eps)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+from moe_sft.layers.router import routing_rule, torch_topk_routing
 from moe_sft.layers.triton_launch import launch
 
 try:
@@ -91,6 +92,7 @@ if triton is not None:
     def _routing_forward_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, tokens, experts, scale,
                                 SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 K: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                                GROUP_SCORE_K: tl.constexpr, NORMALIZE: tl.constexpr,
                                 ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         col, real, inside, _, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         if SIGMOID:
@@ -106,11 +108,11 @@ if triton is not None:
             key = logits
         key = tl.where(real, key, float("-inf"))
         if GROUPS > 1:
-            key = _limit_to_groups(key, ROWS, BLOCK_E, GROUPS, GROUP_K, K // GROUP_K)
+            key = _limit_to_groups(key, ROWS, BLOCK_E, GROUPS, GROUP_K, GROUP_SCORE_K)
         chosen = _top_k(key, col, K)
         if SIGMOID:
             probs = tl.where(chosen, scores, 0.0)
-            if K > 1:
+            if NORMALIZE:
                 probs = probs / (tl.sum(probs, axis=1)[:, None] + 1e-20)
         elif PRE_SOFTMAX:
             probs = tl.where(chosen, scores, 0.0)
@@ -122,7 +124,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["tokens"])
     def _routing_backward_kernel(logits_ptr, map_ptr, grad_ptr, grad_stride_t, grad_stride_e, out_ptr,
                                  tokens, experts, scale, SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
-                                 K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                                 NORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
         """d logits from d probs: the chosen scores are recomputed from the logits and the map."""
         col, _, inside, row64, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         chosen = tl.load(map_ptr + offset, mask=inside, other=0) != 0
@@ -131,7 +133,7 @@ if triton is not None:
         grad = tl.where(chosen, grad, 0.0)  # probs outside the choice are constant zeros
         if SIGMOID:
             scores = tl.sigmoid(logits)
-            if K > 1:
+            if NORMALIZE:
                 total = tl.sum(tl.where(chosen, scores, 0.0), axis=1)[:, None] + 1e-20
                 probs = tl.where(chosen, scores, 0.0) / total
                 grad = tl.where(chosen, (grad - tl.sum(grad * probs, axis=1)[:, None]) / total, 0.0)
@@ -189,17 +191,20 @@ def _kernel_fits(logits: torch.Tensor, topk: int) -> bool:
             and logits.shape[0] > 0 and 0 < topk <= logits.shape[1] <= MAX_EXPERTS)
 
 
-def _groups_fit(experts: int, topk: int, num_groups, group_topk) -> bool:
+def _groups_fit(experts: int, topk: int, num_groups, group_topk, group_score_topk=None) -> bool:
     """The kernel's grouped choice needs power-of-two groups tiling a power-of-two expert count."""
     if not group_topk:
         return True
+    per_group = group_score_topk or (topk // group_topk if topk % group_topk == 0 else 0)
     return (num_groups > 1 and experts & (experts - 1) == 0 and num_groups & (num_groups - 1) == 0
-            and experts % num_groups == 0 and topk % group_topk == 0 and group_topk <= num_groups)
+            and experts % num_groups == 0 and group_topk <= num_groups
+            and 0 < per_group <= experts // num_groups)
 
 
 class _TopKRouting(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, expert_bias, topk, pre_softmax, sigmoid, groups, group_topk, scale):
+    def forward(ctx, logits, expert_bias, topk, pre_softmax, sigmoid, groups, group_topk, group_score_topk,
+                normalize, scale):
         logits = logits.contiguous()
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
@@ -210,24 +215,24 @@ class _TopKRouting(torch.autograd.Function):
         launch(_routing_forward_kernel, _grid(tokens, rows),
             logits, bias, probs, routing_map.view(torch.int8), tokens, experts, scale,
             SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, HAS_BIAS=has_bias, K=topk, GROUPS=groups,
-            GROUP_K=group_topk, ROWS=rows, BLOCK_E=block_e)
+            GROUP_K=group_topk, GROUP_SCORE_K=group_score_topk, NORMALIZE=normalize, ROWS=rows, BLOCK_E=block_e)
         ctx.save_for_backward(logits, routing_map)
-        ctx.options = (topk, pre_softmax, sigmoid, scale)
+        ctx.options = (pre_softmax, sigmoid, normalize, scale)
         ctx.mark_non_differentiable(routing_map)
         return probs, routing_map
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_map):
         logits, routing_map = ctx.saved_tensors
-        topk, pre_softmax, sigmoid, scale = ctx.options
+        pre_softmax, sigmoid, normalize, scale = ctx.options
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
         grad_logits = torch.empty_like(logits)
         launch(_routing_backward_kernel, _grid(tokens, rows),
             logits, routing_map.view(torch.int8), grad_probs, grad_probs.stride(0), grad_probs.stride(1),
-            grad_logits, tokens, experts, scale, SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, K=topk,
+            grad_logits, tokens, experts, scale, SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, NORMALIZE=normalize,
             ROWS=rows, BLOCK_E=block_e)
-        return grad_logits, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 class _AuxLossScores(torch.autograd.Function):
@@ -261,17 +266,27 @@ class _AuxLossScores(torch.autograd.Function):
 def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
                                      scaling_factor=None, score_function="softmax", expert_bias=None,
                                      fused=False, router_replay=None):
-    """megatron's `moe_utils.topk_routing_with_score_function` (same arguments and results)."""
+    """megatron's `moe_utils.topk_routing_with_score_function` (same arguments and results), routing
+    as the HF model does where the router running it says so (moe_sft/layers/router.py)."""
+    rule = routing_rule(topk, use_pre_softmax, num_groups, group_topk, score_function)
     if (fused or router_replay is not None or score_function not in ("softmax", "sigmoid")
             or not _kernel_fits(logits, topk)
-            or not _groups_fit(logits.shape[1], topk, num_groups, group_topk)):
-        return _megatron_topk_routing(
-            logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
-            scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias,
-            fused=fused, router_replay=router_replay)
+            or not _groups_fit(logits.shape[1], topk, num_groups, group_topk, rule.group_score_topk)):
+        if rule.is_megatrons:
+            return _megatron_topk_routing(
+                logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
+                scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias,
+                fused=fused, router_replay=router_replay)
+        return torch_topk_routing(logits, topk, rule, num_groups, group_topk, scaling_factor,
+                                  score_function, expert_bias)
     groups = num_groups if group_topk else 1
-    return _TopKRouting.apply(logits, expert_bias, topk, bool(use_pre_softmax), score_function == "sigmoid",
-                              groups, group_topk or 1, float(scaling_factor) if scaling_factor else 1.0)
+    sigmoid = score_function == "sigmoid"
+    # Renormalised softmax weights are the softmax of the chosen logits: the kernel's post-top-k
+    # path, which is also the only one whose top-1 weight is exactly 1 (as transformers').
+    pre_softmax = bool(use_pre_softmax) if sigmoid else not rule.normalize
+    return _TopKRouting.apply(logits, expert_bias, topk, pre_softmax, sigmoid, groups, group_topk or 1,
+                              rule.group_score_topk or 1, rule.normalize,
+                              float(scaling_factor) if scaling_factor else 1.0)
 
 
 def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask=None):

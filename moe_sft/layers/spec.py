@@ -31,7 +31,8 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from moe_sft.layers.attention import VarlenCoreAttention
 from moe_sft.layers.experts import TorchGroupedMLP
-from moe_sft.layers.norm import RMSNorm
+from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
+from moe_sft.layers.router import FamilyRouter
 
 
 def _dense_mlp_spec() -> ModuleSpec:
@@ -43,7 +44,7 @@ def _moe_spec() -> ModuleSpec:
     shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
         linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=TorchGroupedMLP), shared_experts=shared))
+        experts=ModuleSpec(module=TorchGroupedMLP), shared_experts=shared, router=FamilyRouter))
 
 
 def _gqa_attention(config: TransformerConfig) -> ModuleSpec:
@@ -61,7 +62,8 @@ def _mla_attention(config: TransformerConfig) -> ModuleSpec:
                           linear_q_up_proj=ColumnParallelLinear,
                           linear_kv_down_proj=ColumnParallelLinear,
                           linear_kv_up_proj=ColumnParallelLinear, core_attention=VarlenCoreAttention,
-                          linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm))
+                          linear_proj=RowParallelLinear, q_layernorm=LatentRMSNorm,
+                          kv_layernorm=LatentRMSNorm))
 
 
 def torch_layer_spec(config: TransformerConfig, is_moe: bool) -> ModuleSpec:
@@ -93,9 +95,21 @@ def _is_moe_layer(config: TransformerConfig, layer_index: int) -> bool:
     return bool(freq[layer_index])
 
 
+def _check_te_covers(config: TransformerConfig) -> None:
+    """TE's spec builds megatron's router and fuses MLA's latent norms with layernorm_epsilon."""
+    differs = [name for name in ("moe_router_group_score_topk", "moe_router_normalize_topk",
+                                 "mla_latent_layernorm_epsilon")
+               if getattr(config, name, None) is not None]
+    if differs:
+        raise ValueError(f"model.backend=te: this model needs {', '.join(differs)} (routing or norms "
+                         "as transformers computes them), which only the torch-native spec implements; "
+                         "use model.backend=torch")
+
+
 def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, pp_rank=None):
     """The block spec for the layers of this pipeline stage (and virtual stage)."""
     if backend == "te":
+        _check_te_covers(config)
         return gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage,
             pp_rank=pp_rank)

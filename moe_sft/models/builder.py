@@ -8,8 +8,9 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moe_sft.layers.config import config_class
 from moe_sft.layers.spec import decoder_block_spec, mtp_block_spec
 from moe_sft.models.family import Family
 from moe_sft.models.mtp import SFTGPTModel
@@ -46,7 +47,8 @@ class ModelOptions:
 
 def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> TransformerConfig:
     kwargs = family.transformer_config_kwargs(hf_cfg)
-    kwargs.pop("rotary_base", None)
+    if not kwargs.get("multi_latent_attention"):  # GPTModel's rotary_base; MLA's rope is its config's
+        kwargs.pop("rotary_base", None)
     dispatcher = opts.moe_token_dispatcher_type
     if dispatcher == "auto":  # alltoall needs CUDA streams; allgather runs anywhere
         dispatcher = "alltoall" if opts.device == "cuda" else "allgather"
@@ -93,8 +95,7 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
     if opts.recompute_granularity == "full":  # defaults; the recipe's recompute_* (extra) win
         kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(opts.extra)
-    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
-    return config_class(**kwargs)
+    return config_class(bool(kwargs.get("multi_latent_attention")))(**kwargs)
 
 
 def _reset_megatron_moe_globals() -> None:

@@ -88,3 +88,31 @@ def gqa_swiglu_config(cfg, ffn_hidden_size: int) -> dict:
         init_method_std=cfg.initializer_range,
         rotary_base=rope_theta(cfg),
     )
+
+
+def softmax_routing_config(topk: int, normalize: bool) -> dict:
+    """transformers' softmax routers: softmax over all experts, top-k, renormalised when `normalize`.
+
+    Renormalised top-k softmax equals megatron's default (top-k of the logits, then softmax of the
+    chosen); unnormalised is megatron's pre-softmax. megatron's config refuses the first at top-1
+    (the weight is 1, so only the aux loss trains the router, as in transformers): there the rule
+    is stated explicitly (moe_sft/layers/router.py) and pre_softmax only satisfies the check.
+    """
+    return dict(moe_router_topk=topk, moe_router_score_function="softmax",
+                moe_router_pre_softmax=not normalize or topk == 1,
+                moe_router_normalize_topk=True if normalize and topk == 1 else None)
+
+
+def sample_attention_shape(rng) -> dict:
+    """Random GQA dims for `sample_hf_config`: MHA, GQA or MQA, head_dim unrelated to hidden/heads."""
+    heads = rng.choice([1, 2, 4, 8])
+    return dict(hidden_size=rng.choice([32, 48, 64, 96, 128]), num_attention_heads=heads,
+                num_key_value_heads=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
+                head_dim=rng.choice([8, 16, 24, 32, 48]))
+
+
+def sample_rope_and_norm(rng) -> dict:
+    return dict(rope_parameters={"rope_type": "default",
+                                 "rope_theta": rng.choice([10000.0, 500000.0, 1e6, rng.uniform(100.0, 5e4)])},
+                rms_norm_eps=rng.choice([1e-6, 1e-5, 1e-3]),
+                tie_word_embeddings=rng.random() < 0.3, max_position_embeddings=4096)

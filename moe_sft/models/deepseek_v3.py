@@ -15,13 +15,14 @@ a reference written from the DeepSeek-V3 report in the tests.
 
 from __future__ import annotations
 
+import math
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from moe_sft.conversion import transforms as T
 from moe_sft.models import common
 from moe_sft.models.family import Family, Rule, UnsupportedConfigError
-from moe_sft.models.hf_config import num_experts, rope_parameters
+from moe_sft.models.hf_config import check_no_attention_bias, num_experts, rope_parameters
 
 L = common.LAYER
 
@@ -40,9 +41,13 @@ def check_supported(cfg) -> None:
     if rope_parameters(cfg).get("rope_type", "default") not in ("default", "yarn"):
         raise UnsupportedConfigError(f"config.json: rope type {rope_parameters(cfg)['rope_type']!r} is "
                                      "not supported for DeepSeek-V3; use default or yarn.")
+    if rope_parameters(cfg).get("truncate", True) is False:
+        raise UnsupportedConfigError("config.json: rope_parameters.truncate=false is not supported; "
+                                     "megatron's YaRN rounds the correction range (truncate=true).")
     if cfg.tie_word_embeddings and num_mtp_layers(cfg):
         raise UnsupportedConfigError("config.json: tie_word_embeddings=true with num_nextn_predict_layers>0 "
                                      "is not supported (DeepSeek-V3 unties them)")
+    check_no_attention_bias(cfg, "DeepSeek-V3 (it biases q_a_proj and kv_a_proj_with_mqa)")
     if not getattr(cfg, "rope_interleave", True):
         raise UnsupportedConfigError("config.json: rope_interleave=false is not supported; DeepSeek-V3 "
                                      "checkpoints use the interleaved rope layout.")
@@ -52,15 +57,52 @@ def num_mtp_layers(cfg) -> int:
     return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
 
 
+def _yarn_mscales(rope: dict) -> tuple[float, float]:
+    """megatron's (mscale, mscale_all_dim) giving transformers' YaRN cos/sin scale.
+
+    transformers scales cos/sin by `attention_factor` when given, else by
+    get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) only when both are non-zero, else by
+    get_mscale(f) (modeling_rope_utils._compute_yarn_parameters); megatron always by the ratio.
+    mscale_all_dim also sets the softmax scale in both models, so it is kept and mscale solved for:
+    0.1 * mscale * ln f + 1 = target * get_mscale(f, mscale_all_dim).
+    """
+    factor, all_dim = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0.0)
+    mscale, given = rope.get("mscale"), rope.get("attention_factor")
+    if given is None and mscale and all_dim:
+        return float(mscale), all_dim
+    if factor <= 1:  # get_mscale is 1 whatever its mscale
+        return 1.0, all_dim
+    log_f = math.log(factor)
+    target = float(given) if given is not None else 0.1 * log_f + 1.0
+    return (target * (0.1 * all_dim * log_f + 1.0) - 1.0) / (0.1 * log_f), all_dim
+
+
 def _rope_kwargs(cfg) -> dict:
     rope = rope_parameters(cfg)
     if rope.get("rope_type", "default") != "yarn":
         return dict(rope_type="rope", rotary_base=float(rope["rope_theta"]))
+    mscale, mscale_all_dim = _yarn_mscales(rope)
     return dict(rope_type="yarn", rotary_base=float(rope["rope_theta"]),
                 rotary_scaling_factor=float(rope["factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
-                mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                mscale=mscale, mscale_all_dim=mscale_all_dim)
+
+
+HF_LATENT_NORM_EPS = 1e-6
+HF_GROUP_SCORE_TOPK = 2  # DeepseekV3TopkRouter ranks a group by the sum of its two best scores
+
+
+def _routing_config(cfg) -> dict:
+    """DeepseekV3TopkRouter: sigmoid scores, bias for the choice only, `topk_group` of `n_group`
+    groups, weights renormalised exactly when `norm_topk_prob`, times `routed_scaling_factor`.
+    Where megatron's rule differs (router.py), the config says so."""
+    topk, groups, kept = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    same_groups = kept >= groups or topk // kept == HF_GROUP_SCORE_TOPK
+    normalize = bool(cfg.norm_topk_prob)
+    return dict(moe_router_topk=topk, moe_router_num_groups=groups, moe_router_group_topk=kept,
+                moe_router_group_score_topk=None if same_groups else HF_GROUP_SCORE_TOPK,
+                moe_router_normalize_topk=None if normalize == (topk > 1) else normalize)
 
 
 def transformer_config_kwargs(cfg) -> dict:
@@ -74,15 +116,15 @@ def transformer_config_kwargs(cfg) -> dict:
         qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, qk_layernorm=True,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
+        # DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps.
+        mla_latent_layernorm_epsilon=None if cfg.rms_norm_eps == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
         num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_shared_expert_intermediate_size=(cfg.n_shared_experts or 0) * cfg.moe_intermediate_size or None,
-        moe_router_topk=cfg.num_experts_per_tok,
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
-        moe_router_num_groups=cfg.n_group, moe_router_group_topk=cfg.topk_group,
         moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+        **_routing_config(cfg),
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(layers)],
         init_method_std=cfg.initializer_range,
         mtp_num_layers=num_mtp_layers(cfg) or None,
@@ -150,6 +192,39 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> DeepseekV3Config:
     return DeepseekV3Config(**kwargs)
 
 
+def _sample_rope(rng) -> dict:
+    theta = rng.choice([10000.0, 50000.0, rng.uniform(500.0, 2e5)])
+    if rng.random() < 0.5:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": rng.choice([2.0, 4.0, 40.0]),
+            "original_max_position_embeddings": rng.choice([16, 32, 64]),
+            "beta_fast": rng.choice([32.0, 16.0]), "beta_slow": rng.choice([1.0, 2.0]),
+            "mscale": rng.choice([None, 1.0, 0.707]), "mscale_all_dim": rng.choice([None, 0.0, 1.0, 0.707])}
+
+
+def sample_hf_config(rng, vocab_size: int) -> DeepseekV3Config:
+    """MLA dims (q_lora_rank or none, nope/rope/v head dims equal or not), expert groups (each of
+    2+ experts: transformers ranks groups by their two best), top-1 up to every kept expert."""
+    groups = rng.choice([1, 2, 4])
+    per_group = rng.randint(2, 4)
+    kept = rng.randint(1, groups)
+    layers = rng.randint(1, 3)
+    heads = rng.choice([1, 2, 4, 8])
+    return DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=rng.choice([32, 64, 96, 128]), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        q_lora_rank=rng.choice([None, 16, 48]), kv_lora_rank=rng.choice([16, 32]),
+        qk_nope_head_dim=rng.choice([8, 16, 32]), qk_rope_head_dim=rng.choice([4, 8, 16]),
+        v_head_dim=rng.choice([8, 16, 32]),
+        intermediate_size=16 * rng.randint(1, 8), moe_intermediate_size=16 * rng.randint(1, 4),
+        n_routed_experts=groups * per_group, n_group=groups, topk_group=kept,
+        num_experts_per_tok=rng.randint(1, kept * per_group), n_shared_experts=rng.randint(1, 2),
+        norm_topk_prob=rng.random() < 0.7, routed_scaling_factor=rng.choice([1.0, 2.5, rng.uniform(0.5, 3)]),
+        first_k_dense_replace=rng.randint(0, layers), rope_parameters=_sample_rope(rng),
+        rms_norm_eps=rng.choice([1e-6, 1e-5]), tie_word_embeddings=rng.random() < 0.3, max_position_embeddings=4096,
+        num_nextn_predict_layers=0)
+
+
 FAMILY = Family(
     name="deepseek_v3",
     model_types=("deepseek_v3",),
@@ -160,6 +235,8 @@ FAMILY = Family(
     rules=rules,
     is_moe_layer=is_moe_layer,
     tiny_hf_config=tiny_hf_config,
+    sample_hf_config=sample_hf_config,
     training_defaults={"moe_router_load_balancing_type": "seq_aux_loss"},
     num_mtp_layers=num_mtp_layers,
+    mtp_config_field="num_nextn_predict_layers",
 )

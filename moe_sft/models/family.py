@@ -34,12 +34,18 @@ class Family:
     rules: Callable[[object], list[Rule]]
     is_moe_layer: Callable[[object, int], bool]
     tiny_hf_config: Callable[..., object]
+    # A random legal HF config of the family's whole space (rng: random.Random), small enough to
+    # run on a CPU: the parity sweep (moe_sft/conversion/parity.py) draws from it.
+    sample_hf_config: Optional[Callable[..., object]] = None
     dropped: tuple[str, ...] = ()                  # regexes of HF tensors deliberately not loaded
     training_defaults: dict = field(default_factory=dict)
     transform_context: Optional[Callable[[object], dict]] = None
     # Multi-token-prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers).
     # Each one holds a full decoder layer: the family's per-layer rules are reused for it.
     num_mtp_layers: Callable[[object], int] = lambda cfg: 0
+    # The HF config field holding that count: a checkpoint saved by transformers declares MTP
+    # layers it does not hold (transformers' model has none), and conversion sets it to 0.
+    mtp_config_field: Optional[str] = None
 
 
 class UnsupportedConfigError(ValueError):

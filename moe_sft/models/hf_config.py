@@ -33,3 +33,13 @@ def check_rope_default(cfg) -> None:
         raise UnsupportedConfigError(
             f"config.json: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported "
             "for this family; remove the rope scaling entry or use a model with default RoPE.")
+
+
+def check_no_attention_bias(cfg, where: str) -> None:
+    """megatron biases all attention projections or none (add_qkv_bias / add_bias_linear); an HF
+    attention_bias also on the output projection (Qwen3-MoE) or the MLA down projections
+    (DeepSeek-V3) has no megatron equivalent."""
+    if getattr(cfg, "attention_bias", False):
+        raise UnsupportedConfigError(
+            f"config.json: attention_bias=true is not supported for {where} (megatron has no bias on "
+            "exactly those projections; the released checkpoints use attention_bias=false)")

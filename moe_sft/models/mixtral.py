@@ -39,9 +39,7 @@ def transformer_config_kwargs(cfg) -> dict:
         qk_layernorm=False,
         num_moe_experts=num_experts(cfg),
         moe_ffn_hidden_size=cfg.intermediate_size,
-        moe_router_topk=cfg.num_experts_per_tok,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=False,  # HF: softmax, top-k, renormalise == megatron top-k → softmax
+        **common.softmax_routing_config(cfg.num_experts_per_tok, normalize=True),  # Mixtral always does
         moe_aux_loss_coeff=cfg.router_aux_loss_coef,
     )
 
@@ -64,6 +62,15 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> MixtralConfig:
     return MixtralConfig(**kwargs)
 
 
+def sample_hf_config(rng, vocab_size: int) -> MixtralConfig:
+    experts = rng.randint(2, 10)
+    return MixtralConfig(
+        vocab_size=vocab_size, num_hidden_layers=rng.randint(1, 3), **common.sample_attention_shape(rng),
+        intermediate_size=16 * rng.randint(1, 6), num_local_experts=experts,
+        num_experts_per_tok=rng.randint(1, experts), router_aux_loss_coef=0.02, sliding_window=None,
+        **common.sample_rope_and_norm(rng))
+
+
 FAMILY = Family(
     name="mixtral",
     model_types=("mixtral",),
@@ -74,5 +81,6 @@ FAMILY = Family(
     rules=rules,
     is_moe_layer=is_moe_layer,
     tiny_hf_config=tiny_hf_config,
+    sample_hf_config=sample_hf_config,
     training_defaults={"moe_router_load_balancing_type": "aux_loss"},
 )

@@ -12,7 +12,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_sft.models import common
 from moe_sft.models.family import Family, Rule, UnsupportedConfigError
-from moe_sft.models.hf_config import check_rope_default, num_experts
+from moe_sft.models.hf_config import check_no_attention_bias, check_rope_default, num_experts
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -30,6 +30,7 @@ def check_supported(cfg) -> None:
         raise UnsupportedConfigError(f"config.json: hidden_act={cfg.hidden_act!r} is not "
                                      "supported; Qwen3-MoE uses 'silu'.")
     check_rope_default(cfg)
+    check_no_attention_bias(cfg, "Qwen3-MoE (it biases q, k, v and o_proj)")
 
 
 def transformer_config_kwargs(cfg) -> dict:
@@ -38,9 +39,7 @@ def transformer_config_kwargs(cfg) -> dict:
         qk_layernorm=True,
         num_moe_experts=num_experts(cfg),
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
-        moe_router_topk=cfg.num_experts_per_tok,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        **common.softmax_routing_config(cfg.num_experts_per_tok, bool(cfg.norm_topk_prob)),
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(cfg.num_hidden_layers)],
         moe_aux_loss_coeff=cfg.router_aux_loss_coef,
     )
@@ -66,6 +65,19 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**kwargs)
 
 
+def sample_hf_config(rng, vocab_size: int) -> Qwen3MoeConfig:
+    layers = rng.randint(1, 3)
+    experts = rng.randint(2, 12)
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, num_hidden_layers=layers, **common.sample_attention_shape(rng),
+        intermediate_size=16 * rng.randint(1, 8), moe_intermediate_size=16 * rng.randint(1, 6),
+        num_experts=experts, num_experts_per_tok=rng.randint(1, experts),
+        norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 1, 2]),
+        mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))),
+        router_aux_loss_coef=0.01, use_sliding_window=False,
+        **common.sample_rope_and_norm(rng))
+
+
 FAMILY = Family(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
@@ -76,5 +88,6 @@ FAMILY = Family(
     rules=rules,
     is_moe_layer=is_moe_layer,
     tiny_hf_config=tiny_hf_config,
+    sample_hf_config=sample_hf_config,
     training_defaults={"moe_router_load_balancing_type": "aux_loss"},
 )
