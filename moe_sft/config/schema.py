@@ -61,7 +61,10 @@ class ModelConfig:
     create_tiny_if_missing: bool = _f(
         False, "quickstart only: make a tiny random HF model at hf_path and convert it to mcore_path when absent"
     )
-    backend: str = _f("auto", "layer spec: auto (TE when it imports) | te | torch", ("auto", "te", "torch"))
+    backend: str = _f(
+        "auto", "layer spec: auto = torch (the torch-native spec, the tested one) | torch | te (Transformer "
+        "Engine spec, explicit opt-in, needs CUDA; not validated by moe-sft's tests)", ("auto", "te", "torch"),
+    )
     moe_router_load_balancing_type: Optional[str] = _f(
         None, "router balancing loss: aux_loss | seq_aux_loss | none | ...; null = family default",
         LOAD_BALANCING_TYPES,

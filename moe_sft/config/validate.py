@@ -346,9 +346,7 @@ def optimizer_offload_errors(device: str, precision: str) -> list[str]:
 
 
 def _te_backend(backend: str) -> bool:
-    import importlib.util
-
-    return backend == "te" or (backend == "auto" and importlib.util.find_spec("transformer_engine") is not None)
+    return backend == "te"  # auto is the torch-native spec, even where Transformer Engine imports
 
 
 def _activation_offload_errors(cfg: TrainConfig) -> list[str]:

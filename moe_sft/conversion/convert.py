@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import AutoConfig
@@ -29,7 +30,10 @@ from moe_sft.runtime import compat, device as rdevice, distributed
 log = logging.getLogger(__name__)
 
 
-def load_hf_config(path: Path):
+def load_hf_config(path: Path, check_supported: bool = True):
+    """(family, transformers config) of the config.json in `path`; `check_supported=False` leaves
+    the family's support check to the caller (conversion first drops MTP layers the checkpoint
+    lacks, mapping.drop_absent_mtp)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json; point the path at the directory holding "
@@ -46,7 +50,8 @@ def load_hf_config(path: Path):
     except Exception as err:
         raise CheckpointError(f"{path}/config.json: cannot be read by transformers ({err})") from err
     family = registry.family_for_model_type(cfg.model_type, source=f"{path}/config.json")
-    family.check_supported(cfg)
+    if check_supported:
+        family.check_supported(cfg)
     return family, cfg
 
 
@@ -101,16 +106,26 @@ class Job:
     precision: str
     entries: list
     ctx: dict
+    mtp_dropped: Optional[dict] = None  # {config field: MTP layers declared} when the checkpoint has none
 
 
 def prepare(hf_path: str | Path) -> Job:
     """Read config + shard headers; the completeness gate for HF tensors runs here."""
-    family, hf_cfg = load_hf_config(Path(hf_path))
+    family, hf_cfg = load_hf_config(Path(hf_path), check_supported=False)
+    declares_mtp = family.num_mtp_layers(hf_cfg) > 0
+    if not declares_mtp:
+        family.check_supported(hf_cfg)  # before any shard is opened
     reader = StreamingHFReader(hf_path, fp8_block=_fp8_block(hf_cfg))
+    # A checkpoint saved by transformers declares MTP layers without their tensors: convert it
+    # without MTP (set on hf_cfg, which everything below and the written hf/config.json follow).
+    mtp_dropped = mapping.drop_absent_mtp(family, hf_cfg, reader.names())
+    if declares_mtp:
+        family.check_supported(hf_cfg)
     precision = _check_dtypes(reader)
     entries = mapping.expand(family, hf_cfg)
     mapping.check_hf_coverage(family, entries, reader.names(), hf_cfg)
-    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg))
+    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg),
+               mtp_dropped)
 
 
 def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
@@ -139,17 +154,25 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
     job = None
     try:
         job = prepare(hf_path)
+        if job.mtp_dropped and spec.index == 0:
+            for field, count in job.mtp_dropped.items():
+                log.warning("config.json declares %s=%d but the checkpoint holds no MTP tensors (saved "
+                            "by transformers, which has no MTP module): converting without MTP",
+                            field, count)
         model = meta_model(job.family, job.hf_cfg, job.precision)
         streaming.check_produced(job.entries, model.state_dict(keep_vars=True))  # before any write
         written = streaming.save_streaming(model, job.entries, job.reader, job.ctx, tmp, spec,
                                            max_chunk_bytes, progress)
         if spec.index > 0:  # another node's part: node 0 publishes
             return dict(written_bytes=written, seconds=time.time() - started, node_rank=node_rank)
-        mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR)
+        mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR,
+                                    {field: 0 for field in job.mtp_dropped or {}})
         meta = dict(family=job.family.name, model_type=job.hf_cfg.model_type,
                     vocab_size=job.hf_cfg.vocab_size, padded_vocab_size=job.ctx["padded_vocab_size"],
                     source=str(hf_path.resolve()), step=0, params_dtype=job.precision,
                     hf_tensors=len(job.reader.names()))
+        if job.mtp_dropped:
+            meta["mtp_dropped_from_config"] = job.mtp_dropped
         mcore_io.write_meta(tmp, meta)
         (tmp / conversion_workers.RUN_STAMP).unlink()
         mcore_io.commit_dir(tmp, out_path)

@@ -38,14 +38,22 @@ def read_meta(ckpt_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
-    """config, generation config and tokenizer files: training and export need nothing else."""
+def copy_hf_side_files(src: Path, dst: Path, config_changes: dict | None = None) -> list[str]:
+    """config, generation config and tokenizer files: training and export need nothing else.
+
+    `config_changes` ({field: value}) are written into the copied config.json, the one every later
+    reader (trainer, export, planner) takes the model from; the other fields are kept as they are.
+    """
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in HF_SIDE_FILES:
         if (Path(src) / name).is_file():
             shutil.copy2(Path(src) / name, dst / name)
             copied.append(name)
+    if config_changes and "config.json" in copied:
+        config = json.loads((dst / "config.json").read_text())
+        config.update(config_changes)
+        (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return copied
 
 

@@ -33,16 +33,13 @@ ASSUMED_MFU = 0.25
 
 def kernels(gpu: GPU, backend: str) -> list[str]:
     """What the target GPU offers and what this machine's Python environment will use."""
-    te = importlib.util.find_spec("transformer_engine") is not None
     flash = importlib.util.find_spec("flash_attn") is not None
     lines = [f"{gpu.name} ({gpu.sm}): bf16 tensor cores, torch grouped_mm (sm90), flash varlen attention; FP8 "
              f"capable (moe-sft trains in bf16; FP8 source checkpoints are dequantised at conversion)"]
     if backend == "te":
         lines.append("model.backend=te: Transformer Engine layer spec (needs transformer_engine on the cluster)")
     else:
-        lines.append("model.backend=" + backend + (
-            ": Transformer Engine importable here, would be used on CUDA" if te and backend == "auto" else
-            ": torch-native spec (varlen attention, grouped_mm experts)"))
+        lines.append("model.backend=" + backend + ": torch-native spec (varlen attention, grouped_mm experts)")
     lines.append("attention kernel on CUDA: " + ("flash_attn.flash_attn_varlen_func" if flash else
                                                  "torch's flash varlen kernel (flash-attn not installed here)"))
     return lines

@@ -22,8 +22,16 @@ class RuntimeChoice:
                 + "; ".join(self.reasons) + ")")
 
 
+TE_NOT_VALIDATED = ("Transformer Engine spec: not validated by moe-sft's tests; the torch-native "
+                    "path is the tested one")
+
+
+def _te_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _te_importable() -> bool:
-    if importlib.util.find_spec("transformer_engine") is None:
+    if not _te_installed():
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -45,14 +53,15 @@ def choose_runtime(device: str = "auto", precision: str = "auto", backend: str =
         precision = "bf16" if device == "cuda" else "fp32"
     if device == "cpu" and precision == "bf16":
         reasons.append("bf16 on CPU is slow; fp32 recommended")
-    te_ok = device == "cuda" and _te_importable()
-    if backend == "auto":
-        backend = "te" if te_ok else "torch"
-        reasons.append("transformer_engine imports" if te_ok else
-                       "transformer_engine not importable: torch-native spec")
-    elif backend == "te" and not te_ok:
-        raise RuntimeError("model.backend=te but transformer_engine does not import on this "
-                           "machine (or no CUDA); use model.backend=auto or torch.")
+    if backend == "auto":  # the tested path, even where TE imports: te is an explicit opt-in
+        backend = "torch"
+        reasons.append("torch-native spec" + (" (transformer_engine is installed but unused: "
+                                              "model.backend=te opts in)" if _te_installed() else ""))
+    elif backend == "te":
+        if device != "cuda" or not _te_importable():
+            raise RuntimeError("model.backend=te but transformer_engine does not import on this "
+                               "machine (or no CUDA); use model.backend=auto or torch.")
+        reasons.append(TE_NOT_VALIDATED)
     return RuntimeChoice(device, precision, backend, tuple(reasons))
 
 
