@@ -180,6 +180,8 @@ def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes
                 del unit
                 if progress is not None:
                     progress(writer.written_bytes, writer.total_bytes)
+        for name, shape in plan.empty:
+            writer.write(name, torch.empty(shape, dtype=torch_dtype))
         copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
         if "generation_config.json" not in copied:  # generate() and serving stacks read it
             GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))

@@ -104,10 +104,13 @@ class ParamPlan:
 class ExportPlan:
     params: list[ParamPlan]
     ctx: dict
+    # Tensors transformers expects with no elements and no megatron parameter behind them
+    # (zero-width modules, e.g. DeepSeek-V3's shared experts when n_shared_experts=0).
+    empty: list[tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     def hf_specs(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of every tensor written, in mapping order (the shard order)."""
-        return [spec for p in self.params for spec in p.hf]
+        return [spec for p in self.params for spec in p.hf] + self.empty
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,6 +304,9 @@ def build(family, hf_cfg, reader: DistCheckpointReader,
         raise MappingError(f"checkpoint tensors of no mapped parameter: {mapping._list(unexported)}")
     params = [_param_plan(e, tensors[e.mcore], found[e.mcore], stored, ctx, read_bytes)
               for e in entries]
-    plan = ExportPlan(params, ctx)
+    mapped = {name for p in params for name, _ in p.hf}
+    empty = [(name, shape) for name, shape in hf_expected(family, hf_cfg).items()
+             if 0 in shape and name not in mapped]
+    plan = ExportPlan(params, ctx, empty)
     check_hf_names(family, hf_cfg, plan.hf_specs())
     return plan

@@ -64,6 +64,11 @@ class StreamingHFReader(HFCheckpointReader):
             raise CheckpointError(f"{file}: reading tensor {name!r} failed ({err}); the file is "
                                   "truncated or corrupt") from err
 
+    def empty_names(self) -> set[str]:
+        """Tensors with no elements (e.g. DeepSeek-V3's shared experts when n_shared_experts=0)."""
+        return {n for n in self.names()
+                if 0 in self._header(self._name_to_file[n])[1][n]["shape"]}
+
     def row_shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape when `get_rows` can read it (stored unquantised, at least 1-D)."""
         if name not in self._name_to_file:

@@ -149,6 +149,18 @@ def _embedding_and_head_rules(cfg) -> list[Rule]:
                  layers="mtp")]
 
 
+def _shared_expert_rules(cfg) -> list[Rule]:
+    """None with n_shared_experts=0: transformers' zero-width shared experts hold no weight (the
+    converter skips tensors with no elements and the exporter writes them back)."""
+    if not cfg.n_shared_experts:
+        return []
+    return [Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight",
+                 (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"),
+                 T.GATE_UP_FUSE, layers="moe"),
+            Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight",
+                 (L + "mlp.shared_experts.down_proj.weight",), layers="moe")]
+
+
 def rules(cfg) -> list[Rule]:
     attn = L + "self_attn."
     sa = "decoder.layers.{layer}.self_attention."
@@ -168,12 +180,7 @@ def rules(cfg) -> list[Rule]:
              (L + "post_attention_layernorm.weight",), layers="all"),
         Rule("decoder.layers.{layer}.mlp.router.expert_bias", (L + "mlp.gate.e_score_correction_bias",),
              layers="moe"),
-        Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight",
-             (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"),
-             T.GATE_UP_FUSE, layers="moe"),
-        Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight",
-             (L + "mlp.shared_experts.down_proj.weight",), layers="moe"),
-    ] + common.routed_expert_rules("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
+    ] + _shared_expert_rules(cfg) + common.routed_expert_rules("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
                                    "mlp.experts.{expert}.up_proj.weight",
                                    "mlp.experts.{expert}.down_proj.weight")
         + common.dense_mlp_rules())
@@ -218,7 +225,7 @@ def sample_hf_config(rng, vocab_size: int) -> DeepseekV3Config:
         v_head_dim=rng.choice([8, 16, 32]),
         intermediate_size=16 * rng.randint(1, 8), moe_intermediate_size=16 * rng.randint(1, 4),
         n_routed_experts=groups * per_group, n_group=groups, topk_group=kept,
-        num_experts_per_tok=rng.randint(1, kept * per_group), n_shared_experts=rng.randint(1, 2),
+        num_experts_per_tok=rng.randint(1, kept * per_group), n_shared_experts=rng.randint(0, 2),
         norm_topk_prob=rng.random() < 0.7, routed_scaling_factor=rng.choice([1.0, 2.5, rng.uniform(0.5, 3)]),
         first_k_dense_replace=rng.randint(0, layers), rope_parameters=_sample_rope(rng),
         rms_norm_eps=rng.choice([1e-6, 1e-5]), tie_word_embeddings=rng.random() < 0.3, max_position_embeddings=4096,

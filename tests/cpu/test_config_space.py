@@ -63,6 +63,12 @@ def test_deepseek_norm_topk_prob_is_honoured(tmp_path, topk, norm):
     _check(tmp_path, "deepseek_v3", _deepseek(num_experts_per_tok=topk, norm_topk_prob=norm))
 
 
+def test_deepseek_without_shared_experts(tmp_path):
+    """n_shared_experts=0: transformers builds zero-width shared experts; they convert to none and
+    are written back empty (the round trip and the export's loading are checked)."""
+    _check(tmp_path, "deepseek_v3", _deepseek(n_shared_experts=0))
+
+
 def test_mla_latent_norms_use_transformers_epsilon(tmp_path):
     """HF builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says."""
     _check(tmp_path, "deepseek_v3", _deepseek(rms_norm_eps=1e-2))
