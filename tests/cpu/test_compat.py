@@ -56,7 +56,7 @@ def test_cuda_rng_maps_to_the_cpu_generator():
     assert torch.equal(a, torch.rand(3))
 
 
-def test_megatron_fused_functions_run_eager(monkeypatch):
+def test_megatron_fused_functions_run_eager():
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
     from torch._dynamo.utils import counters
 
@@ -69,8 +69,11 @@ def test_megatron_fused_functions_run_eager(monkeypatch):
 
     x = torch.randn(4, 8)
     assert compiled_frames(x) == 0
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # the control: GPU's behaviour
-    assert compiled_frames(x) > 0
+    # the control: GPU's behaviour. torch's own patch restores the CPU compat's setting on exit
+    # (pytest's monkeypatch deletes it: tests/cpu/test_test_hygiene.py)
+    with torch._dynamo.config.patch(disable=False):
+        assert compiled_frames(x) > 0
+    assert torch._dynamo.config.disable
 
 
 def test_suspended_restores_plain_torch_and_reapplies():

@@ -291,20 +291,20 @@ def _saved_bytes_by_scope(model, tokens: int) -> dict:
     return out
 
 
+# megatron's fused SwiGLU is torch.compile'd on GPU, where the planner's numbers apply; eager saves
+# one more tensor. The CPU compat turns compile off (torch's config.patch restores that on exit;
+# pytest's monkeypatch would delete the flag: tests/cpu/test_test_hygiene.py), and a compile that
+# failed earlier in this process (e.g. under test_flops' FlopCounterMode) leaves it eager
+# (torch._dynamo.reset() below): undo both.
+@torch._dynamo.config.patch(disable=False)
 def test_activation_formula_matches_saved_tensors(fake_world, monkeypatch):
     """Per layer, the planner's activation bytes = what autograd keeps in our layer spec (bf16),
     with the flash kernel's saves (q, k, v, out, lse) standing in for the CUDA kernel (our RMSNorm
     saves the same on CPU as on CUDA: input and 1/rms)."""
-    import torch
-
     from moe_sft.layers import attention
     from moe_sft.models import deepseek_v3, mixtral, qwen3_moe
     from moe_sft.plan import memory
 
-    # megatron's fused SwiGLU is torch.compile'd on GPU, where the planner's numbers apply; eager
-    # saves one more tensor. The CPU compat turns compile off, and a compile that failed earlier
-    # in this process (e.g. under test_flops' FlopCounterMode) leaves it eager: undo both.
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     torch._dynamo.reset()
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _FlashLike.apply)
     monkeypatch.setattr(attention.VarlenCoreAttention, "_thd", lambda self, q, k, v, cu, n: attention._varlen_cuda(
