@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per config, not per save and load
     families = [registry.family_by_name(name) for name in args.families.split(",")]
     per_family = -(-args.configs // len(families))
     seeds = range(args.first_seed, args.first_seed + per_family)
