@@ -1,7 +1,7 @@
 """Convert an HF checkpoint into a moe-sft (megatron-core dist checkpoint) directory.
 
     python tools/convert_hf_to_mcore.py --hf-path HF_DIR --output MCORE_DIR [--workers N]
-        [--chunk-size 256MiB] [--verify] [--verify-layers [auto|all|0,3,61]] [--tolerance 1e-3]
+        [--chunk-size 256MiB] [--verify] [--verify-layers [auto|all|0,3,61]] [--tolerance 1e-4]
         [--nodes M --node-rank R --run-id ID]   # one launch per node, e.g. under srun
 
 The conversion streams: the megatron model exists only on the meta device and every tensor chunk
@@ -72,9 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verify-tokens", type=int, default=128,
                         help="random tokens (3 packed documents) each layer runs on with "
                              "--verify-layers (default 128); more tokens reach more experts")
-    parser.add_argument("--tolerance", type=float, default=1e-3,
+    parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="--verify: max abs logit difference; --verify-layers: max abs difference "
-                             "relative to the largest |layer output - input| (default 1e-3 for both)")
+                             "relative to the largest |layer output - input| (default 1e-4 for both)")
     parser.add_argument("--traceback", action="store_true",
                         help="show the full traceback instead of the one-line error")
     return parser.parse_args(argv)

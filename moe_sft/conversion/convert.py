@@ -191,7 +191,3 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
              written / 1e6 / max(seconds, 1e-9))
     meta["written_bytes"], meta["seconds"] = written, seconds
     return meta
-
-
-# `verify` lives in verify.py (with the layer-wise check); re-exported for existing importers.
-from moe_sft.conversion.verify import verify  # noqa: E402,F401

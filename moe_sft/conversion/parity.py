@@ -25,12 +25,10 @@ from safetensors.torch import load_file
 
 from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export, load_model_from_checkpoint
+from moe_sft.conversion.verify import LOGIT_TOLERANCE, VERIFY_LENGTHS
 from moe_sft.models.forward import packed_logits
 from moe_sft.runtime import compat
 
-# fp32 on CPU gives ~1e-6 on these sizes; a wrong rope base or routing rule gives 1e-2..1.
-LOGIT_TOLERANCE = 1e-4
-DOC_LENGTHS = (160, 61, 7)  # packed: documents of several lengths, one past any YaRN original length
 
 
 @dataclass
@@ -92,7 +90,7 @@ def _tensors(path: Path) -> dict:
 
 def _documents(vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed + 7)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in DOC_LENGTHS]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in VERIFY_LENGTHS]
 
 
 def check_config(family, cfg, seed: int, work_dir: Path) -> ParityResult:

@@ -98,3 +98,26 @@ def test_routing_rule_is_megatrons_for_the_released_configs():
         assert not router.routing_rule(6, False, 8, 4, "sigmoid").is_megatrons
     finally:
         router._ACTIVE.reset(token)
+
+
+def test_verify_default_catches_a_wrong_rope_base(tmp_path):
+    """--verify's defaults (lengths 17/33/9, tolerance 1e-3) let a wrong MLA rope base through
+    (3.7e-4 with a 4-dim rope head); the defaults now use positions up to 160 and 1e-4."""
+    import json
+
+    from moe_sft.conversion.convert import convert
+    from moe_sft.conversion.verify import LOGIT_TOLERANCE, verify
+
+    family = registry.family_by_name("deepseek_v3")
+    cfg = _deepseek(qk_rope_head_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    model = parity.perturbed_hf_model(family, cfg, seed=0)
+    with parity.compat.suspended():
+        model.save_pretrained(str(tmp_path / "hf"))
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    assert verify(tmp_path / "hf", tmp_path / "mcore") <= LOGIT_TOLERANCE
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10000.0  # what the MLA bug trained with
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    diff = verify(tmp_path / "hf", tmp_path / "mcore")
+    print(f"rope base 10000 vs 50000: max abs logit diff {diff:.3e}")
+    assert diff > LOGIT_TOLERANCE

@@ -31,7 +31,8 @@ import transformers  # noqa: E402
 
 from moe_sft.conversion import mapping  # noqa: E402
 from moe_sft.conversion import transforms as T  # noqa: E402
-from moe_sft.conversion.convert import convert, verify  # noqa: E402
+from moe_sft.conversion.convert import convert  # noqa: E402
+from moe_sft.conversion.verify import verify  # noqa: E402
 from moe_sft.conversion.export import export, load_model_from_checkpoint  # noqa: E402
 from moe_sft.conversion.hf_reader import CheckpointError  # noqa: E402
 from moe_sft.conversion.mapping import MappingError  # noqa: E402
