@@ -1,6 +1,6 @@
 """Convert an HF checkpoint into a moe-sft (megatron-core dist checkpoint) directory.
 
-    python tools/convert_hf_to_mcore.py --hf-path HF_DIR --output MCORE_DIR [--workers N]
+    python tools/convert_hf_to_mcore.py --hf-path HF_DIR --output MCORE_DIR [--overwrite] [--workers N]
         [--chunk-size 256MiB] [--verify] [--verify-layers [auto|all|0,3,61]] [--tolerance 1e-4]
         [--nodes M --node-rank R --run-id ID]   # one launch per node, e.g. under srun
 
@@ -11,13 +11,17 @@ imports (~0.5 GB) plus a few chunks, whatever the model size (docs/conversion_at
 work over M nodes (N processes each) writing into the same directory on shared storage: launch
 this command once per node with its --node-rank; node 0 publishes the checkpoint when all are done.
 
+--output must be absent or empty: anything else (another model's checkpoint, your files) is
+refused before converting unless --overwrite is given; a `MCORE_DIR.tmp` left by an interrupted
+conversion is replaced (reused when --run-id is the same), and the tool says which.
+
 --verify compares logits with transformers' whole model (both whole models in memory: small models);
 --verify-layers compares a few decoder layers one at a time with transformers' decoder-layer
 module, loading only those layers' tensors, so it runs at any model size (a line per layer).
 
 Exit status: 0 converted (and verified within tolerance); 1 --verify found a logit difference, or
---verify-layers a layer difference, above --tolerance; 2 the input is unusable (the `error:` line
-names the file/tensor/field).
+--verify-layers a layer difference, above --tolerance; 2 the input is unusable, or --output holds
+something else (the `error:` line names the file/tensor/field/directory).
 The work happens in moe_sft.conversion.convert; this file only parses arguments and reports.
 """
 
@@ -45,7 +49,10 @@ def _slurm_attempt() -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", required=True, help="directory with config.json and *.safetensors")
-    parser.add_argument("--output", required=True, help="moe-sft checkpoint directory to write")
+    parser.add_argument("--output", required=True,
+                        help="moe-sft checkpoint directory to write: absent or empty, or see --overwrite")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace whatever --output holds (refused otherwise, before converting)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes writing disjoint shares of the checkpoint (default 1)")
     parser.add_argument("--chunk-size", type=parse_size, default="256MiB",
@@ -93,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     meta = convert(args.hf_path, args.output, workers=args.workers, max_chunk_bytes=args.chunk_size,
                    progress=Progress("of this process's share"), nodes=args.nodes, node_rank=args.node_rank,
-                   run_id=args.run_id or "local", node_timeout_s=args.node_timeout)
+                   run_id=args.run_id or "local", node_timeout_s=args.node_timeout,
+                   overwrite=args.overwrite)
     size = meta["written_bytes"]
     size = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
     whose = f"node {args.node_rank}'s share: " if args.nodes > 1 and args.node_rank else ""

@@ -1,7 +1,7 @@
 """Export a moe-sft checkpoint (converted or trained, any parallel layout) to an HF directory.
 
     python tools/export_mcore_to_hf.py --mcore-path CKPT_DIR --output HF_DIR [--dtype bf16|fp32]
-                                       [--max-shard-size 5GB] [--read-size 256MiB]
+                                       [--max-shard-size 5GB] [--read-size 256MiB] [--overwrite]
 
 Writes sharded safetensors + model.safetensors.index.json + config.json + generation_config.json
 + the tokenizer files kept in CKPT_DIR/hf/. The export streams: the model is never gathered, each
@@ -9,8 +9,11 @@ megatron tensor is read from the checkpoint a run of experts or of rows at a tim
 --read-size, or one expert/row if larger; a tensor no transform can cut, such as a fused QKV, is
 read whole) and each HF tensor is written into its shard as soon as it is made, so memory stays at
 the imports (~0.5 GB) plus about one --read-size unit, whatever the model size and the
-checkpoint's chunking (docs/conversion_at_scale.md, "Export"). Exit status: 0 written; 2 the input is
-unusable (the `error:` line names the file/tensor and the fix). The work happens in
+checkpoint's chunking (docs/conversion_at_scale.md, "Export"). HF_DIR must be absent or empty
+(anything else is refused before reading, unless --overwrite); the output is published atomically
+(written as HF_DIR.tmp, then renamed). Exit status: 0 written; 2 the input is
+unusable or --output holds something else (the `error:` line names the file/tensor/directory
+and the fix). The work happens in
 moe_sft.conversion.export.
 """
 
@@ -33,7 +36,10 @@ from moe_sft.conversion.file_io import Progress
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mcore-path", required=True, help="moe-sft checkpoint directory")
-    parser.add_argument("--output", required=True, help="HF directory to write (replaced atomically)")
+    parser.add_argument("--output", required=True,
+                        help="HF directory to write: absent or empty, or see --overwrite")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace whatever --output holds (refused otherwise, before exporting)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="dtype of the written tensors (default bf16)")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
@@ -54,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.time()
     out, stats = export_with_stats(args.mcore_path, args.output, max_shard_bytes=args.max_shard_size,
-                                   dtype=args.dtype, read_bytes=args.read_size, progress=Progress("written"))
+                                   dtype=args.dtype, read_bytes=args.read_size, progress=Progress("written"),
+                                   overwrite=args.overwrite)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
     print(f"exported {len(index['weight_map'])} tensors ({args.dtype}, {shards} shard(s), "

@@ -131,7 +131,7 @@ def prepare(hf_path: str | Path) -> Job:
 def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
             max_chunk_bytes: int = streaming.DEFAULT_MAX_CHUNK_BYTES, progress=None,
             nodes: int = 1, node_rank: int = 0, run_id: str = "local",
-            node_timeout_s: float = 24 * 3600) -> dict:
+            node_timeout_s: float = 24 * 3600, overwrite: bool = False) -> dict:
     """Write the dist checkpoint + meta + HF side files; returns the meta dict (plus the bytes
     written and the seconds taken, which are not stored).
 
@@ -140,6 +140,9 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
     `workers` processes per node write disjoint shares; `progress(done, total)` follows this
     process's. With `nodes` > 1 this call is one node's part (workers.py): node 0 publishes the
     checkpoint once all nodes have written; the others return after writing their share.
+    A non-empty `out_path` is refused (mcore_io.OutputDirError, before anything is read) unless
+    `overwrite`; an interrupted earlier conversion's `<out_path>.tmp` is replaced (or reused by
+    the same `run_id`).
     """
     hf_path, out_path = Path(hf_path), Path(out_path)
     if workers < 1 or not 0 <= node_rank < nodes:
@@ -150,6 +153,9 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
                                          node_timeout_s=node_timeout_s)
     started = time.time()
     tmp = out_path.with_name(out_path.name + ".tmp")
+    if spec.index == 0:  # node 0 publishes: it alone decides what may be replaced
+        load_hf_config(hf_path, check_supported=False)  # a wrong --hf-path is named first (config.json only)
+        mcore_io.check_output(out_path, overwrite)
     conversion_workers.prepare_staging(tmp, spec)  # first: other nodes report failures in there
     job = None
     try:

@@ -145,29 +145,45 @@ class ExportStats:
 
 def export(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3,
            dtype: str = "bf16", read_bytes: int = export_plan.DEFAULT_READ_BYTES,
-           progress: Optional[Callable[[int, int], None]] = None) -> Path:
+           progress: Optional[Callable[[int, int], None]] = None, overwrite: bool = False) -> Path:
     """Write the HF directory atomically, streaming; every megatron parameter is read and every
     HF tensor written exactly once (the gates in export_plan.py run before anything is read).
 
     `read_bytes` bounds a unit read at once; `progress(done, total)` follows the HF bytes written.
+    A non-empty `out_dir` is refused (mcore_io.OutputDirError, before anything is read) unless
+    `overwrite`, or unless it is the training run's own export dir (`_own_export_dir`).
     """
-    return export_with_stats(ckpt_dir, out_dir, max_shard_bytes, dtype, read_bytes, progress)[0]
+    return export_with_stats(ckpt_dir, out_dir, max_shard_bytes, dtype, read_bytes, progress, overwrite)[0]
+
+
+def _own_export_dir(ckpt_dir: Path, out_dir: Path) -> bool:
+    """`out_dir` is the export of the training run that saved `ckpt_dir`: the trainer exports
+    `<output_dir>/checkpoints/step_N` into `<output_dir>/hf` at the end of every run, a resumed
+    one too, and replaces its own earlier export (moe_sft/trainer/checkpoint.py's layout)."""
+    ckpt, out = ckpt_dir.resolve(), out_dir.resolve()
+    return (ckpt.parent.name == "checkpoints" and mcore_io.STEP_DIR.fullmatch(ckpt.name) is not None
+            and out == ckpt.parent.parent / "hf" and (out / "config.json").is_file())
 
 
 def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3,
                       dtype: str = "bf16", read_bytes: int = export_plan.DEFAULT_READ_BYTES,
-                      progress: Optional[Callable[[int, int], None]] = None) -> tuple[Path, ExportStats]:
+                      progress: Optional[Callable[[int, int], None]] = None,
+                      overwrite: bool = False) -> tuple[Path, ExportStats]:
     """`export`, also returning what it read and wrote."""
     from moe_sft.conversion.convert import load_hf_config
 
     started = time.time()
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     mcore_io.read_meta(ckpt_dir)
+    left = mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_export_dir(ckpt_dir, out))
+    if left:
+        log.warning("replacing %s.tmp: %s", out_dir, left)
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
     torch_dtype = DTYPES[dtype]
     reader = DistCheckpointReader(ckpt_dir)
     plan = export_plan.build(family, hf_cfg, reader, read_bytes)
-    writer = StreamingSafetensorsWriter(out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes)
+    writer = StreamingSafetensorsWriter(out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes,
+                                        source=str(ckpt_dir.resolve()))
     # One allocation for every unit, not one per unit: a fresh 16-256 MiB tensor per unit let
     # glibc's heap keep freed units resident now and then (+11 units of RSS in 1 run of ~6).
     buffer = torch.empty(max((p.largest_unit_bytes() for p in plan.params), default=0),

@@ -9,6 +9,9 @@ to 8 bytes), so the files are byte-identical to save_file's (tested). Each tenso
 its rows, is then written at its offset with `pwrite` as soon as it is made and dropped; nothing
 is buffered. `close()` checks every tensor was written exactly once, writes the index json and
 publishes the directory atomically (`<out>.tmp` renamed), so a failed export leaves no half model.
+The caller decides whether `<out>` may be replaced (mcore_io.check_output); the staging dir holds
+a stamp (mcore_io.EXPORT_STAMP, naming the source) until it is published, so an interrupted export
+is told apart from someone else's `<out>.tmp`.
 
 Format: https://github.com/huggingface/safetensors#format
 """
@@ -21,6 +24,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from moe_sft.conversion import mcore_io
 
 DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
 _MAX_IO = 1 << 30  # one pwrite moves at most ~2 GiB on Linux; stay well below
@@ -86,13 +91,14 @@ class StreamingSafetensorsWriter:
     """Write the planned tensors (name, shape) in `dtype` into `<out>.tmp`, published on close()."""
 
     def __init__(self, out_dir: str | Path, specs: list[tuple[str, tuple[int, ...]]],
-                 dtype: torch.dtype, max_shard_bytes: int = 5 * 1024**3):
+                 dtype: torch.dtype, max_shard_bytes: int = 5 * 1024**3, source: str = ""):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {dtype}: the writer handles {sorted(map(str, DTYPE_NAMES))}")
         self.out_dir = Path(out_dir)
         self.tmp_dir = self.out_dir.with_name(self.out_dir.name + ".tmp")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.tmp_dir.mkdir(parents=True)
+        (self.tmp_dir / mcore_io.EXPORT_STAMP).write_text(source)
         self.dtype = dtype
         names = [n for n, _ in specs]
         if len(set(names)) != len(names):
@@ -162,9 +168,8 @@ class StreamingSafetensorsWriter:
         weight_map = {n: s.file for n, s in sorted(self._slots.items())}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.tmp_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        if self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
-        os.replace(self.tmp_dir, self.out_dir)
+        (self.tmp_dir / mcore_io.EXPORT_STAMP).unlink()
+        mcore_io.commit_dir(self.tmp_dir, self.out_dir)
         return self.out_dir
 
     def discard(self) -> None:

@@ -8,14 +8,20 @@ Layout of a converted (or trained) checkpoint directory:
 
 Directories are written to `<dir>.tmp` and renamed, so a crash never leaves a half checkpoint; a
 conversion that fails removes its `<dir>.tmp` (with the files of all its worker processes).
+Conversion and export never replace a directory they did not write: `check_output` refuses a
+non-empty `--output` (and a `<dir>.tmp` without a moe-sft staging stamp) unless told to overwrite.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from moe_sft.conversion.hf_reader import CheckpointError
 
 META_FILE = "moe_sft_meta.json"
 HF_SUBDIR = "hf"
@@ -23,6 +29,15 @@ FORMAT_VERSION = 1
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
                  "chat_template.jinja", "chat_template.json", "added_tokens.json")
+# Stamps in a staging dir `<out>.tmp` (removed before it is renamed): an interrupted conversion's
+# (first line: its run id, second: the HF source) and an interrupted export's (the checkpoint).
+CONVERT_STAMP = ".moe_sft_run"
+EXPORT_STAMP = ".moe_sft_export"
+STEP_DIR = re.compile(r"step_(\d+)")  # the trainer's checkpoints/step_0000010
+
+
+class OutputDirError(CheckpointError):
+    """--output holds something this run did not write (exit 2: pick another or --overwrite)."""
 
 
 def write_meta(ckpt_dir: Path, meta: dict) -> None:
@@ -33,9 +48,34 @@ def write_meta(ckpt_dir: Path, meta: dict) -> None:
 def read_meta(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{ckpt_dir}: no {META_FILE}; this is not a moe-sft checkpoint. "
-                                "Make one with tools/convert_hf_to_mcore.py.")
+        raise FileNotFoundError(_not_a_checkpoint(Path(ckpt_dir)))
     return json.loads(path.read_text())
+
+
+def latest_complete_step(root: Path) -> Path | None:
+    """The `step_N` dir in `root` with the largest N that was committed (holds the meta)."""
+    steps = [(int(m[1]), p) for p in Path(root).iterdir() if (m := STEP_DIR.fullmatch(p.name))
+             and (p / META_FILE).is_file()] if Path(root).is_dir() else []
+    return max(steps)[1] if steps else None
+
+
+def _not_a_checkpoint(ckpt: Path) -> str:
+    """Why `ckpt` (no meta) cannot be read, and what to read instead: an interrupted save's
+    `step_N.tmp` names the latest complete step next to it."""
+    if not ckpt.name.endswith(".tmp"):
+        return (f"{ckpt}: no {META_FILE}; this is not a moe-sft checkpoint. "
+                "Make one with tools/convert_hf_to_mcore.py.")
+    final = ckpt.with_name(ckpt.name[:-len(".tmp")])
+    step = STEP_DIR.fullmatch(final.name)
+    if step:
+        latest = latest_complete_step(ckpt.parent)
+        done = (f"export {latest} (the latest complete step)" if latest else
+                f"no complete step_N checkpoint is next to it in {ckpt.parent}; resume the training to save one")
+        return f"{ckpt}: an interrupted save (step {int(step[1])} was not committed); {done}"
+    if (final / META_FILE).is_file():
+        return f"{ckpt}: an interrupted write into {final} (not committed); use {final}, the complete checkpoint"
+    return (f"{ckpt}: an interrupted conversion or save (never committed); rerun "
+            f"tools/convert_hf_to_mcore.py --output {final}")
 
 
 def copy_hf_side_files(src: Path, dst: Path, config_changes: dict | None = None) -> list[str]:
@@ -69,15 +109,93 @@ def discard_staging(tmp: Path) -> None:
 
 
 def commit_dir(tmp: Path, final: Path) -> None:
-    """Atomically publish `tmp` as `final` (replacing an older one)."""
+    """Atomically publish `tmp` as `final` (replacing an older one: conversion and export check
+    with `check_output` first that it is theirs to replace)."""
     if final.exists():
-        old = final.with_name(final.name + ".old")
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")  # never someone's `<final>.old`
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def staging_stamp(tmp: Path) -> str | None:
+    """What an interrupted moe-sft write left in the staging dir `tmp`, in words; None when `tmp`
+    holds no stamp of ours."""
+    convert, export = Path(tmp) / CONVERT_STAMP, Path(tmp) / EXPORT_STAMP
+    try:
+        if convert.is_file():
+            run, _, source = convert.read_text().partition("\n")
+            return f"an interrupted conversion{f' of {source}' if source else ''} (run {run!r})"
+        if export.is_file():
+            source = export.read_text().strip()
+            return f"an interrupted export{f' of {source}' if source else ''}"
+    except OSError:
+        return None
+    return None
+
+
+def describe_dir(path: Path, limit: int = 5) -> str:
+    """What a directory holds, in a few words: a moe-sft checkpoint (of which source), an HF model
+    or its first entries and file count."""
+    path = Path(path)
+    meta = path / META_FILE
+    if meta.is_file():
+        try:
+            m = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            m = {}
+        step = f", step {m['step']}" if m.get("step") else ""
+        return f"a moe-sft checkpoint of {m.get('source', 'an unknown source')} ({m.get('model_type', '?')}{step})"
+    stamp = staging_stamp(path)
+    if stamp:
+        return stamp
+    shards = sorted(path.glob("*.safetensors"))
+    if (path / "config.json").is_file() and shards:
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type", "?")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            model_type = "?"
+        return f"an HF model ({model_type}, {len(shards)} safetensors file(s))"
+    count = 0
+    for count, _ in enumerate((p for p in path.rglob("*") if p.is_file()), 1):
+        if count > 999:
+            break
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    shown = ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+    files = "1000+ files" if count > 999 else f"{count} file{'' if count == 1 else 's'}"
+    return f"{files}: {shown}"
+
+
+def _non_empty(path: Path) -> bool:
+    return path.is_dir() and next(path.iterdir(), None) is not None
+
+
+def check_output(out: str | Path, overwrite: bool = False,
+                 accept: Callable[[Path], bool] | None = None) -> str | None:
+    """Refuse (OutputDirError) an output this run would destroy without having written it: a
+    non-empty `out` (unless `overwrite`, or `accept(out)` says it is this job's own), a file, or a
+    non-empty `<out>.tmp` without a moe-sft staging stamp. Cheap (listing, small JSON): call it
+    before any heavy work. Returns what an interrupted earlier write left in `<out>.tmp` (which
+    the writer then replaces), in words, or None.
+    """
+    out = Path(out)
+    fix = "pass --overwrite (overwrite=True) to replace it, or pick another --output"
+    tmp = out.with_name(out.name + ".tmp")
+    for path in (out, tmp):
+        if path.exists() and not path.is_dir():
+            raise OutputDirError(f"{path} is a file, not a directory; remove it or pick another --output")
+    if _non_empty(out) and not overwrite and not (accept and accept(out)):
+        raise OutputDirError(f"--output {out} is not empty: it holds {describe_dir(out)}; {fix}")
+    if not _non_empty(tmp):
+        return None
+    stamp = staging_stamp(tmp)
+    if stamp is None and not overwrite:
+        raise OutputDirError(f"{tmp} (where --output {out} is staged) holds {describe_dir(tmp)}, not an "
+                             f"interrupted moe-sft write; {fix}")
+    return stamp or "a directory that --overwrite replaces"
 
 
 def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -> list[str]:

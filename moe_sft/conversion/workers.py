@@ -28,7 +28,9 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-RUN_STAMP = ".moe_sft_run"
+from moe_sft.conversion.mcore_io import CONVERT_STAMP as RUN_STAMP
+from moe_sft.conversion.mcore_io import staging_stamp
+
 POLL_S = 2.0
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "MASTER_ADDR", "MASTER_PORT")
@@ -68,18 +70,32 @@ class WorkerSpec:
 # The shared staging directory
 # ------------------------------------------------------------------------------------------------
 
+def _stamped_run(stamp: Path) -> str | None:
+    """The run id in a staging stamp (its first line; the second names the HF source)."""
+    try:
+        return stamp.read_text().partition("\n")[0]
+    except FileNotFoundError:
+        return None
+
+
 def prepare_staging(staging: Path, spec: WorkerSpec) -> None:
-    """Node 0 makes the directory (removing what another run left) and stamps it; other nodes wait."""
+    """Node 0 makes the directory (replacing what an interrupted run left: mcore_io.check_output
+    has made sure it is one) and stamps it; other nodes wait."""
     import shutil
 
     stamp = Path(staging) / RUN_STAMP
     if spec.index == 0:
-        if not (stamp.is_file() and stamp.read_text() == spec.run_id):
+        left = staging_stamp(staging) if Path(staging).is_dir() else None
+        if _stamped_run(stamp) != spec.run_id:
+            if Path(staging).exists():
+                print(f"replacing {staging}: {left or 'left by an earlier write'}", file=sys.stderr, flush=True)
             shutil.rmtree(staging, ignore_errors=True)
+        else:
+            print(f"reusing {staging}: {left} (the same --run-id)", file=sys.stderr, flush=True)
         Path(staging).mkdir(parents=True, exist_ok=True)
-        _write_atomic(stamp, spec.run_id.encode())
+        _write_atomic(stamp, f"{spec.run_id}\n{spec.hf_path or ''}".encode())
         return
-    _wait(lambda: stamp.is_file() and stamp.read_text() == spec.run_id, spec.node_timeout_s,
+    _wait(lambda: _stamped_run(stamp) == spec.run_id, spec.node_timeout_s,
           f"node 0 to prepare {staging} for run {spec.run_id!r} (is the output on shared storage, "
           "and was node 0 started with the same --output and --run-id?)")
 

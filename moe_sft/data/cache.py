@@ -348,9 +348,7 @@ def _run_chunk(chunk: tuple[str, list]) -> dict:
             events.append((line, result.category, str(result)))
         elif result is None:
             dropped += 1
-            events.append((line, "dropped", f"{where}: longer than max_seq_len={_ROWS.options.max_seq_len} and "
-                                            f"dropped (data.overlong={_ROWS.options.overlong}, or no trainable "
-                                            "token left after truncation)"))
+            events.append((line, "dropped", _dropped_reason(where, _ROWS.options)))
         else:
             truncated += result.truncated
             if result.truncated:
@@ -364,6 +362,16 @@ def _run_chunk(chunk: tuple[str, list]) -> dict:
             "loss": np.array([d.loss_weight_sum for d in docs], dtype=np.float64),
             "loss_tokens": sum(d.num_loss_tokens for d in docs), "events": events, "dropped": dropped,
             "truncated": truncated}
+
+
+def _dropped_reason(where: str, options: ChatOptions) -> str:
+    """Why chat.finish dropped a row: overlong=drop drops every row over max_seq_len; truncate drops
+    one whose first max_seq_len tokens hold no assistant token with a loss weight."""
+    n = options.max_seq_len
+    if options.overlong == "drop":
+        return f"{where}: dropped: longer than max_seq_len={n} (data.overlong=drop)"
+    return (f"{where}: dropped: longer than max_seq_len={n}, and its first {n} tokens hold no trained assistant "
+            "token (data.overlong=truncate); raise data.max_seq_len or shorten the conversation before the answer")
 
 
 def _concat(parts: list, dtype) -> np.ndarray:

@@ -34,6 +34,7 @@ import numpy as np
 
 from moe_sft.data.chat import TokenizedDoc
 from moe_sft.data.packing import PackedMicroBatch, best_fit_decreasing, build_micro_batch, padded_length
+from moe_sft.data.report import no_documents_message
 from moe_sft.data.sampling import Mixture, derive_key, holdout_count, permute, split_index
 from moe_sft.data.store import DocStore, MemoryDocs
 
@@ -270,14 +271,11 @@ class PackedLoader:
                 raise DataPlanError(
                     f"the checkpoint's data differs from this run's ({key}: saved {state[key]!r}, now {current[key]!r}); "
                     "resume with the same data files, tokenizer and data settings, or start a new run")
-        for key in ("seed", "shuffle", "pack_length", "global_batch_size", "window", "doc_multiple", "weights",
-                    "eval_fraction"):
+        for key, (name, how) in _RESUME_FIELDS.items():
             if state[key] != current[key]:
-                name = {"window": "pack_window", "weights": "train_weights", "global_batch_size":
-                        "global_batch_size", "doc_multiple": "pad_documents_to"}.get(key, key)
                 raise DataPlanError(
-                    f"data.{name}={current[key]!r} but the checkpoint was saved with {name}={state[key]!r}; set it back "
-                    "to resume (the data position of one setting does not map to another), or start a new run")
+                    f"{name}={current[key]!r} but the checkpoint was saved with {name.split('.')[-1]}={state[key]!r}{how}; "
+                    "set it back to resume (the data position of one setting does not map to another), or start a new run")
         with self._lock:
             self.next_step = int(state["next_step"])
             self._cursors = {0: Cursor(), self.next_step: Cursor(*state["cursor"])}
@@ -295,11 +293,20 @@ class PackedLoader:
                                     "conversations are truncated or dropped")
 
 
+# The loader settings a resume must keep: the recipe field that sets each (and what else may set it).
+_RESUME_FIELDS = {
+    "seed": ("data.seed", ""), "shuffle": ("data.shuffle", ""), "pack_length": ("data.pack_length", ""),
+    "global_batch_size": ("trainer.global_batch_size", " (trainer.global_batch_tokens decides it when set)"),
+    "window": ("data.pack_window", ""), "doc_multiple": ("data.pad_documents_to", ""),
+    "weights": ("data.train_weights", ""), "eval_fraction": ("data.eval_fraction", ""),
+}
+
+
 def _check_settings(loader: PackedLoader) -> None:
-    if not sum(loader.store.sizes):
-        raise DataPlanError("no documents to train on; check the data paths and the overlong/max_seq_len settings")
+    if not sum(loader.store.sizes):  # every row skipped or dropped: say which and why
+        raise DataPlanError(no_documents_message(getattr(loader.store, "caches", [])))
     if loader.global_batch_size < 1:
-        raise DataPlanError(f"global_batch_size={loader.global_batch_size} must be >= 1")
+        raise DataPlanError(f"trainer.global_batch_size={loader.global_batch_size} must be >= 1")
     if loader.window < 1:
         raise DataPlanError(f"data.pack_window={loader.window} must be >= 1")
     m = loader.doc_multiple

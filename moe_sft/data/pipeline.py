@@ -69,7 +69,7 @@ def _summary(train_caches, eval_caches, loader: PackedLoader, evals: EvalBatches
         return stats
 
     lines = format_summary("train data", merged(train_caches), len(train_caches),
-                           [str(c.dir / "report.jsonl") for c in train_caches if c.stats.n_errors])
+                           _reports(train_caches))
     total = sum(w * n for w, n in zip(loader.weights, loader.train_sizes)) or 1
     shares = ", ".join(f"{Path(name).name} x{w:g} = {100 * w * n / total:.1f}%"
                        for name, w, n in zip(loader.store.names, loader.weights, loader.train_sizes))
@@ -83,10 +83,15 @@ def _summary(train_caches, eval_caches, loader: PackedLoader, evals: EvalBatches
     if evals is not None:
         if eval_caches:
             lines += format_summary("eval data", merged(eval_caches), len(eval_caches),
-                                    [str(c.dir / "report.jsonl") for c in eval_caches if c.stats.n_errors])
+                                    _reports(eval_caches))
         lines.append(f"  eval set: {evals.num_samples:,} samples, {evals.num_tokens:,} tokens in "
                      f"{len(evals.packs):,} micro-batches")
     return lines
+
+
+def _reports(caches) -> list[str]:
+    """The report files that list rows: skipped, truncated or dropped."""
+    return [str(c.dir / "report.jsonl") for c in caches if c.stats.n_errors or c.stats.truncated or c.stats.dropped]
 
 
 def _rank_log(message: str) -> None:

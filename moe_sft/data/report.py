@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -98,8 +100,8 @@ def format_summary(name: str, stats: DataStats, n_files: int, report_paths: list
         for category in ROW_ERRORS:
             for message in stats.examples.get(category, []):
                 lines.append(f"    {category}: {message}")
-        if report_paths:
-            lines.append(f"  every skipped/truncated/dropped row with file:line: {', '.join(report_paths)}")
+    if report_paths and (stats.n_errors or stats.truncated or stats.dropped):
+        lines.append(f"  every skipped/truncated/dropped row with file:line: {', '.join(report_paths)}")
     lines.append("  length histogram (tokens: samples):")
     edges, top = length_bin_edges(stats.max_seq_len), max(stats.histogram or [0]) or 1
     low = 1
@@ -108,3 +110,49 @@ def format_summary(name: str, stats: DataStats, n_files: int, report_paths: list
         lines.append(f"    {low:>6}-{edge:<6} {count:>10,} {bar}")
         low = edge + 1
     return lines
+
+
+def not_kept_rows(report_paths, limit: int = 10) -> list[str]:
+    """The first `limit` skipped or dropped rows ("file:row: reason") of the caches' report.jsonl
+    files, in file order (truncated rows were kept and are left out)."""
+    out: list[str] = []
+    for path in report_paths:
+        if not Path(path).is_file():
+            continue
+        with Path(path).open(encoding="utf-8") as f:
+            for line in f:
+                event = json.loads(line)
+                if event["kind"] == "truncated":
+                    continue
+                message = event["message"]
+                out.append(message if message.startswith(event["where"]) else f"{event['where']}: {message}")
+                if len(out) == limit:
+                    return out
+    return out
+
+
+def no_documents_message(caches, limit: int = 10) -> str:
+    """Why training has nothing to train on: the rows read, skipped (by category) and dropped, and
+    the first `limit` of them with file:row and reason. `caches`: data.cache.FileCache objects."""
+    caches = list(caches)
+    if not caches:
+        return "no documents to train on; check the data paths and the overlong/max_seq_len settings"
+    stats = DataStats.empty(caches[0].stats.max_seq_len)
+    for cache in caches:
+        stats = stats.merge(cache.stats)
+    lost = []
+    if stats.n_errors:
+        counts = ", ".join(f"{c} {stats.errors[c]:,}" for c in ROW_ERRORS if stats.errors.get(c))
+        lost.append(f"{stats.n_errors:,} skipped as bad rows ({counts}; data.on_error=skip)")
+    if stats.dropped:
+        lost.append(f"{stats.dropped:,} dropped (longer than data.max_seq_len={stats.max_seq_len}: data.overlong=drop, "
+                    "or nothing to learn left after truncation)")
+    message = (f"no documents to train on: {stats.rows:,} rows read from {len(caches)} file(s), none kept"
+               + (f"; {' and '.join(lost)}" if lost else ""))
+    reports = [str(c.dir / "report.jsonl") for c in caches if (c.dir / "report.jsonl").is_file()]
+    rows = not_kept_rows(reports, limit)
+    if rows:
+        more = stats.n_errors + stats.dropped - len(rows)
+        message += (f". The first {len(rows)}: " + "; ".join(rows)
+                    + (f"; and {more:,} more" if more > 0 else "") + f" (every row: {', '.join(reports)})")
+    return message + ". Fix the rows, or the data paths and the data.max_seq_len/data.overlong settings"

@@ -494,7 +494,7 @@ def test_export_replaces_a_previous_output(tmp_path, tiny):
     out = tmp_path / "out"
     shutil.copytree(tiny.exported, out)
     (out / "stale.safetensors").write_bytes(b"x")
-    export(tiny.mcore, out, dtype="fp32")
+    export(tiny.mcore, out, dtype="fp32", overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
         "model.safetensors.index.json"]

@@ -190,7 +190,7 @@ def test_state_round_trips_and_guards_resume(docs):
     assert fresh.next_step == 23
     with pytest.raises(DataPlanError, match=r"data\.seed=4 but the checkpoint was saved with seed=3"):
         PackedLoader(docs, pack_length=64, global_batch_size=4, seed=4).load_state_dict(state)
-    with pytest.raises(DataPlanError, match=r"data\.global_batch_size=8 but .* global_batch_size=4"):
+    with pytest.raises(DataPlanError, match=r"trainer\.global_batch_size=8 but .* global_batch_size=4"):
         PackedLoader(docs, pack_length=64, global_batch_size=8, seed=3).load_state_dict(state)
     with pytest.raises(DataPlanError, match=r"data\.pack_window=100 but .* pack_window=8192"):
         PackedLoader(docs, pack_length=64, global_batch_size=4, seed=3, window=100).load_state_dict(state)
