@@ -12,7 +12,9 @@ kernel; these are the same two functions in Triton, with megatron's signatures a
   or softmax then top-k: `moe_router_pre_softmax`) or sigmoid (expert bias for the choice only,
   the chosen scores normalised to sum 1 when k > 1), group-limited top-k (DeepSeek-V3: groups
   ranked by the sum of their top k/group_topk scores), scaling factor. Out: dense probs [T, E]
-  and the bool routing map.
+  and the bool routing map. Where the router running it follows transformers' rule instead
+  (router.py: groups ranked by their top 2, renormalisation by norm_topk_prob), the kernel takes
+  that rule as two compile-time switches and CPU runs router.torch_topk_routing.
 - `compute_routing_scores_for_aux_loss`: softmax or normalised sigmoid scores of every expert
   and their top-k map.
 
