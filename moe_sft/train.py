@@ -1,9 +1,17 @@
-"""torchrun -m moe_sft.train --config-path DIR --config-name NAME [key=value ...]"""
+"""torchrun -m moe_sft.train --config-path DIR --config-name NAME [key=value ...]
+
+Exit codes: 0 done (or stopped by a signal / STOP file after a checkpoint, or nothing left to
+train), 2 bad input (config, data, checkpoint, output dir in use), 3 non-finite training, 4 disk
+full. Under torchrun a non-zero exit is followed by torchrun's own `ChildFailedError` report: the
+`error:` line above it is ours, and the report repeats it (the worker's error file).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 # MoE steps allocate tensors of a new size every micro-batch (routed rows per expert, packed
 # lengths); torch's default caching allocator then holds 17-31% more than it hands out (measured:
@@ -17,6 +25,20 @@ def default_allocator_config() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
 
 
+def fail(line: str, code: int) -> int:
+    """One line on stderr, and the torchrun worker's error file, so that torchrun's report shows
+    the line where it otherwise says "To enable traceback see ..."."""
+    print(line, file=sys.stderr, flush=True)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {
+                    "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass
+    return code
+
+
 def main(argv: list[str]) -> int:
     default_allocator_config()
     from moe_sft.config import ConfigError, load_config
@@ -24,14 +46,14 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return fail(f"config error: {err}", 2)
     if cfg.trainer.dry_run:  # the plan and every rank's role: no process group, no GPU
         from moe_sft.plan import dry_run
 
         return dry_run(cfg)
     from moe_sft.errors import user_errors
     from moe_sft.trainer.guard import NonFiniteTrainingError
+    from moe_sft.trainer.run_lock import RunLockError, disk_full_message
     from moe_sft.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -39,14 +61,17 @@ def main(argv: list[str]) -> int:
         trainer.setup()
         trainer.train()
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except user_errors() as err:  # bad data, checkpoint or model files: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(f"config error: {err}", 2)
+    except (RunLockError, *user_errors()) as err:  # bad data, checkpoint or model files, dir in use
+        return fail(f"error: {err}", 2)
     except NonFiniteTrainingError as err:  # the last good checkpoint is intact
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        return fail(f"error: {err}", 3)
+    except BaseException as err:  # torch's CheckpointException (a failed write) is a BaseException
+        message = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else disk_full_message(
+            err, trainer.out, remove_partial=os.environ.get("RANK", "0") == "0")
+        if message is None:
+            raise
+        return fail(f"error: {message}", 4)
     finally:
         trainer.close()
     return 0

@@ -2,6 +2,8 @@
 
     <output_dir>/checkpoints/step_0000010/   model (+ optimizer, scheduler, RNG, data position)
     <output_dir>/checkpoints/latest          the newest complete step, written last
+    <output_dir>/checkpoints/hf_side/        config + tokenizer of the step a resume loaded (the
+                                             run's model wins over model.mcore_path's)
 
 Each checkpoint is written into `step_N.tmp`, completed (meta + hf side files) and renamed;
 `latest` is replaced atomically afterwards. A killed run therefore resumes from the newest
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -26,9 +29,11 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
-from moe_sft.trainer.guard import injected_fault
+from moe_sft.trainer import checkpoint_integrity
+from moe_sft.trainer.guard import HELPER_IGNORED_SIGNALS, injected_fault, shield_helper_process
 
 _STEP_DIR = re.compile(r"step_(\d{7})$")
+HF_SIDE_COPY = "hf_side"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -140,17 +145,41 @@ def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loadi
     return state
 
 
-def _warm_up_write_results_queue() -> None:
-    """Starts, while training runs, what makes a process's first save ~3 s slower than the rest.
+def _start_write_results_queue():
+    """megatron's writer hands its results to the trainer through a queue in a manager process
+    (filesystem_async._get_write_results_queue: `mp.get_context("spawn").Manager().Queue()`).
+    Started here instead, with an initializer: megatron's manager dies of the SIGTERM that asks
+    for a stop checkpoint (torchrun sends it to the worker's process group, scancel to every
+    process), and that save then fails. Returns the manager (None if megatron already has one).
+    """
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
 
-    megatron's writer hands its results to the trainer through a queue in a spawned manager
-    process, which imports torch when it unpickles the first result. Put and take back one such
-    object now. Private megatron API: if it moves, the first save just pays the 3 s.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return None
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=shield_helper_process, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    return manager
+
+
+def _warm_up_write_results_queue(saver: Saver) -> None:
+    """Starts, while training runs, what makes a process's first save ~3 s slower than the rest:
+    the writer's results manager (`_start_write_results_queue`), which imports torch when it
+    unpickles the first result. Put and take back one such object now.
+
+    Runs in a thread with the stop signals blocked: the spawned manager inherits the mask until its
+    initializer ignores them (no window in which a SIGTERM kills it); the main thread still gets
+    them. Private megatron API: if it moves, the first save pays the 3 s and uses megatron's manager.
     """
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, HELPER_IGNORED_SIGNALS)
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        saver._manager = _start_write_results_queue()
         results = filesystem_async._get_write_results_queue()
         results.put(MetadataIndex("warm-up"))
         results.get()
@@ -173,8 +202,21 @@ class Saver:
 
         self.root, self.hf_side_dir, self.keep_last = Path(root), hf_side_dir, keep_last
         self.queue = AsyncCallsQueue() if async_save else None
-        self._warm_up = threading.Thread(target=_warm_up_write_results_queue, daemon=True)
+        self._manager = None
+        self._warm_up = threading.Thread(target=_warm_up_write_results_queue, args=(self,), daemon=True)
         self._warm_up.start()
+
+    def close(self) -> None:
+        """Stop the results manager (not a collective; call after the last `wait()`). Without it an
+        exit while the warm-up was still starting the manager hung: multiprocessing's exit handler
+        joins the manager process, whose shutdown finalizer was not registered yet."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        self._warm_up.join()
+        if self._manager is not None:
+            self._manager.shutdown()
+            filesystem_async._results_queue = None
+            self._manager = None
 
     def save(self, step: int, model_chunks, optimizer, scheduler, extra: dict, meta: dict) -> Path:
         self._warm_up.join()
@@ -206,11 +248,14 @@ class Saver:
     def _commit(self, step: int, tmp: Path, final: Path, meta: dict, seconds: float) -> None:
         if injected_fault("kill_in_save", step):  # test hook: die with the files written, uncommitted
             _die_like_sigkill()
+        # every rank hashes the shards it wrote; rank 0 writes checksums.json (verified on load)
+        files, hashed, hash_s = checkpoint_integrity.write_checksums(tmp)
         if dist.get_rank() == 0:
             size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             print(f"[moe-sft] checkpoint step {step}: {size / 1e9:.3f} GB written in {seconds:.1f}s "
                   f"({size / 1e9 / max(seconds, 1e-9):.3g} GB/s, all ranks"
-                  f"{', in the background' if self.queue is not None else ''})", flush=True)
+                  f"{', in the background' if self.queue is not None else ''}); CRC-32 of {files} files "
+                  f"({hashed / 1e9:.3f} GB) in {hash_s:.2f}s", flush=True)
             mcore_io.copy_hf_side_files(self.hf_side_dir, tmp / mcore_io.HF_SUBDIR)
             mcore_io.write_meta(tmp, dict(meta, step=step))
             mcore_io.commit_dir(tmp, final)

@@ -1,6 +1,7 @@
 """Steps with a non-finite loss or gradient norm are skipped, counted, and end the run when they
-repeat; SIGTERM / SIGUSR1 (slurm pre-emption, `sbatch --signal`) or a STOP file in the output
-directory end it after a checkpoint.
+repeat; a gradient norm of exactly 0 several steps in a row (a collapsed model) is warned about;
+SIGTERM / SIGUSR1 (slurm pre-emption, `sbatch --signal`) or a STOP file in the output directory
+end it after a checkpoint, and the helper processes the trainer starts leave those signals to it.
 
 Skipping happens inside megatron's own `optimizer.step()`: its gradient norm is an all-reduce, so
 every rank sees the same value and skips together, after gradients are prepared and before any
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -72,6 +75,39 @@ class NonFiniteTrainingError(RuntimeError):
     pass
 
 
+class ZeroGradStreak:
+    """Gradient norm exactly 0 step after step: nothing trains any more (e.g. a model collapsed by
+    a far too high LR: the loss is flat, the run would exit 0 having learned nothing). `record`
+    returns a warning once per streak, at its `warn_after`-th step; `summary()` lists the streaks."""
+
+    def __init__(self, warn_after: int = 5):
+        self.warn_after = warn_after
+        self.current: list[int] = []
+        self.streaks: list[list[int]] = []  # [first, last] of each streak that was warned about
+
+    def record(self, step: int, grad_norm: float, loss: float, lr: float) -> str | None:
+        if grad_norm != 0.0:  # a skipped (NaN) step ends a streak too
+            self.current = []
+            return None
+        self.current.append(step)
+        if len(self.current) < self.warn_after:
+            return None
+        if len(self.current) > self.warn_after:
+            self.streaks[-1][1] = step
+            return None
+        self.streaks.append([self.current[0], step])
+        return (f"warning: gradient norm exactly 0 for {len(self.current)} steps in a row (steps "
+                f"{self.current[0]}..{step}; loss {loss:.4g}, lr {lr:.3g}): nothing is training. The model "
+                "has probably collapsed (too high optimizer.lr?) or every parameter is frozen; the run "
+                "goes on")
+
+    def summary(self) -> str | None:
+        if not self.streaks:
+            return None
+        return "gradient norm exactly 0 in steps " + ", ".join(
+            f"{first}..{last} ({last - first + 1} steps)" for first, last in self.streaks)
+
+
 class StopRequest:
     """A stop asked for by SIGTERM/SIGUSR1 on any rank, or by a file `stop_file` (what a batch
     script can create from its own signal trap without knowing the worker PIDs: torchrun itself
@@ -99,6 +135,29 @@ class StopRequest:
         """The next launch must not stop at once."""
         if dist.get_rank() == 0:
             self.stop_file.unlink(missing_ok=True)
+
+
+HELPER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def shield_helper_process(parent_pid: int) -> None:
+    """Initializer of a helper process the trainer spawns (megatron's checkpoint-results manager).
+
+    torchrun forwards SIGTERM to each worker's whole process group and slurm's scancel signals every
+    process of the job: a helper that died of it would fail the very checkpoint that the signal asks
+    for (ConnectionRefusedError in megatron's writer, only `step_N.tmp` left). The stop signals are
+    the trainer's to act on; the helper ignores them and exits by itself once the trainer is gone.
+    """
+    for sig in HELPER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELPER_IGNORED_SIGNALS)  # blocked by the spawner
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, name="moe-sft-parent-watch", daemon=True).start()
 
 
 def injected_fault(name: str, step: int) -> bool:

@@ -1,9 +1,10 @@
 """The Trainer: built in documented phases, then a plain loop of `train_step`s.
 
-Phases (each a method, in order): runtime → distributed → model source → data → model →
-optimizer → resume. Everything a phase needs from the recipe is validated before any process group
-exists (moe_sft.config.validate), and again against the model's dimensions once the HF config
-is known.
+Phases (each a method, in order): runtime → distributed (rank 0 locks the output directory
+first) → model source → data → model → optimizer → resume; a run whose checkpoint already reached
+trainer.max_steps stops after distributed (nothing to train). Everything a phase needs from the
+recipe is validated before any process group exists (moe_sft.config.validate), and again against
+the model's dimensions once the HF config is known.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from moe_sft.models.builder import ModelOptions, build_model_chunks, build_trans
 from moe_sft.models.hf_config import num_experts
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice, distributed
-from moe_sft.trainer import (checkpoint, cuda_graphs, freeze, guard, offload, optimizer_kernels, overlap,
-                             step as train_step)
+from moe_sft.trainer import (checkpoint, checkpoint_integrity, cuda_graphs, freeze, guard, offload,
+                             optimizer_kernels, overlap, run_lock, step as train_step)
 from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
 from moe_sft.trainer.telemetry import Telemetry
@@ -67,11 +68,16 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         self.start_step = 0
         self.consumed_tokens = 0  # real (non-padding) tokens trained on, all DP ranks; checkpointed
+        self.lock: run_lock.RunLock | None = None
+        self.finished_at: int | None = None  # the checkpoint step when it is >= trainer.max_steps
 
     # ---------------------------------------------------------------- phases
     def setup(self) -> "Trainer":
+        run_lock.check_output_dir(self.out)  # a file there: say so before anything
         self._runtime()
         self._distributed()
+        if self._finished_already():
+            return self
         self._model_source()
         self._data()  # before the model: bad data fails in seconds, not after loading weights
         self._model()
@@ -105,6 +111,7 @@ class Trainer:
         if batch_line and int(os.environ.get("RANK", "0")) == 0:
             print(f"[moe-sft] {batch_line}", flush=True)
         self._preflight(world)
+        self._lock_output_dir()
         distributed.init_process_group(self.rt.device)
         p = self.cfg.parallel
         distributed.init_model_parallel(
@@ -123,6 +130,27 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved_config(self.cfg, self.out / "config.yaml")
 
+    def _lock_output_dir(self) -> None:
+        """Rank 0, before any process group and before it writes anything in the output dir: one
+        run per directory (run_lock.py), then the partial saves of earlier runs go (a disk-full
+        save's `.tmp` would otherwise keep the disk full and fail this run's config.yaml)."""
+        if os.environ.get("RANK", "0") != "0":
+            return
+        self.lock = run_lock.RunLock.acquire(self.out)
+        if self.lock.note:
+            print(f"[moe-sft] {self.lock.note}", flush=True)
+        for stale in run_lock.remove_stale_partial_checkpoints(self.ckpt_root):
+            print(f"[moe-sft] removed {stale}: a partial checkpoint of an earlier run that never "
+                  "completed", flush=True)
+
+    def _finished_already(self) -> bool:
+        """The checkpoint to resume already reached trainer.max_steps: no model, data or optimizer
+        is built; train() says so (and exports when the HF export is missing)."""
+        latest = checkpoint.latest_step(self.ckpt_root) if self.cfg.checkpoint.resume == "auto" else None
+        if latest is not None and latest >= self.cfg.trainer.max_steps:
+            self.finished_at = latest
+        return self.finished_at is not None
+
     def _preflight(self, world: int) -> None:
         validate_config(self.cfg, world)
         trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
@@ -137,8 +165,28 @@ class Trainer:
                 run_single_process(["-m", "moe_sft.quickstart_model", "--hf-path", m.hf_path,
                                     "--mcore-path", str(mcore), "--tokenizer", tokenizer])
             dist.barrier()
-        self.meta = mcore_io.read_meta(mcore)
+        self.meta = dict(mcore_io.read_meta(mcore), base_mcore_path=str(mcore.resolve()))
         self.hf_side = mcore / mcore_io.HF_SUBDIR
+        self._check_load_source()
+
+    def _check_load_source(self) -> None:
+        """Before data and weights: what `_resume` loads is intact and, for a resume, the recipe's
+        model; the run's own checkpoint wins (model config and meta come from it)."""
+        latest = checkpoint.latest_step(self.ckpt_root)
+        self.resume_path = (checkpoint.step_dir(self.ckpt_root, latest)
+                            if self.cfg.checkpoint.resume == "auto" and latest is not None else None)
+        if self.resume_path is None:
+            checkpoint_integrity.verify_loadable(Path(self.cfg.model.mcore_path), "model.mcore_path", say=_say)
+            return
+        note = checkpoint_integrity.check_same_model(self.resume_path, Path(self.cfg.model.mcore_path))
+        if note:
+            _say(note)
+        checkpoint_integrity.verify_loadable(self.resume_path, "resume checkpoint", self.ckpt_root, say=_say)
+        self.meta = {k: v for k, v in mcore_io.read_meta(self.resume_path).items() if k != "step"}
+        self.hf_side = self.ckpt_root / checkpoint.HF_SIDE_COPY  # a copy: keep_last prunes step dirs
+        if dist.get_rank() == 0:
+            mcore_io.copy_hf_side_files(self.resume_path / mcore_io.HF_SUBDIR, self.hf_side)
+        dist.barrier()
 
     def _model(self) -> None:
         from moe_sft.conversion.convert import load_hf_config
@@ -300,9 +348,8 @@ class Trainer:
         return pad_to
 
     def _resume(self) -> None:
-        latest = checkpoint.latest_step(self.ckpt_root)
-        if self.cfg.checkpoint.resume == "auto" and latest is not None:
-            path = checkpoint.step_dir(self.ckpt_root, latest)
+        if self.resume_path is not None:  # checked by _check_load_source
+            path = self.resume_path
             state = checkpoint.load_full(path, self.model, self.optimizer, self.scheduler,
                                          self._extra_state(), self.cfg.checkpoint.load_optimizer)
             self.plan.load_state_dict(state["data_state"])
@@ -324,6 +371,11 @@ class Trainer:
     def _save(self, step: int) -> Path:
         meta = dict(self.meta, step=step)
         with overlap.params_synced(self.model):
+            bad, checked = checkpoint_integrity.non_finite_tensors(self.model, self.optimizer)
+            if bad:  # never checkpoint poisoned weights: `latest` stays on the last finite save
+                self.saver.wait()
+                raise guard.NonFiniteTrainingError(checkpoint_integrity.non_finite_message(
+                    step, bad, checked, self.ckpt_root, self.cfg.optimizer.lr))
             path = self.saver.save(step, self.model, self.optimizer, self.scheduler, self._extra_state(), meta)
         if not self.cfg.checkpoint.async_save:
             _say(f"saved checkpoint {path}")
@@ -354,6 +406,9 @@ class Trainer:
         if stepped:  # a skipped step does not advance the LR schedule (as in Megatron-LM)
             self.scheduler.step(increment=1)
         self.skips.record(step + 1, stepped, loss, grad_norm)
+        if warning := self.zero_grads.record(step + 1, grad_norm, loss, self.scheduler.get_lr(
+                self.optimizer.param_groups[0])):
+            _say(warning)
         tokens = torch.tensor([sum(len(b.tokens) for b in batches), sum(len(b.tokens) - b.num_padding for b in batches)],
                               device=self.rt.device)
         dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
@@ -373,10 +428,13 @@ class Trainer:
         return metrics
 
     def train(self) -> None:
+        if self.finished_at is not None:
+            return self._nothing_to_train()
         t, c = self.cfg.trainer, self.cfg.checkpoint
         logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
         last_saved = self.start_step if self.start_step else None
         self.skips = guard.SkipCounter(t.max_skipped_steps_in_a_row)
+        self.zero_grads = guard.ZeroGradStreak()
         stop = guard.StopRequest(self.out / "STOP")
         self.saver = checkpoint.Saver(self.ckpt_root, self.hf_side, c.keep_last, c.async_save)
         if self.rt.device == "cuda":  # training peaks only, not the checkpoint load's
@@ -408,8 +466,10 @@ class Trainer:
                 stop.consume()
                 _say(f"stopped by {stop.received or 'a signal on another rank'} after step {step + 1}; "
                      "checkpoint saved: run the same command again to resume")
+                self._summary(step + 1)
                 return
         logger.close()
+        self._summary(t.max_steps)
         if t.cuda_graphs:
             replays, eager = cuda_graphs.replay_counts(self.model)
             _say(f"CUDA graphs: {replays} MoE-half replays, {eager} eager training forwards"
@@ -456,7 +516,31 @@ class Trainer:
             _say(f"exported HF model to {out}")
         dist.barrier()
 
+    def _summary(self, last: int) -> None:
+        """End of run: what was trained and what went wrong without stopping it."""
+        notes = [f"{self.skips.total} step(s) skipped (non-finite loss or gradient norm)"] if self.skips.total else []
+        if zero := self.zero_grads.summary():
+            notes.append(f"WARNING: {zero}: nothing trained there (collapsed model? check optimizer.lr)")
+        _say(f"run summary: steps {self.start_step + 1}..{last} trained" + "".join(f"; {n}" for n in notes))
+
+    def _nothing_to_train(self) -> None:
+        t, step = self.cfg.trainer, self.finished_at
+        path = checkpoint.step_dir(self.ckpt_root, step)
+        hf = self.out / "hf" / "config.json"
+        # an export is current when written after the checkpoint it would export was committed
+        missing = t.export_hf_at_end and not (
+            hf.is_file() and hf.stat().st_mtime >= (path / mcore_io.META_FILE).stat().st_mtime)
+        _say(f"nothing to train: {path} is step {step} and trainer.max_steps={t.max_steps}"
+             + ("; exporting it (the HF export is missing or older)" if missing else
+                "; raise trainer.max_steps to train further, or use another trainer.output_dir"))
+        if missing:
+            self.export(path)
+
     def close(self) -> None:
+        if getattr(self, "saver", None) is not None:
+            self.saver.close()
         if getattr(self, "gc", None) is not None:
             self.gc.close()
         distributed.destroy()
+        if self.lock is not None:
+            self.lock.release()

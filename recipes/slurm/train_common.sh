@@ -62,8 +62,13 @@ python -m moe_sft.plan "recipes/$RECIPE.yaml" --strict --gpus "$WORLD" "${OVERRI
 # RUN_DIR/STOP: every rank finishes its current step, the trainer saves a checkpoint, removes the
 # file and exits 0; then this script requeues the job (same id, same RUN_DIR). Leave the signal
 # enough seconds for one step plus one checkpoint save (the log prints the save time). Pre-emption
-# (PreemptMode=REQUEUE) requeues the job by itself thanks to --requeue; TERM alone (scancel)
-# reaches the trainer through torchrun and also ends it after a checkpoint, without a requeue.
+# (PreemptMode=REQUEUE) requeues the job by itself thanks to --requeue; TERM alone (scancel, the
+# time limit, pre-emption) reaches every process of the job (torchrun forwards it too): the trainer
+# ends after the current step with a checkpoint (its helper processes ignore TERM), without a
+# requeue, but only if that step plus the save fit in torchrun's grace period (30 s by default;
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT / --shutdown-timeout in recent torch) and slurm's KillWait (or
+# GraceTime on pre-emption); otherwise everything is killed and the run resumes from the last
+# periodic checkpoint (checkpoint.save_interval). torchrun exits 1 after forwarding TERM.
 # The requeued job resumes from RUN_DIR/checkpoints/latest (checkpoint.resume=auto) with model,
 # optimizer, scheduler, RNG and data position.
 stop_requested=0
