@@ -55,3 +55,11 @@ def make_tiny_model(tmp: Path, **config_overrides) -> Path:
     create_tiny_hf(tmp / "hf", REPO / "recipes/demo/tokenizer", **config_overrides)
     convert(tmp / "hf", tmp / "mcore")
     return tmp
+
+
+def tiny_run_overrides(model_dir: Path, output_dir: Path, max_steps: int, *extra: str) -> list[str]:
+    """A run of the tiny model in `model_dir` (make_tiny_model) writing to `output_dir`."""
+    return [f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "trainer.global_batch_size=2",
+            "trainer.export_hf_at_end=false", f"trainer.output_dir={output_dir}",
+            f"model.hf_path={model_dir / 'hf'}", f"model.mcore_path={model_dir / 'mcore'}",
+            "model.create_tiny_if_missing=false", *extra]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.launch import REPO, clean_env, make_tiny_model, step_metrics, torchrun
-
+from tests.dist.launch import (REPO, clean_env, make_tiny_model,
+                               step_metrics, tiny_run_overrides, torchrun)
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
@@ -32,10 +32,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _overrides(tmp: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
-    return [f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "trainer.global_batch_size=2",
-            "trainer.export_hf_at_end=false", "trainer.eval_interval=0", f"trainer.output_dir={out}",
-            f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false", *extra]
+    return tiny_run_overrides(tmp, out, max_steps, "trainer.eval_interval=0", *extra)
 
 
 def _train_one_process(overrides: list[str]) -> subprocess.CompletedProcess:

@@ -17,8 +17,8 @@ import subprocess
 import psutil
 import pytest
 
-from tests.dist.launch import (REPO, clean_env, make_tiny_model, step_metrics, torchrun,
-                               torchrun_cmd)
+from tests.dist.launch import (REPO, clean_env, make_tiny_model,
+                               step_metrics, tiny_run_overrides, torchrun, torchrun_cmd)
 
 STRAIGHT_STEPS = 6
 
@@ -29,10 +29,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _overrides(tmp, name, max_steps, *extra):
-    return [f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "trainer.global_batch_size=2",
-            "trainer.export_hf_at_end=false", f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false", *extra]
+    return tiny_run_overrides(tmp, tmp / name, max_steps, *extra)
 
 
 @pytest.fixture(scope="module")
