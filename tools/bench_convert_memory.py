@@ -57,7 +57,7 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 BASELINE_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
-from moe_sft.conversion.convert import prepare
+from moe_sft.conversion.hf_source import prepare
 from moe_sft.conversion.meta_model import meta_model
 job = prepare({hf!r})
 meta_model(job.family, job.hf_cfg, job.precision)
@@ -67,7 +67,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from moe_sft.conversion import export_plan
-from moe_sft.conversion.convert import load_hf_config
+from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 family, hf_cfg = load_hf_config(Path({ckpt!r}) / "hf")
 export_plan.build(family, hf_cfg, DistCheckpointReader({ckpt!r}), {read})
@@ -158,7 +158,7 @@ def spot_check(hf_dir: Path, out_dir: Path) -> list[str]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from moe_sft.conversion.convert import init_single_rank
+    from moe_sft.conversion.single_rank import init_single_rank
     from moe_sft.conversion.streaming_reader import StreamingHFReader
 
     init_single_rank("bf16")  # megatron's loader needs a process group
@@ -190,7 +190,7 @@ def export_spot_check(ckpt_dir: Path, export_dir: Path) -> list[str]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from moe_sft.conversion.convert import init_single_rank
+    from moe_sft.conversion.single_rank import init_single_rank
     from moe_sft.conversion.streaming_reader import StreamingHFReader
 
     init_single_rank("bf16")

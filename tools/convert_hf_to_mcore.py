@@ -132,7 +132,7 @@ def _check_layer_choice(args: argparse.Namespace) -> str | None:
     """An unusable --verify-layers value, said before converting (the HF config decides the range)."""
     if not args.verify_layers:
         return None
-    from moe_sft.conversion.convert import load_hf_config
+    from moe_sft.conversion.hf_source import load_hf_config
     from moe_sft.conversion.verify import choose_layers
 
     family, hf_cfg = load_hf_config(Path(args.hf_path), check_supported=False)

@@ -120,18 +120,18 @@ def run(model: str, budget: int, device: str, warmup: int = 3, iters: int = 10, 
     square = 8192 if device == "cuda" else 256
     add(matmul(square, square, square, dtype, device, warmup, iters, "square"))
     if s.mla:  # the q down-projection (q_lora_rank) stands for MLA's projections
-        add(matmul(tokens, s.hidden, s.q_lora_rank or s.hidden, dtype, device, warmup, iters, "MLA q down-projection"))
+        add(matmul(tokens, s.hidden, s.mla.q_lora or s.hidden, dtype, device, warmup, iters, "MLA q down-projection"))
     else:
-        qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         add(matmul(tokens, s.hidden, qkv, dtype, device, warmup, iters, "attention qkv projection"))
     add(matmul(tokens, s.hidden, s.vocab, dtype, device, warmup, iters, "LM head"))
     for backward in (False, True):
-        add(grouped(tokens, s.topk, s.experts, s.hidden, s.moe_ffn, dtype, device, warmup, iters, backward))
-    d_qk, d_v = (s.qk_nope_dim + s.qk_rope_dim, s.v_head_dim) if s.mla else (s.head_dim, s.head_dim)
+        add(grouped(tokens, s.topk, s.num_experts, s.hidden, s.moe_ffn, dtype, device, warmup, iters, backward))
+    d_qk, d_v = (s.mla.qk_nope + s.mla.qk_rope, s.mla.v_head) if s.mla else (s.head_dim, s.head_dim)
     workload_lens = [n for mb in Workload(budget, 1, cfg.vocab_size).global_batch(0)
                      for n in flops.document_lengths(mb)]
     even = [min(2048, budget)] * max(budget // 2048, 1)
     for label, lens in (("workload micro-batch", workload_lens), ("equal documents", even)):
         for backward in (False, True):
-            add(varlen(lens, s.heads, s.kv_heads, d_qk, d_v, dtype, device, warmup, iters, backward, label))
+            add(varlen(lens, s.num_heads, s.num_kv_heads, d_qk, d_v, dtype, device, warmup, iters, backward, label))
     return rows

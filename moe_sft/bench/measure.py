@@ -9,7 +9,7 @@ every budget, so every arm trains on the same batches (workload.Workload.global_
 Throughput counts real tokens only (documents, never padding): tokens/s per GPU = timed real
 tokens / timed seconds / GPUs. Model FLOPs come from moe_sft.trainer.flops (forward + backward =
 3 x forward, active experts only, attention over each document's causal pairs); MFU = model
-TFLOP/s per GPU / the peak (989 dense bf16 TFLOP/s for H100/H200 SXM).
+TFLOP/s per GPU / the peak (H100/H200 SXM dense bf16, moe_sft.models.shape.PEAK_BF16_TFLOPS).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 
 from moe_sft.bench import phases as phase_mod
 from moe_sft.bench.workload import Workload, real_tokens
+from moe_sft.models.shape import default_peak_tflops
 from moe_sft.trainer import flops
 
-PEAK_TFLOPS = 989.0
+PEAK_TFLOPS = default_peak_tflops("H100")  # the benchmark's GPUs (H100 / H200 SXM)
 
 
 class Arm(Protocol):

@@ -20,7 +20,6 @@ from moe_sft.bench import phases
 from moe_sft.bench.workload import PRESETS, REPO, SyntheticPlan, Workload, hf_config
 from moe_sft.config import (CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                             TrainConfig, TrainerConfig, validate_config)
-from moe_sft.trainer import guard
 from moe_sft.trainer import step as train_step
 from moe_sft.trainer.trainer import Trainer
 
@@ -76,7 +75,6 @@ class OursArm:
                            max_steps=max_steps, device=device, cuda_graphs=cuda_graphs)
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer
-        t.skips = guard.SkipCounter(cfg.trainer.max_skipped_steps_in_a_row)
         self.device, self.world, self.rank = t.rt.device, dist.get_world_size(), dist.get_rank()
         self.run_mtp = t.train_mtp
         self.step_index = 0  # the trainer's own step counter (LR schedule), over all budgets

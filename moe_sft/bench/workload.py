@@ -89,9 +89,9 @@ def hf_config(model: str, layers: Optional[int] = None):
 
 
 def model_shape(model: str, layers: Optional[int] = None, run_mtp: bool = True):
-    """moe_sft.trainer.flops.ModelShape of the preset, from the same TransformerConfig the trainer builds."""
+    """moe_sft.models.shape.ModelShape of the preset, from the same TransformerConfig the trainer builds."""
     from moe_sft.models.builder import ModelOptions, build_transformer_config
-    from moe_sft.trainer.flops import ModelShape
+    from moe_sft.models.shape import ModelShape
 
     family, cfg = hf_config(model, layers)
     config = build_transformer_config(family, cfg, ModelOptions())

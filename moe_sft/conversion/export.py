@@ -27,8 +27,10 @@ from transformers import GenerationConfig
 from moe_sft.conversion import export_plan, mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 from moe_sft.conversion.export_plan import ParamPlan
+from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
 from moe_sft.conversion.meta_model import View
+from moe_sft.conversion.single_rank import single_rank_model
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -40,7 +42,6 @@ def load_model_from_checkpoint(ckpt_dir: str | Path, precision: str = "fp32"):
     The whole model in memory: for --verify and tests; `export` does not use it.
     """
     from megatron.core import dist_checkpointing
-    from moe_sft.conversion.convert import load_hf_config, single_rank_model
 
     ckpt_dir = Path(ckpt_dir)
     mcore_io.read_meta(ckpt_dir)
@@ -170,8 +171,6 @@ def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes
                       progress: Optional[Callable[[int, int], None]] = None,
                       overwrite: bool = False) -> tuple[Path, ExportStats]:
     """`export`, also returning what it read and wrote."""
-    from moe_sft.conversion.convert import load_hf_config
-
     started = time.time()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     mcore_io.read_meta(ckpt_dir)

@@ -1,4 +1,4 @@
-"""What the streaming exporter reads, in which pieces, and what it writes; the completeness gates.
+"""What the streaming exporter reads, in which pieces, and what it writes, gated by completeness.py.
 
 The megatron model is built on the meta device (no storage, meta_model.py); its sharded state dict,
 with megatron's factories applied, says for every parameter which checkpoint keys hold it and how:
@@ -9,9 +9,9 @@ layout the checkpoint was saved (DCP reads the overlaps of the box with the stor
 
 A parameter is read in *units*, ranges of its slices:
 
-* expert stacks (`experts_gate_up_stack`, `experts_down_stack`): slice e is expert e's contiguous
+* expert stacks (`Transform.expert_separable`): slice e is expert e's contiguous
   block of GroupedMLP's weight1/weight2, which alone gives expert e's HF tensors;
-* row-separable tensors (`identity`, `pad_vocab`, `pad_vocab_mtp_shared`, 2-D or more): slice r is
+* row-separable tensors (`Transform.row_separable`, 2-D or more): slice r is
   row r, which is row r of each HF tensor (vocab padding rows are not exported);
 * anything else (fused QKV, a dense MLP's gate/up, norms) is one slice, read whole.
 
@@ -25,7 +25,6 @@ MTP layers, which transformers' model does not hold).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import re
@@ -34,12 +33,10 @@ from typing import Optional
 
 import torch
 
-from moe_sft.conversion import mapping
-from moe_sft.conversion import transforms as T
+from moe_sft.conversion import completeness, mapping
 from moe_sft.conversion.dcp_reader import DistCheckpointReader, IncompleteCheckpointError
 from moe_sft.conversion.mapping import Entry, MappingError
 from moe_sft.conversion.meta_model import MetaViewsStayViews, View, meta_model, view_of
-from moe_sft.conversion.tensor_source import EXPERT_SEPARABLE, ROW_SEPARABLE
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +44,6 @@ DEFAULT_READ_BYTES = 256 * 2**20
 # Checkpoint tensors that are not model weights: the distributed optimizer's state
 # (`optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>`, megatron's make_sharded_optimizer_tensor).
 NOT_MODEL_STATE = re.compile(r"optimizer\..*")
-# Expert e's block of the megatron tensor, as a tensor of its own (GroupedMLP, see transforms.py):
-# weight1 [H, E*2F] = w1.view(E, H, 2F) → block [H, 2F]; weight2 [E*F, H] = w2.view(E, F, H) → [F, H].
-EXPERT_BLOCK_SHAPE = {
-    T.EXPERTS_FC1.name: lambda shape, experts: (shape[0], shape[1] // experts),
-    T.EXPERTS_FC2.name: lambda shape, experts: (shape[0] // experts, shape[1]),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +125,9 @@ def _index_slices(view: View, axis: int, slice_elems: int) -> Optional[torch.Ten
 
 def _kind(entry: Entry, shape: tuple[int, ...], hf_shapes: list, experts: int) -> tuple[str, int]:
     """(kind, number of slices) for a parameter of `shape`."""
-    name = entry.transform.name
-    if name in EXPERT_SEPARABLE and experts > 0 and len(entry.hf) % experts == 0:
+    if entry.transform.expert_separable and experts > 0 and len(entry.hf) % experts == 0:
         return "experts", experts
-    if name in ROW_SEPARABLE and len(shape) >= 2 and all(
+    if entry.transform.row_separable and len(shape) >= 2 and all(
             tuple(s[1:]) == tuple(shape[1:]) and s[0] <= shape[0] for s in hf_shapes):
         return "rows", shape[0]
     return "whole", 1
@@ -232,7 +222,7 @@ def _param_plan(entry: Entry, tensor, pairs, stored: dict, ctx: dict, budget: in
             return _param_plan_whole(entry, shape, dtype, pairs, hf_shapes)
         pieces.append(Piece(sh.key, tuple(sh.global_offset), view, axis, slices))
     units = _units(count, slice_elems * dtype.itemsize, budget)
-    slice_shape = (EXPERT_BLOCK_SHAPE[entry.transform.name](shape, count) if kind == "experts"
+    slice_shape = (entry.transform.expert_block(shape, count) if kind == "experts"
                    else shape[1:] if kind == "rows" else shape)
     return ParamPlan(entry, shape, dtype, kind, slice_shape, slice_elems, pieces, units,
                      list(zip(entry.hf, hf_shapes)))
@@ -244,57 +234,12 @@ def _param_plan_whole(entry, shape, dtype, pairs, hf_shapes) -> ParamPlan:
                      [(0, 1)], list(zip(entry.hf, hf_shapes)))
 
 
-def hf_expected(family, hf_cfg) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of what transformers' `save_pretrained` writes for this config, from the HF
-    model built on the meta device: its state dict without tied copies, with its in-memory
-    fusions (transformers 5 stacks experts) reverted to the on-disk names."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    from moe_sft.runtime import compat
-
-    cfg = copy.deepcopy(hf_cfg)  # building a model writes into its config
-    if hasattr(cfg, "quantization_config"):  # exported dequantised
-        del cfg.quantization_config
-    with compat.suspended(), torch.device("meta"):
-        model = family.hf_model_class(cfg)
-        state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-        state = revert_weight_conversion(model, state)
-    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_save", None) or [])]
-    return {k: tuple(v.shape) for k, v in state.items() if not any(p.search(k) for p in ignored)}
-
-
-def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -> None:
-    """The export writes every tensor transformers expects, in its shape; nothing else but the
-    MTP layers (`model.layers.{N + k}.*`, which transformers' model does not hold)."""
-    expected = hf_expected(family, hf_cfg)
-    written = dict(planned)
-    if len(written) != len(planned):
-        twice = sorted({n for n, _ in planned if sum(m == n for m, _ in planned) > 1})
-        raise MappingError(f"{family.name} export writes these HF tensors twice: {mapping._list(twice)}")
-    missing = set(expected) - set(written)
-    if missing:
-        raise MappingError(f"the {family.name} export would not write {len(missing)} tensor(s) "
-                           f"transformers' model has: {mapping._list(missing)}")
-    shapes = [f"{n} {written[n]} (transformers: {s})" for n, s in expected.items() if written[n] != s]
-    if shapes:
-        raise MappingError(f"{family.name} export shapes differ from transformers': {'; '.join(shapes[:10])}")
-    n = hf_cfg.num_hidden_layers
-    mtp = tuple(f"model.layers.{n + k}." for k in range(family.num_mtp_layers(hf_cfg)))
-    extra = {name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",))}
-    if extra:
-        raise MappingError(f"the {family.name} export would write {len(extra)} tensor(s) "
-                           f"transformers' model does not have: {mapping._list(extra)}")
-
-
 def build(family, hf_cfg, reader: DistCheckpointReader,
           read_bytes: int = DEFAULT_READ_BYTES) -> ExportPlan:
     """Plan the export of the checkpoint `reader` reads; every gate runs here, before any read."""
-    from moe_sft.conversion.streaming import check_produced
-
     model = meta_model(family, hf_cfg, "fp32")
     entries = mapping.expand(family, hf_cfg)
-    check_produced(entries, model.state_dict(keep_vars=True))  # every megatron parameter exported
+    completeness.check_produced(entries, model.state_dict(keep_vars=True))  # every megatron parameter exported
     found, tensors = _pieces_by_param(model)
     stored = reader.tensors()
     _check_checkpoint_keys(found, stored, reader.path)
@@ -305,8 +250,8 @@ def build(family, hf_cfg, reader: DistCheckpointReader,
     params = [_param_plan(e, tensors[e.mcore], found[e.mcore], stored, ctx, read_bytes)
               for e in entries]
     mapped = {name for p in params for name, _ in p.hf}
-    empty = [(name, shape) for name, shape in hf_expected(family, hf_cfg).items()
+    empty = [(name, shape) for name, shape in completeness.hf_expected(family, hf_cfg).items()
              if 0 in shape and name not in mapped]
     plan = ExportPlan(params, ctx, empty)
-    check_hf_names(family, hf_cfg, plan.hf_specs())
+    completeness.check_hf_names(family, hf_cfg, plan.hf_specs())
     return plan

@@ -1,4 +1,6 @@
-"""Streaming reader of an HF checkpoint directory: one tensor in memory at a time.
+"""What every reader of an HF checkpoint directory shares: the index, header and dtype checks,
+FP8 dequantisation and the error messages; subclasses read a tensor's bytes (`_read`:
+streaming_reader.py reads them with plain file reads, tests/safe_open_reader.py through safetensors).
 
 Every failure names the file (and tensor): no config.json, no weights, an index naming a missing
 shard, a truncated or corrupt safetensors file, mixed dtypes across shards.
@@ -20,6 +22,8 @@ class CheckpointError(ValueError):
 
 
 class HFCheckpointReader:
+    """Base of the HF checkpoint readers: one tensor in memory at a time."""
+
     def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
         self.path = Path(path)
         self.fp8_block = fp8_block
@@ -91,14 +95,8 @@ class HFCheckpointReader:
             raise CheckpointError(f"{self._name_to_file[scale]}: {scale}: {err}") from err
 
     def _read(self, name: str) -> torch.Tensor:
-        file = self._name_to_file[name]
-        try:
-            return self._open(file).get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise CheckpointError(f"{file}: reading tensor {name!r} failed ({err}); the file is "
-                                  "truncated or corrupt") from err
+        """The stored tensor `name` as it is on disk (StreamingHFReader: plain file reads)."""
+        raise NotImplementedError
 
     def dtypes(self) -> dict[str, set[str]]:
         """Floating dtypes per shard file (read from headers only)."""

@@ -9,7 +9,6 @@ the family's DROPPED list, and that every megatron parameter is produced: a miss
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -106,36 +105,6 @@ def _list(names, limit=20) -> str:
     names = sorted(names)
     more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
-
-
-def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str], hf_cfg=None,
-                      empty: set[str] = frozenset()) -> None:
-    """Every HF tensor is consumed exactly once or deliberately dropped, and none is missing.
-
-    With tied embeddings an HF file may still carry `lm_head.weight`: it is the embedding, so it
-    counts as dropped for every family. Tensors with no elements (`empty`: transformers builds
-    zero-width modules, e.g. DeepSeek-V3's shared experts when n_shared_experts=0) hold no
-    weight; the export writes them back (export_plan.py).
-    """
-    wanted = [n for e in entries for n in e.hf]
-    duplicated = {n for n in wanted if wanted.count(n) > 1}
-    if duplicated:
-        raise MappingError(f"{family.name} mapping consumes these HF tensors twice: {_list(duplicated)}")
-    missing = set(wanted) - hf_names
-    if missing:
-        hint = ""
-        if any(n.startswith("lm_head") for n in missing):
-            hint = (" The checkpoint has no lm_head.weight but config.json says "
-                    "tie_word_embeddings=false: re-save it with lm_head, or set tie_word_embeddings=true.")
-        raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) the {family.name} mapping "
-                           f"needs: {_list(missing)}.{hint}")
-    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
-    dropped = [re.compile(p) for p in family.dropped + ((r"lm_head\.weight",) if tied else ())]
-    unconsumed = {n for n in hf_names - set(wanted) - set(empty) if not any(p.fullmatch(n) for p in dropped)}
-    if unconsumed:
-        raise MappingError(f"HF checkpoint has {len(unconsumed)} tensor(s) the {family.name} mapping "
-                           f"neither loads nor lists as dropped: {_list(unconsumed)}. Refusing to "
-                           "convert silently incomplete weights.")
 
 
 def model_parameter_names(state_dict: dict) -> set[str]:

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from moe_sft.conversion.single_rank import build_single_rank_model, init_single_rank
+
 log = logging.getLogger(__name__)
 
 
@@ -25,8 +27,6 @@ log = logging.getLogger(__name__)
 
 def meta_model(family, hf_cfg, precision: str):
     """The converter's single-rank GPTModel with every parameter on the meta device (no memory)."""
-    from moe_sft.conversion.convert import build_single_rank_model, init_single_rank
-
     init_single_rank(precision)  # process group and parallel state: real tensors
     # Factories without a device allocate on meta; megatron's few explicit-device buffers (rotary
     # frequencies, router counters) stay real and small (compat primes torch's factory cache so

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, Wri
                                                   WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
 
-from moe_sft.conversion import workers
+from moe_sft.conversion import completeness, workers
 from moe_sft.conversion.meta_model import MetaViewsStayViews, View, view_of
 from moe_sft.conversion.tensor_source import TensorSource
 from moe_sft.conversion.workers import WorkerSpec
@@ -309,19 +309,6 @@ def _strategy_class():
 # Entry points
 # ------------------------------------------------------------------------------------------------
 
-def check_produced(entries, state: dict) -> None:
-    """The completeness gate of `mapping.load_hf_into_state`, run before anything is written."""
-    from moe_sft.conversion import mapping
-
-    for entry in entries:
-        if entry.mcore not in state:
-            raise mapping.MappingError(f"mapping produces {entry.mcore!r}, which the megatron model lacks")
-    unproduced = mapping.model_parameter_names(state) - {e.mcore for e in entries}
-    if unproduced:
-        raise mapping.MappingError("no HF tensor produces these megatron parameters: "
-                                   f"{mapping._list(unproduced)}")
-
-
 def save_streaming(model, entries, reader, ctx: dict, out_dir,
                    workers: WorkerSpec = None, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                    progress: Optional[Callable[[int, int], None]] = None) -> int:
@@ -335,7 +322,7 @@ def save_streaming(model, entries, reader, ctx: dict, out_dir,
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     state = model.state_dict(keep_vars=True)
-    check_produced(entries, state)
+    completeness.check_produced(entries, state)
     tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
     shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
     source = TensorSource(entries, reader, ctx, shapes)

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 from moe_sft.conversion import mapping
+from moe_sft.conversion.meta_model import meta_model
 from moe_sft.conversion.streaming_reader import DTYPES
+from moe_sft.models import registry
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 BLOCK_ELEMENTS = 1 << 22
@@ -25,8 +27,6 @@ BLOCK_ELEMENTS = 1 << 22
 
 def hf_tensor_specs(family, hf_cfg, precision: str = "bf16") -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor an HF checkpoint of `hf_cfg` holds, in mapping order."""
-    from moe_sft.conversion.meta_model import meta_model
-
     model = meta_model(family, hf_cfg, precision)
     state = model.state_dict(keep_vars=True)
     ctx = mapping.transform_context(family, hf_cfg)
@@ -63,8 +63,6 @@ def _write_shard(file: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: to
 def write_synthetic_checkpoint(path: str | Path, hf_cfg, family=None, dtype: torch.dtype = torch.bfloat16,
                                shard_bytes: int = 4 * 2**30, seed: int = 0) -> int:
     """config.json + sharded *.safetensors + index; returns the bytes of tensor data."""
-    from moe_sft.models import registry
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     family = family or registry.family_for_model_type(hf_cfg.model_type)

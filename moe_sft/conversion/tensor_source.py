@@ -4,13 +4,13 @@ The streaming converter writes a checkpoint chunk by chunk; each chunk needs an 
 one megatron parameter (its flat, contiguous storage). `TensorSource.flat_range` makes exactly that
 range from the family's mapping entry, reading as little as the transform allows:
 
-* Expert-stacked entries (`experts_gate_up_stack`, `experts_down_stack`) are separable: expert
+* Expert-stacked entries (`Transform.expert_separable`) are separable: expert
   e's HF tensors alone give elements [e·B, (e+1)·B) of the megatron tensor (B = numel / experts;
   GroupedMLP keeps each expert's block contiguous, see transforms.py). A range needs only the HF
   tensors of the experts it touches; the last experts made are kept for the next chunk (megatron
   writes a layer's gate and up halves as two items over the same experts). The buffer assignment
   casts to the parameter's dtype as `copy_` does.
-* Row-separable entries (`identity`, `pad_vocab`, `pad_vocab_mtp_shared`): megatron row r is HF
+* Row-separable entries (`Transform.row_separable`): megatron row r is HF
   row r (or a zero padding row), so a range reads only its rows from the file (`get_rows`); the
   MTP copies of the embedding are compared row range by row range.
 * Anything else (fused QKV, gate/up of dense MLPs, FP8-quantised tensors) is produced whole and
@@ -27,13 +27,6 @@ import torch
 from moe_sft.conversion import transforms as T
 from moe_sft.conversion.mapping import Entry, MappingError
 from moe_sft.conversion.transforms import CopiesDifferError
-
-# Transforms whose megatron tensor is the concatenation of per-expert blocks, each made from that
-# expert's HF tensors alone (checked in tests/cpu/test_streaming_convert.py).
-EXPERT_SEPARABLE = frozenset({T.EXPERTS_FC1.name, T.EXPERTS_FC2.name})
-# Transforms mapping megatron row r to HF row r of the first tensor (or to a zero padding row).
-ROW_SEPARABLE = frozenset({T.IDENTITY.name, T.PAD_VOCAB.name, T.PAD_VOCAB_MTP_SHARED.name})
-
 
 def _copies_differ(entry: Entry, err) -> MappingError:
     return MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)} should be copies of one tensor "
@@ -63,7 +56,7 @@ class TensorSource:
     def flat_range(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of parameter `name`'s contiguous storage, in its dtype."""
         entry = self._entries[name]
-        if entry.transform.name in EXPERT_SEPARABLE:
+        if entry.transform.expert_separable:
             self._whole = None
             return self._expert_range(entry, start, stop)
         self._experts = None
@@ -92,7 +85,7 @@ class TensorSource:
     # -- row ranges -----------------------------------------------------------------------------
     def _rows_readable(self, entry: Entry) -> bool:
         if entry.mcore not in self._row_checked:
-            ok = entry.transform.name in ROW_SEPARABLE and hasattr(self._reader, "get_rows")
+            ok = entry.transform.row_separable and hasattr(self._reader, "get_rows")
             hf_shapes = [self._reader.row_shape(n) for n in entry.hf] if ok else []
             ok = ok and all(s is not None for s in hf_shapes)
             if ok:  # the whole path's shape check, on shapes from the file headers

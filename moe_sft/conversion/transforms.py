@@ -8,7 +8,7 @@ only slice, concatenate, transpose and reshape — no arithmetic. Names carry la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -17,11 +17,27 @@ Tensors = Sequence[torch.Tensor]
 
 @dataclass(frozen=True)
 class Transform:
-    """A named inverse pair. `ctx` carries the model dimensions a transform needs."""
+    """A named inverse pair. `ctx` carries the model dimensions a transform needs.
+
+    Its streaming properties say which parts of the megatron tensor can be made (convert,
+    tensor_source.py) or taken apart (export, export_plan.py) without the whole tensor:
+
+    * `row_separable`: megatron row r is HF row r of the first tensor (or a zero padding row);
+    * `expert_block`: set for expert stacks, whose megatron tensor is the concatenation of
+      per-expert blocks, each made from that expert's HF tensors alone (checked in
+      tests/cpu/test_streaming_convert.py); `expert_block(shape, experts)` is the shape of expert
+      e's block as a tensor of its own.
+    """
 
     name: str
     from_hf: Callable[[Tensors, dict], torch.Tensor]
     to_hf: Callable[[torch.Tensor, dict], list[torch.Tensor]]
+    row_separable: bool = False
+    expert_block: Optional[Callable[[tuple[int, ...], int], tuple[int, ...]]] = None
+
+    @property
+    def expert_separable(self) -> bool:
+        return self.expert_block is not None
 
 
 def _identity_from(ts: Tensors, ctx: dict) -> torch.Tensor:
@@ -32,7 +48,7 @@ def _identity_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     return [t]
 
 
-IDENTITY = Transform("identity", _identity_from, _identity_to)
+IDENTITY = Transform("identity", _identity_from, _identity_to, row_separable=True)
 
 
 def _qkv_from(ts: Tensors, ctx: dict) -> torch.Tensor:
@@ -106,7 +122,9 @@ def _experts_fc1_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     return out
 
 
-EXPERTS_FC1 = Transform("experts_gate_up_stack", _experts_fc1_from, _experts_fc1_to)
+# Expert e's block as a tensor of its own: weight1 [H, E*2F] = w1.view(E, H, 2F) → block [H, 2F].
+EXPERTS_FC1 = Transform("experts_gate_up_stack", _experts_fc1_from, _experts_fc1_to,
+                        expert_block=lambda shape, experts: (shape[0], shape[1] // experts))
 
 
 def _experts_fc2_from(ts: Tensors, ctx: dict) -> torch.Tensor:
@@ -120,7 +138,9 @@ def _experts_fc2_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     return [w_FH.t().contiguous() for w_FH in t.reshape(experts, -1, hidden)]  # as in fc1
 
 
-EXPERTS_FC2 = Transform("experts_down_stack", _experts_fc2_from, _experts_fc2_to)
+# Expert e's block: weight2 [E*F, H] = w2.view(E, F, H) → block [F, H].
+EXPERTS_FC2 = Transform("experts_down_stack", _experts_fc2_from, _experts_fc2_to,
+                        expert_block=lambda shape, experts: (shape[0] // experts, shape[1]))
 
 
 def _pad_vocab_from(ts: Tensors, ctx: dict) -> torch.Tensor:
@@ -136,7 +156,7 @@ def _pad_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     return [t[: ctx["vocab_size"]].contiguous()]  # padded rows are never exported
 
 
-PAD_VOCAB = Transform("pad_vocab", _pad_vocab_from, _pad_vocab_to)
+PAD_VOCAB = Transform("pad_vocab", _pad_vocab_from, _pad_vocab_to, row_separable=True)
 
 
 class CopiesDifferError(ValueError):
@@ -162,7 +182,8 @@ def _shared_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
 
 
 # Vocab padding + one copy per MTP layer (the official checkpoint carries them).
-PAD_VOCAB_MTP_SHARED = Transform("pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to)
+PAD_VOCAB_MTP_SHARED = Transform("pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to,
+                                 row_separable=True)
 
 ALL_TRANSFORMS = (IDENTITY, QKV_INTERLEAVE, QKV_BIAS_INTERLEAVE, GATE_UP_FUSE, EXPERTS_FC1,
                   EXPERTS_FC2, PAD_VOCAB, PAD_VOCAB_MTP_SHARED)

@@ -30,6 +30,13 @@ from pathlib import Path
 
 import torch
 
+from moe_sft.conversion import mapping, mcore_io
+from moe_sft.conversion.dcp_reader import DistCheckpointReader
+from moe_sft.conversion.export import load_model_from_checkpoint
+from moe_sft.conversion.hf_source import fp8_block, load_hf_config
+from moe_sft.conversion.meta_model import meta_model
+from moe_sft.conversion.streaming_reader import StreamingHFReader
+
 # Packed documents long enough that positions matter: a wrong RoPE base gave 3.7e-4 at lengths
 # 17/33/9 with a 4-dim rope head, passing the old 1e-3 tolerance (docs/parity.md).
 VERIFY_LENGTHS = (160, 61, 7)
@@ -39,8 +46,6 @@ LOGIT_TOLERANCE = 1e-4  # fp32 gives ~1e-6 on these lengths
 def verify(hf_path: str | Path, mcore_path: str | Path, sequences: list[list[int]] | None = None,
            tolerance: float = LOGIT_TOLERANCE) -> float:
     """Max |logit difference| between HF's model and ours on a few token sequences (fp32, CPU)."""
-    from moe_sft.conversion.convert import load_hf_config
-    from moe_sft.conversion.export import load_model_from_checkpoint
     from moe_sft.models.forward import packed_logits
     from moe_sft.runtime import compat
 
@@ -130,11 +135,6 @@ def verify_layers(hf_path: str | Path, mcore_path: str | Path, layers: str = "au
     checkpoint's copy (which says 0 MTP layers where conversion dropped MTP layers the HF
     checkpoint lacked; the layers to compare are chosen from it).
     """
-    from moe_sft.conversion import mapping, mcore_io
-    from moe_sft.conversion.convert import load_hf_config
-    from moe_sft.conversion.dcp_reader import DistCheckpointReader
-    from moe_sft.conversion.meta_model import meta_model
-
     mcore_path = Path(mcore_path)
     mcore_io.read_meta(mcore_path)
     family, hf_cfg = load_hf_config(mcore_path / mcore_io.HF_SUBDIR)
@@ -187,13 +187,11 @@ class _HFLayers:
     """transformers' model of this config on the meta device; `run` materialises one layer."""
 
     def __init__(self, family, hf_cfg, hf_path):
-        from moe_sft.conversion.convert import _fp8_block
-        from moe_sft.conversion.streaming_reader import StreamingHFReader
         from moe_sft.runtime import compat
 
         cfg = copy.deepcopy(hf_cfg)
         cfg._attn_implementation = "eager"  # the plain softmax(QK^T)V reference, with our mask
-        self.reader = StreamingHFReader(hf_path, fp8_block=_fp8_block(hf_cfg))
+        self.reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
         with compat.suspended():
             with torch.device("meta"):
                 self.model = family.hf_model_class(cfg)

@@ -17,7 +17,6 @@ with its run id, plan digest and write results, or `.moe_sft_worker_{i}.failed` 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pickle
@@ -233,37 +232,3 @@ def _wait(ready, timeout_s: float, what: str) -> None:
             print(f"  still waiting for {what} ({now - started:.0f}s)", file=sys.stderr, flush=True)
             last_note = now
         time.sleep(POLL_S)
-
-
-# ------------------------------------------------------------------------------------------------
-# A local helper process's entry point
-# ------------------------------------------------------------------------------------------------
-
-def worker_main(argv: list[str] | None = None) -> int:
-    """A local helper of a multi-process conversion (started by its node's leading process)."""
-    from moe_sft.conversion.convert import prepare
-    from moe_sft.conversion.meta_model import meta_model
-    from moe_sft.conversion.streaming import save_streaming
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-path", required=True)
-    parser.add_argument("--staging", required=True)
-    parser.add_argument("--worker", type=int, required=True)
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--run-id", default="local")
-    parser.add_argument("--digest", required=True)
-    parser.add_argument("--max-chunk-bytes", type=int, required=True)
-    args = parser.parse_args(argv)
-    spec = WorkerSpec(args.workers, args.worker, args.hf_path, args.digest, args.nodes, args.run_id)
-    started = time.time()
-    try:
-        job = prepare(args.hf_path)
-        model = meta_model(job.family, job.hf_cfg, job.precision)
-        written = save_streaming(model, job.entries, job.reader, job.ctx, args.staging, spec,
-                                 args.max_chunk_bytes)
-    except BaseException:
-        report_failure(args.staging, spec)
-        raise
-    print(f"worker {args.worker}: wrote {written / 1e9:.2f} GB in {time.time() - started:.1f}s")
-    return 0

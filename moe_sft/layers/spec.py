@@ -33,6 +33,7 @@ from moe_sft.layers.attention import VarlenCoreAttention
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
 from moe_sft.layers.router import FamilyRouter
+from moe_sft.models.shape import is_moe_layer_of_config
 
 
 def _dense_mlp_spec() -> ModuleSpec:
@@ -86,15 +87,6 @@ def torch_layer_spec(config: TransformerConfig, is_moe: bool) -> ModuleSpec:
         sharded_state_dict_keys_map=keys_map))
 
 
-def _is_moe_layer(config: TransformerConfig, layer_index: int) -> bool:
-    freq = config.moe_layer_freq
-    if config.num_moe_experts is None:
-        return False
-    if isinstance(freq, int):
-        return layer_index % freq == 0
-    return bool(freq[layer_index])
-
-
 def _check_te_covers(config: TransformerConfig) -> None:
     """TE's spec builds megatron's router and fuses MLA's latent norms with layernorm_epsilon."""
     differs = [name for name in ("moe_router_group_score_topk", "moe_router_normalize_topk",
@@ -113,7 +105,7 @@ def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, p
         return gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage,
             pp_rank=pp_rank)
-    specs = [torch_layer_spec(config, _is_moe_layer(config, i)) for i in range(config.num_layers)]
+    specs = [torch_layer_spec(config, is_moe_layer_of_config(config, i)) for i in range(config.num_layers)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=RMSNorm)
@@ -132,7 +124,7 @@ def mtp_block_spec(config: TransformerConfig, backend: str, vp_stage=None):
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage)
         return gpt_layer_specs.get_gpt_mtp_block_spec(config, block, use_transformer_engine=True,
                                                       vp_stage=vp_stage)
-    layer = torch_layer_spec(config, _is_moe_layer(config, config.num_layers - 1))
+    layer = torch_layer_spec(config, is_moe_layer_of_config(config, config.num_layers - 1))
     mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=RMSNorm, hnorm=RMSNorm, eh_proj=ColumnParallelLinear, transformer_layer=layer,
         layer_norm=RMSNorm))

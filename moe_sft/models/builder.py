@@ -14,12 +14,7 @@ from moe_sft.layers.config import config_class
 from moe_sft.layers.spec import decoder_block_spec, mtp_block_spec
 from moe_sft.models.family import Family
 from moe_sft.models.mtp import SFTGPTModel
-
-VOCAB_DIVISOR = 128  # Megatron convention: the padded vocab splits evenly for TP in {1,2,4,8,...}
-
-
-def padded_vocab_size(vocab_size: int, divisor: int = VOCAB_DIVISOR) -> int:
-    return -(-vocab_size // divisor) * divisor
+from moe_sft.models.shape import VOCAB_DIVISOR, padded_vocab_size  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -47,8 +42,6 @@ class ModelOptions:
 
 def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> TransformerConfig:
     kwargs = family.transformer_config_kwargs(hf_cfg)
-    if not kwargs.get("multi_latent_attention"):  # GPTModel's rotary_base; MLA's rope is its config's
-        kwargs.pop("rotary_base", None)
     dispatcher = opts.moe_token_dispatcher_type
     if dispatcher == "auto":  # alltoall needs CUDA streams; allgather runs anywhere
         dispatcher = "alltoall" if opts.device == "cuda" else "allgather"
@@ -113,7 +106,7 @@ def _reset_megatron_moe_globals() -> None:
 def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions,
                        vocab_size: Optional[int] = None) -> list[SFTGPTModel]:
     """The GPTModel chunks this rank holds (one per virtual pipeline stage), on opts.device."""
-    rope_base = family.transformer_config_kwargs(hf_cfg)["rotary_base"]  # MLA: its own rope inside
+    gpt_kwargs = family.gpt_model_kwargs(hf_cfg)  # rope, tied embeddings, max positions
     vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
     vpp = opts.virtual_pipeline_model_parallel_size or 1
     _reset_megatron_moe_globals()
@@ -125,13 +118,10 @@ def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: 
             transformer_layer_spec=decoder_block_spec(config, opts.backend, vp_stage=vp),
             mtp_block_spec=mtp_block_spec(config, opts.backend, vp_stage=vp),
             vocab_size=vocab,
-            max_sequence_length=hf_cfg.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings),
-            position_embedding_type="rope",
-            rotary_base=rope_base,
             vp_stage=vp,
+            **gpt_kwargs,
         )
         if opts.device == "cuda":
             model.cuda(torch.cuda.current_device())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from moe_sft.conversion import transforms as T
+from moe_sft.models import shape
 from moe_sft.models.family import Rule
 from moe_sft.models.hf_config import rope_theta
 
@@ -86,8 +87,27 @@ def gqa_swiglu_config(cfg, ffn_hidden_size: int) -> dict:
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
         init_method_std=cfg.initializer_range,
-        rotary_base=rope_theta(cfg),
     )
+
+
+def gpt_model_kwargs(cfg, rope_in_gpt_model: bool = True) -> dict:
+    """GPTModel arguments from the HF config. With `rope_in_gpt_model` GPTModel applies RoPE over
+    the whole head (rotary_percent 1) with the HF base; without (MLA) GPTModel builds no rotary
+    embedding and the attention applies the rope its config describes."""
+    kwargs = dict(position_embedding_type="rope", max_sequence_length=cfg.max_position_embeddings,
+                  share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings))
+    if rope_in_gpt_model:
+        kwargs.update(rotary_base=rope_theta(cfg), rotary_percent=1.0)
+    return kwargs
+
+
+def gqa_shape_fields(c, name: str) -> dict:
+    """ModelShape fields every GQA family shares (c: a transformers config or shape.config_view);
+    absent keys take transformers' defaults (head_dim hidden / heads, kv heads = heads)."""
+    fields = shape.common_shape_fields(c, name)
+    fields.update(num_kv_heads=int(c.num_key_value_heads or fields["num_heads"]),
+                  head_dim=int(getattr(c, "head_dim", None) or fields["hidden"] // fields["num_heads"]))
+    return fields
 
 
 def softmax_routing_config(topk: int, normalize: bool) -> dict:

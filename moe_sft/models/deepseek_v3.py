@@ -6,11 +6,9 @@ Faithful to transformers' `DeepseekV3ForCausalLM`. Megatron equivalents: MLA
 (the bias is megatron's `router.expert_bias` and is updated during training as DeepSeek does),
 `moe_router_num_groups`/`moe_router_group_topk`, `moe_router_topk_scaling_factor`.
 
-Multi-token prediction (`num_nextn_predict_layers`): HF stores MTP layer k as
-`model.layers.{N + k}` (enorm, hnorm, eh_proj, shared_head.norm, a full decoder layer, and copies
-of the embedding and lm_head); megatron holds it as `mtp.layers.{k}` and reuses the main
-embedding and output layer. transformers does not run these layers, so parity is checked against
-a reference written from the DeepSeek-V3 report in the tests.
+Multi-token prediction (`num_nextn_predict_layers`): the layout is shared_rules.py's (HF's
+`model.layers.{N + k}` as megatron's `mtp.layers.{k}`). transformers does not run these layers,
+so parity is checked against a reference written from the DeepSeek-V3 report in the tests.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ import math
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from moe_sft.conversion import transforms as T
-from moe_sft.models import common
+from moe_sft.models import common, shared_rules
+from moe_sft.models import shape as S
 from moe_sft.models.family import Family, Rule, UnsupportedConfigError
 from moe_sft.models.hf_config import check_no_attention_bias, num_experts, rope_parameters
 
@@ -28,7 +26,7 @@ L = common.LAYER
 
 
 def is_moe_layer(cfg, i: int) -> bool:
-    return num_experts(cfg) > 0 and i >= cfg.first_k_dense_replace  # as DeepseekV3DecoderLayer
+    return num_experts(cfg) > 0 and i >= (cfg.first_k_dense_replace or 0)  # as DeepseekV3DecoderLayer
 
 
 def check_supported(cfg) -> None:
@@ -132,33 +130,23 @@ def transformer_config_kwargs(cfg) -> dict:
     )
 
 
-def _embedding_and_head_rules(cfg) -> list[Rule]:
-    """As every family, plus the MTP layers' embedding / head copies and their own modules."""
-    mtp = [f"model.layers.{cfg.num_hidden_layers + k}." for k in range(num_mtp_layers(cfg))]
-    if not mtp:
-        return common.embedding_and_head_rules(cfg)
-    embed = ("model.embed_tokens.weight",) + tuple(m + "embed_tokens.weight" for m in mtp)
-    head = ("lm_head.weight",) + tuple(m + "shared_head.head.weight" for m in mtp)
-    return [Rule("embedding.word_embeddings.weight", embed, T.PAD_VOCAB_MTP_SHARED),
-            Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-            Rule("output_layer.weight", head, T.PAD_VOCAB_MTP_SHARED),
-            Rule("mtp.layers.{mtp}.enorm.weight", (L + "enorm.weight",), layers="mtp"),
-            Rule("mtp.layers.{mtp}.hnorm.weight", (L + "hnorm.weight",), layers="mtp"),
-            Rule("mtp.layers.{mtp}.eh_proj.weight", (L + "eh_proj.weight",), layers="mtp"),
-            Rule("mtp.layers.{mtp}.final_layernorm.weight", (L + "shared_head.norm.weight",),
-                 layers="mtp")]
+def shape(cfg, name: str = "model") -> S.ModelShape:
+    c = S.config_view(cfg)
+    fields = S.common_shape_fields(c, name)
+    mla = S.MLA(q_lora=c.q_lora_rank, kv_lora=int(c.kv_lora_rank), qk_nope=int(c.qk_nope_head_dim),
+                qk_rope=int(c.qk_rope_head_dim), v_head=int(c.v_head_dim))
+    moe_ffn = int(c.moe_intermediate_size)
+    return S.ModelShape(**fields, num_kv_heads=fields["num_heads"], head_dim=mla.qk_nope + mla.qk_rope,
+                        qk_norm=True, ffn=int(c.intermediate_size), moe_ffn=moe_ffn,
+                        shared_ffn=int(c.n_shared_experts or 0) * moe_ffn,
+                        moe_layers=tuple(is_moe_layer(c, i) for i in range(fields["num_layers"])),
+                        mtp_layers=num_mtp_layers(c), mla=mla)
 
 
-def _shared_expert_rules(cfg) -> list[Rule]:
-    """None with n_shared_experts=0: transformers' zero-width shared experts hold no weight (the
-    converter skips tensors with no elements and the exporter writes them back)."""
-    if not cfg.n_shared_experts:
-        return []
-    return [Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight",
-                 (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"),
-                 T.GATE_UP_FUSE, layers="moe"),
-            Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight",
-                 (L + "mlp.shared_experts.down_proj.weight",), layers="moe")]
+def gpt_model_kwargs(cfg) -> dict:
+    """GPTModel builds no rotary embedding for MLA: the rope (base, YaRN) is MLATransformerConfig's
+    (transformer_config_kwargs) and the MLA attention applies it."""
+    return common.gpt_model_kwargs(cfg, rope_in_gpt_model=False)
 
 
 def rules(cfg) -> list[Rule]:
@@ -170,7 +158,7 @@ def rules(cfg) -> list[Rule]:
                    Rule(sa + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), layers="all")]
     else:
         q_rules = [Rule(sa + "linear_q_proj.weight", (attn + "q_proj.weight",), layers="all")]
-    return (_embedding_and_head_rules(cfg) + q_rules + [
+    return (shared_rules.embedding_and_head_rules(cfg, num_mtp_layers(cfg)) + q_rules + [
         Rule("decoder.layers.{layer}.input_layernorm.weight", (L + "input_layernorm.weight",), layers="all"),
         Rule(sa + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), layers="all"),
         Rule(sa + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), layers="all"),
@@ -178,11 +166,11 @@ def rules(cfg) -> list[Rule]:
         Rule(sa + "linear_proj.weight", (attn + "o_proj.weight",), layers="all"),
         Rule("decoder.layers.{layer}.pre_mlp_layernorm.weight",
              (L + "post_attention_layernorm.weight",), layers="all"),
-        Rule("decoder.layers.{layer}.mlp.router.expert_bias", (L + "mlp.gate.e_score_correction_bias",),
-             layers="moe"),
-    ] + _shared_expert_rules(cfg) + common.routed_expert_rules("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
-                                   "mlp.experts.{expert}.up_proj.weight",
-                                   "mlp.experts.{expert}.down_proj.weight")
+        shared_rules.expert_bias_rule("mlp.gate.e_score_correction_bias"),
+    ] + shared_rules.shared_expert_rules(cfg.n_shared_experts)
+        + common.routed_expert_rules("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
+                                     "mlp.experts.{expert}.up_proj.weight",
+                                     "mlp.experts.{expert}.down_proj.weight")
         + common.dense_mlp_rules())
 
 
@@ -239,6 +227,8 @@ FAMILY = Family(
     hf_model_class=DeepseekV3ForCausalLM,
     check_supported=check_supported,
     transformer_config_kwargs=transformer_config_kwargs,
+    gpt_model_kwargs=gpt_model_kwargs,
+    shape=shape,
     rules=rules,
     is_moe_layer=is_moe_layer,
     tiny_hf_config=tiny_hf_config,

@@ -1,4 +1,6 @@
-"""What a model family declares: config translation, the weight mapping table, and defaults.
+"""What a model family declares: config translation, GPTModel arguments, shape, the weight
+mapping table, and defaults. Everything model-specific is here; nothing outside models/ branches
+on a model type.
 
 Each family file (qwen3_moe.py, ...) builds one `Family`. The mapping table is declarative:
 `Rule(mcore, hf, transform, layers)` with `{layer}` / `{expert}` placeholders; the generic engine
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from moe_sft.conversion.transforms import IDENTITY, Transform
+from moe_sft.models.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,16 @@ class Family:
     hf_config_class: type
     hf_model_class: type
     check_supported: Callable[[object], None]     # raises UnsupportedConfigError naming the field
+    # HF config -> megatron TransformerConfig fields (MLA: its rope too, MLATransformerConfig's).
     transformer_config_kwargs: Callable[[object], dict]
+    # HF config -> GPTModel's own arguments (position embedding, rotary base and percent, tied
+    # embeddings, max sequence length); the builder adds vocab, pipeline stage and specs.
+    gpt_model_kwargs: Callable[[object], dict]
+    # HF config (a config.json dict or a transformers config) -> ModelShape; pure (no torch), so
+    # the planner reads shapes with it (models/shape.py).
+    shape: Callable[..., ModelShape]
     rules: Callable[[object], list[Rule]]
-    is_moe_layer: Callable[[object, int], bool]
+    is_moe_layer: Callable[[object, int], bool]   # the one rule; shape() and the config use it
     tiny_hf_config: Callable[..., object]
     # A random legal HF config of the family's whole space (rng: random.Random), small enough to
     # run on a CPU: the parity sweep (moe_sft/conversion/parity.py) draws from it.

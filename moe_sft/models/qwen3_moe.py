@@ -11,6 +11,7 @@ from __future__ import annotations
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moe_sft.models import common
+from moe_sft.models import shape as S
 from moe_sft.models.family import Family, Rule, UnsupportedConfigError
 from moe_sft.models.hf_config import check_no_attention_bias, check_rope_default, num_experts
 
@@ -43,6 +44,14 @@ def transformer_config_kwargs(cfg) -> dict:
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(cfg.num_hidden_layers)],
         moe_aux_loss_coeff=cfg.router_aux_loss_coef,
     )
+
+
+def shape(cfg, name: str = "model") -> S.ModelShape:
+    c = S.config_view(cfg)
+    fields = common.gqa_shape_fields(c, name)
+    return S.ModelShape(**fields, qk_norm=True, ffn=int(c.intermediate_size), moe_ffn=int(c.moe_intermediate_size),
+                        shared_ffn=0, moe_layers=tuple(is_moe_layer(c, i) for i in range(fields["num_layers"])),
+                        mtp_layers=0)
 
 
 def rules(cfg) -> list[Rule]:
@@ -85,6 +94,8 @@ FAMILY = Family(
     hf_model_class=Qwen3MoeForCausalLM,
     check_supported=check_supported,
     transformer_config_kwargs=transformer_config_kwargs,
+    gpt_model_kwargs=common.gpt_model_kwargs,
+    shape=shape,
     rules=rules,
     is_moe_layer=is_moe_layer,
     tiny_hf_config=tiny_hf_config,

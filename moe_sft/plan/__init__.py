@@ -16,7 +16,8 @@ from typing import Optional
 
 from moe_sft.plan import hardware, memory, preflight
 from moe_sft.plan.layout import Layout, layout_from_config
-from moe_sft.plan.shapes import ModelShape, resolve_model
+from moe_sft.models.shape import ModelShape
+from moe_sft.plan.shapes import resolve_model
 
 
 @dataclass

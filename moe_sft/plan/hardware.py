@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from moe_sft.models.shape import default_peak_tflops
 from moe_sft.plan.params import active_params_per_token
 
 
@@ -21,8 +22,8 @@ class GPU:
 
 
 GPUS = {
-    "h100_80gb": GPU("H100-80GB SXM", 79.1, 989.0, "sm90"),
-    "h200_141gb": GPU("H200-141GB SXM", 139.7, 989.0, "sm90"),
+    "h100_80gb": GPU("H100-80GB SXM", 79.1, default_peak_tflops("H100"), "sm90"),
+    "h200_141gb": GPU("H200-141GB SXM", 139.7, default_peak_tflops("H200"), "sm90"),
 }
 
 # Basis of the tokens/s estimate: model FLOPs at an assumed utilisation of the bf16 peak.

@@ -25,7 +25,7 @@ from typing import Optional
 
 from moe_sft.plan.layout import Layout, stage_layers
 from moe_sft.plan.params import Count, stage_params
-from moe_sft.plan.shapes import ModelShape
+from moe_sft.models.shape import ModelShape
 
 GIB = 2 ** 30
 # Assumptions beyond the model (docs/planner.md; refine them with tests/gpu/plan_calibration.py).

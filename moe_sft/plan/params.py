@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_sft.plan.layout import Layout, is_first_chunk, is_last_chunk, stage_layers
-from moe_sft.plan.shapes import ModelShape
+from moe_sft.models.shape import ModelShape
 
 
 @dataclass

@@ -86,6 +86,9 @@ class Trainer:
         self.telemetry = Telemetry.for_trainer(self)  # after loading: expert-bias drift starts here
         self._cuda_graphs()  # after the telemetry: its routing statistics are part of the graphs
         self.gc = ScheduledGC(self.cfg.trainer.gc_interval, self.rt.device)
+        # What train_one_step records into; made here so a step needs nothing train() creates.
+        self.skips = guard.SkipCounter(self.cfg.trainer.max_skipped_steps_in_a_row)
+        self.zero_grads = guard.ZeroGradStreak()
         return self
 
     def _runtime(self) -> None:
@@ -189,7 +192,7 @@ class Trainer:
         dist.barrier()
 
     def _model(self) -> None:
-        from moe_sft.conversion.convert import load_hf_config
+        from moe_sft.conversion.hf_source import load_hf_config
 
         self.family, self.hf_cfg = load_hf_config(self.hf_side)
         validate_against_model(self.cfg, self.hf_cfg.num_hidden_layers, num_experts(self.hf_cfg) or None,
@@ -433,8 +436,6 @@ class Trainer:
         t, c = self.cfg.trainer, self.cfg.checkpoint
         logger = MetricsLogger(self.out / "tensorboard", enabled=dist.get_rank() == 0)
         last_saved = self.start_step if self.start_step else None
-        self.skips = guard.SkipCounter(t.max_skipped_steps_in_a_row)
-        self.zero_grads = guard.ZeroGradStreak()
         stop = guard.StopRequest(self.out / "STOP")
         self.saver = checkpoint.Saver(self.ckpt_root, self.hf_side, c.keep_last, c.async_save)
         if self.rt.device == "cuda":  # training peaks only, not the checkpoint load's

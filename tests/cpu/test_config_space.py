@@ -9,7 +9,7 @@ import pytest
 from moe_sft.conversion import parity
 from moe_sft.models import registry
 
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = [f.name for f in registry.FAMILIES]
 SAMPLE_SEEDS = range(1000, 1004)  # tools/parity_sweep.py starts at 0: CI checks other draws
 
 

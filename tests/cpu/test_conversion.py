@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 
 import transformers  # noqa: E402
 
-from moe_sft.conversion import mapping  # noqa: E402
+from moe_sft.conversion import completeness, mapping  # noqa: E402
 from moe_sft.conversion import transforms as T  # noqa: E402
 from moe_sft.conversion.convert import convert  # noqa: E402
 from moe_sft.conversion.verify import verify  # noqa: E402
@@ -128,12 +128,12 @@ def test_dropped_list_is_respected(tiny):
     entries = mapping.expand(FAMILY, tiny.cfg)
     assert FAMILY.dropped == ()  # Qwen3-MoE checkpoints carry nothing to drop
     with pytest.raises(MappingError, match=re.escape(extra)):
-        mapping.check_hf_coverage(FAMILY, entries, names)
+        completeness.check_hf_coverage(FAMILY, entries, names)
     dropping = dataclasses.replace(FAMILY, dropped=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
-    mapping.check_hf_coverage(dropping, entries, names)  # accepted: listed as dropped
+    completeness.check_hf_coverage(dropping, entries, names)  # accepted: listed as dropped
     # A dropped pattern must not excuse a tensor the mapping needs but the checkpoint lacks.
     with pytest.raises(MappingError, match=r"model\.norm\.weight"):
-        mapping.check_hf_coverage(dropping, entries, names - {"model.norm.weight"})
+        completeness.check_hf_coverage(dropping, entries, names - {"model.norm.weight"})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def test_recipe_data_section_builds_loader_eval_and_summary(tmp_path):
     assert summary.startswith(
         f"train data: 2 file(s), 248 rows -> {stats.samples} samples, {stats.tokens:,} tokens, "
         f"{stats.loss_tokens:,} trainable (loss weight {stats.loss_weight:,.1f}); truncated {stats.truncated}, "
-        f"dropped {stats.dropped}, skipped 0\n  length histogram (tokens: samples):\n")
+        f"dropped {stats.dropped}, skipped 0\n  every skipped/truncated/dropped row with file:line: ")
+    assert "report.jsonl\n  length histogram (tokens: samples):\n" in summary
     bins = [int(n.replace(",", "")) for n in re.findall(r"^\s+\d+-\d+\s+([\d,]+)", summary, re.M)]
     assert bins == stats.histogram and sum(bins) == stats.samples
     # Mixture: 180 + 2 x 43 samples per epoch (20 + 5 held out), shares w*n / sum(w*n).

@@ -18,7 +18,7 @@ from moe_sft.models.forward import packed_logits
 from moe_sft.runtime import compat
 from tests.train_steps import adam_steps, random_batches
 
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = [f.name for f in registry.FAMILIES]
 VOCAB = 300
 # fp32 on CPU: measured ≤ 6e-7 for both families; asserted with margin.
 PARITY_TOL = 1e-4

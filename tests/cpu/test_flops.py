@@ -83,7 +83,7 @@ def test_formula_equals_flop_counter_on_transformers_models(name, overrides):
 
 
 def test_formula_equals_flop_counter_on_our_packed_model_with_mtp():
-    from moe_sft.conversion.convert import single_rank_model
+    from moe_sft.conversion.single_rank import single_rank_model
 
     family = registry.family_by_name("deepseek_v3")
     hf_cfg = family.tiny_hf_config(vocab_size=VOCAB, num_nextn_predict_layers=1)

@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 from moe_sft.conversion import fp8
 from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export
-from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
+from moe_sft.conversion.hf_reader import CheckpointError
 from moe_sft.models import qwen3_moe
 from moe_sft.runtime import compat
+from tests.safe_open_reader import SafeOpenHFReader
 
 
 def _reference_dequant(weight, scale_inv, block=128):
@@ -66,7 +67,7 @@ def test_dequantize_matches_the_reference_on_partial_edge_blocks():
 
 def test_reader_hides_scales_and_dequantises(fp8_checkpoint):
     tmp, quantised, expected = fp8_checkpoint
-    reader = HFCheckpointReader(tmp / "fp8")
+    reader = SafeOpenHFReader(tmp / "fp8")
     assert not any(n.endswith("_scale_inv") for n in reader.names())
     name = "model.layers.0.mlp.experts.3.gate_proj.weight"  # one 128x128 block
     assert reader.get(name).dtype == torch.bfloat16

@@ -85,7 +85,7 @@ def _assert_same(full, picked):
 
 
 def test_qwen3_moe_trains_the_same_on_the_picked_rows():
-    from moe_sft.conversion.convert import single_rank_model
+    from moe_sft.conversion.single_rank import single_rank_model
     from moe_sft.models import qwen3_moe
 
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ E, K, H = 8, 2, 128  # the tiny Qwen3-MoE: 8 experts, top-2, hidden 128
 
 @pytest.fixture(scope="module")
 def qwen():
-    from moe_sft.conversion.convert import single_rank_model
+    from moe_sft.conversion.single_rank import single_rank_model
 
     torch.manual_seed(0)
     hf_cfg = qwen3_moe.tiny_hf_config(vocab_size=300)
@@ -117,7 +117,7 @@ def test_router_hook_counts_known_choices_and_skips_padding(qwen):
 
 
 def test_expert_bias_drift_and_mtp_layers_are_tracked():
-    from moe_sft.conversion.convert import single_rank_model
+    from moe_sft.conversion.single_rank import single_rank_model
     from moe_sft.trainer.step import run_forward_backward
 
     torch.manual_seed(0)

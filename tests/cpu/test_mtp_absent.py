@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_sft.conversion import mapping, mcore_io
-from moe_sft.conversion.convert import convert, load_hf_config
+from moe_sft.conversion.convert import convert
+from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.models import deepseek_v3
 from moe_sft.models.forward import packed_logits

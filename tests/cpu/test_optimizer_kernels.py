@@ -124,7 +124,7 @@ def two_megatron_optimizers(request):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from moe_sft.conversion.convert import build_single_rank_model, init_single_rank
+    from moe_sft.conversion.single_rank import build_single_rank_model, init_single_rank
     from moe_sft.models import registry
 
     family = registry.family_by_name("qwen3_moe")

@@ -13,7 +13,7 @@ from moe_sft.trainer import freeze
 
 @pytest.fixture(scope="module")
 def model():
-    from moe_sft.conversion.convert import single_rank_model
+    from moe_sft.conversion.single_rank import single_rank_model
 
     family = registry.family_by_name("qwen3_moe")
     torch.manual_seed(0)

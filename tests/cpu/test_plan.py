@@ -75,7 +75,7 @@ def test_production_models_have_h100_and_h200_recipes_with_hf_config():
 
 def test_shipped_configs_match_the_families_translation():
     """Shapes read as plain JSON agree with transformers + our family's TransformerConfig kwargs."""
-    from moe_sft.conversion.convert import load_hf_config
+    from moe_sft.conversion.hf_source import load_hf_config
     from moe_sft.models import registry
     from moe_sft.plan.params import total_params
     from moe_sft.plan.shapes import SUPPORTED_MODEL_TYPES

@@ -20,7 +20,7 @@ class _Doc:
 
 @pytest.fixture(scope="module")
 def model_and_batches():
-    from moe_sft.conversion.convert import single_rank_model
+    from moe_sft.conversion.single_rank import single_rank_model
 
     torch.manual_seed(0)
     hf_cfg = qwen3_moe.tiny_hf_config(vocab_size=300)  # padded to 384: masking is exercised

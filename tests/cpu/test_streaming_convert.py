@@ -29,14 +29,17 @@ if str(REPO) not in sys.path:
 
 from moe_sft.conversion import fp8, mapping, mcore_io  # noqa: E402
 from moe_sft.conversion import transforms as T  # noqa: E402
-from moe_sft.conversion.convert import convert, prepare, single_rank_model  # noqa: E402
+from moe_sft.conversion.convert import convert  # noqa: E402
+from moe_sft.conversion.hf_source import prepare  # noqa: E402
+from moe_sft.conversion.single_rank import single_rank_model  # noqa: E402
 from moe_sft.conversion.export import load_model_from_checkpoint  # noqa: E402
-from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader  # noqa: E402
+from moe_sft.conversion.hf_reader import CheckpointError  # noqa: E402
 from moe_sft.conversion.streaming_reader import StreamingHFReader  # noqa: E402
 from moe_sft.models import registry  # noqa: E402
 from moe_sft.runtime import compat  # noqa: E402
 from tests import peak_rss  # noqa: E402
 from tests.dist.launch import clean_env  # noqa: E402
+from tests.safe_open_reader import SafeOpenHFReader  # noqa: E402
 
 VOCAB = 300
 TINY_CHUNK = 2048  # bytes: splits every tensor above 512 fp32 values into several chunks
@@ -146,7 +149,7 @@ def test_reader_matches_safetensors_without_mapping_files(tmp_path):
                "e": torch.tensor(3.0), "w.weight": q, "w.weight_scale_inv": s}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
-    ours, theirs = StreamingHFReader(tmp_path), HFCheckpointReader(tmp_path)
+    ours, theirs = StreamingHFReader(tmp_path), SafeOpenHFReader(tmp_path)
     for name in ("a", "b", "c", "d", "e", "w.weight"):
         mine, ref = ours.get(name), theirs.get(name)
         assert mine.dtype == ref.dtype and mine.shape == ref.shape and torch.equal(mine, ref), name
@@ -251,7 +254,7 @@ def test_multi_node_cli_refuses_a_missing_run_id(tmp_path):
 
 RESHARD_SCRIPT = """
 import sys, torch
-from moe_sft.conversion.convert import load_hf_config
+from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer.checkpoint import load_model_weights
@@ -294,7 +297,8 @@ def test_split_chunks_reshard_at_tp2_ep2(converted, tmp_path):
 
 MEASURE_CONVERT = """
 def main():
-    from moe_sft.conversion.convert import convert, prepare
+    from moe_sft.conversion.convert import convert
+    from moe_sft.conversion.hf_source import prepare
     from moe_sft.conversion.meta_model import meta_model
 
     hf, out, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])

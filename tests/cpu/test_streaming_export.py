@@ -30,9 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from moe_sft.conversion import export_plan, mapping, mcore_io  # noqa: E402
+from moe_sft.conversion import completeness, export_plan, mapping, mcore_io  # noqa: E402
 from moe_sft.conversion import transforms as T  # noqa: E402
-from moe_sft.conversion.convert import convert, load_hf_config  # noqa: E402
+from moe_sft.conversion.convert import convert  # noqa: E402
+from moe_sft.conversion.hf_source import load_hf_config  # noqa: E402
 from moe_sft.conversion.dcp_reader import DistCheckpointReader, IncompleteCheckpointError  # noqa: E402
 from moe_sft.conversion.export import export, export_with_stats, load_model_from_checkpoint  # noqa: E402
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter, WriteError  # noqa: E402
@@ -139,7 +140,7 @@ SAVE_AT_LAYOUT = """
 import pathlib, sys, torch
 from megatron.core import dist_checkpointing
 from moe_sft.conversion import mcore_io
-from moe_sft.conversion.convert import load_hf_config
+from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer.checkpoint import load_model_weights, model_sharded_state
@@ -275,7 +276,7 @@ def test_hf_names_gate_lists_what_transformers_expects(checkpoints):
     family, hf_cfg = load_hf_config(checkpoints / "mcore" / "hf")
     plan = export_plan.build(family, hf_cfg, DistCheckpointReader(checkpoints / "mcore"))
     planned = plan.hf_specs()
-    expected = export_plan.hf_expected(family, hf_cfg)
+    expected = completeness.hf_expected(family, hf_cfg)
     # Not vacuous: transformers' own names include every expert's on-disk tensors.
     experts = [n for n in expected if re.search(r"experts\.7\.", n)]
     assert len(experts) >= 3 and set(experts) <= {n for n, _ in planned}
@@ -286,12 +287,12 @@ def test_hf_names_gate_lists_what_transformers_expects(checkpoints):
         assert mtp == set()
     lost = experts[0]
     with pytest.raises(MappingError, match=re.escape(lost)):
-        export_plan.check_hf_names(family, hf_cfg, [s for s in planned if s[0] != lost])
+        completeness.check_hf_names(family, hf_cfg, [s for s in planned if s[0] != lost])
     with pytest.raises(MappingError, match="does not have: model.layers.0.mlp.experts.99"):
-        export_plan.check_hf_names(family, hf_cfg, planned + [("model.layers.0.mlp.experts.99.w", (1,))])
+        completeness.check_hf_names(family, hf_cfg, planned + [("model.layers.0.mlp.experts.99.w", (1,))])
     wrong = [(n, (1,) + s if n == lost else s) for n, s in planned]
     with pytest.raises(MappingError, match="shapes differ"):
-        export_plan.check_hf_names(family, hf_cfg, wrong)
+        completeness.check_hf_names(family, hf_cfg, wrong)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def test_expert_stacks_give_each_experts_hf_tensors_from_its_block_alone():
     experts, ffn, hidden = 3, 5, 8
     for transform, shape in ((T.EXPERTS_FC1, (hidden, experts * 2 * ffn)), (T.EXPERTS_FC2, (experts * ffn, hidden))):
         whole = torch.randn(shape, generator=g)
-        block_shape = export_plan.EXPERT_BLOCK_SHAPE[transform.name](shape, experts)
+        block_shape = transform.expert_block(shape, experts)
         flat = whole.view(-1).view(experts, -1)
         per_expert = [t for e in range(experts)
                       for t in transform.to_hf(flat[e].view(block_shape), dict(num_experts=1))]
@@ -393,7 +394,7 @@ def test_both_tools_share_one_size_parser():
 MEASURE_EXPORT = """
 def main():
     from moe_sft.conversion import export_plan
-    from moe_sft.conversion.convert import load_hf_config
+    from moe_sft.conversion.hf_source import load_hf_config
     from moe_sft.conversion.dcp_reader import DistCheckpointReader
     from moe_sft.conversion.export import export_with_stats
 

@@ -31,7 +31,7 @@ from moe_sft.models import registry  # noqa: E402
 from moe_sft.runtime import compat  # noqa: E402
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp  # noqa: E402
 
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = [f.name for f in registry.FAMILIES]
 VOCAB = 300
 # fp32 on CPU, measured: max abs diff 2.1e-6..3.6e-6 per layer (output scales 4.9..8.4), at most
 # 7.3e-7 of the layer's output scale; whole-model logits 2.9e-6..4.6e-6.
@@ -231,7 +231,7 @@ def test_cli_prints_a_line_per_layer_and_exits_1_beyond_tolerance(tmp_path, caps
     tool = _load_tool("convert_hf_to_mcore.py")
     _write_hf("qwen3_moe", tmp_path / "hf")
     capsys.readouterr()  # transformers' save progress bar
-    args = ["--hf-path", str(tmp_path / "hf"), "--output", str(tmp_path / "m")]
+    args = ["--hf-path", str(tmp_path / "hf"), "--output", str(tmp_path / "m"), "--overwrite"]
     # an index past the model is refused before anything is converted
     assert tool.main(args + ["--verify-layers", "0,7"]) == 2
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import torch
 from moe_sft.models import registry
 
 pytestmark = pytest.mark.gpu
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = [f.name for f in registry.FAMILIES]
 VOCAB = 1000
 REPORT: dict = {}
 
@@ -34,7 +34,7 @@ def converted(request, tmp_path_factory):
 
 
 def _our_bf16_model(mcore: Path):
-    from moe_sft.conversion.convert import load_hf_config
+    from moe_sft.conversion.hf_source import load_hf_config
     from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
     from moe_sft.runtime import device as rdevice, distributed
     from moe_sft.trainer import checkpoint

@@ -1,0 +1,90 @@
+"""The HF checkpoint a conversion reads: its config.json (family and transformers config, also
+what the trainer loads), its shards (checked dtypes, FP8 block shape) and the checked `Job`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from transformers import AutoConfig
+
+from moe_sft.conversion import completeness, mapping
+from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
+from moe_sft.conversion.streaming_reader import StreamingHFReader
+from moe_sft.models import registry
+
+
+def load_hf_config(path: Path, check_supported: bool = True):
+    """(family, transformers config) of the config.json in `path`; `check_supported=False` leaves
+    the family's support check to the caller (conversion first drops MTP layers the checkpoint
+    lacks, mapping.drop_absent_mtp)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json; point the path at the directory holding "
+                              "config.json and *.safetensors")
+    # Check model_type before AutoConfig: a type transformers does not know (a newer family) must
+    # still get the registry's error listing the supported types, not transformers' upgrade hint.
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
+    registry.family_for_model_type(model_type, source=str(config_file))
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{path}/config.json: cannot be read by transformers ({err})") from err
+    family = registry.family_for_model_type(cfg.model_type, source=f"{path}/config.json")
+    if check_supported:
+        family.check_supported(cfg)
+    return family, cfg
+
+
+def fp8_block(hf_cfg) -> tuple[int, int]:
+    """Block shape of FP8 scales from `quantization_config.weight_block_size` (DeepSeek: 128x128)."""
+    quant = getattr(hf_cfg, "quantization_config", None) or {}
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    return tuple(quant.get("weight_block_size", (128, 128)))
+
+
+def check_dtypes(reader: HFCheckpointReader) -> str:
+    per_file = reader.dtypes()
+    floats = {d for ds in per_file.values() for d in ds if d in ("F32", "BF16", "F16")}
+    if len(floats) > 1:
+        detail = "; ".join(f"{f}: {sorted(d)}" for f, d in sorted(per_file.items()))
+        raise CheckpointError(f"{reader.path}: shards mix floating dtypes ({detail}); re-save the "
+                              "checkpoint in one dtype")
+    return "bf16" if floats == {"BF16"} else "fp32"
+
+
+@dataclass
+class Job:
+    """What a conversion needs to know about the HF checkpoint, checked before anything is built."""
+
+    family: object
+    hf_cfg: object
+    reader: StreamingHFReader
+    precision: str
+    entries: list
+    ctx: dict
+    mtp_dropped: Optional[dict] = None  # {config field: MTP layers declared} when the checkpoint has none
+
+
+def prepare(hf_path: str | Path) -> Job:
+    """Read config + shard headers; the completeness gate for HF tensors runs here."""
+    family, hf_cfg = load_hf_config(Path(hf_path), check_supported=False)
+    declares_mtp = family.num_mtp_layers(hf_cfg) > 0
+    if not declares_mtp:
+        family.check_supported(hf_cfg)  # before any shard is opened
+    reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
+    # A checkpoint saved by transformers declares MTP layers without their tensors: convert it
+    # without MTP (set on hf_cfg, which everything below and the written hf/config.json follow).
+    mtp_dropped = mapping.drop_absent_mtp(family, hf_cfg, reader.names())
+    if declares_mtp:
+        family.check_supported(hf_cfg)
+    precision = check_dtypes(reader)
+    entries = mapping.expand(family, hf_cfg)
+    completeness.check_hf_coverage(family, entries, reader.names(), hf_cfg, reader.empty_names())
+    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg),
+               mtp_dropped)

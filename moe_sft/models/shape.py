@@ -1,0 +1,238 @@
+"""The one model shape and the one model-FLOP formula: the planner, telemetry and the benchmark read both.
+
+Pure Python (no torch, no transformers): a family's `shape()` (models/<family>.py) builds a
+`ModelShape` from an HF config given as a config.json dict or a transformers config object, and
+`ModelShape.from_config` reads one from a megatron TransformerConfig (what the trainer built).
+
+FLOPs: one training step costs 3x the forward matmul FLOPs (forward, plus backward = grad w.r.t.
+inputs and grad w.r.t. weights, each as large as the forward; Kaplan et al. 2020, Narayanan et al.
+2021). Recomputation is not counted (model FLOPs, not hardware FLOPs: MFU, not HFU). A matmul of
+an [m, k] by a [k, n] matrix is 2mkn FLOPs. Per token, forward (H = hidden size, V = vocabulary):
+
+  GQA attention projections   2H(n_h d + 2 n_kv d) + 2 n_h d H          (q, k, v, o)
+  MLA attention projections   q:  2H r_q + 2 r_q n_h (d_nope + d_rope)  (q_lora_rank r_q; or
+                                  2H n_h (d_nope + d_rope) without it)
+                              kv: 2H (r_kv + d_rope) + 2 r_kv n_h (d_nope + d_v)
+                              o:  2 n_h d_v H
+  dense MLP (SwiGLU)          3 * 2 H F                                  (gate, up, down)
+  MoE MLP                     2 H E (router) + k * 3 * 2 H F_e (the k active experts only)
+                              + 3 * 2 H F_s (shared experts, F_s = their summed width)
+  LM head                     2 H V
+  MTP layer (when run)        2 (2H) H (eh_proj) + one decoder layer + 2 H V (its LM head)
+
+Attention scores, per document of length L (never pack_length^2: documents in a packed row do
+not attend to each other) and per attention layer (MTP layers included):
+  QK^T and AV                 P(L) * 2 n_h (d_qk + d_v),  d_qk = d (GQA) or d_nope + d_rope (MLA)
+  P(L) = L (L + 1) / 2 query-key pairs with the causal mask (what a flash kernel computes);
+  L^2 with `causal=False` (what an eager implementation computes; used by the tests).
+A 2-layer MLP without a gate (gated_linear_unit false) uses 2 matmuls instead of 3.
+Embedding lookups, norms, rotary, softmax and activations are not matmuls and are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+VOCAB_DIVISOR = 128  # Megatron convention: the padded vocab splits evenly for TP in {1,2,4,8,...}
+
+# Peak dense bf16 tensor-core TFLOP/s per GPU (no sparsity), from the vendors' data sheets.
+# Matched in order against the device name (torch.cuda.get_device_name()); the first match wins.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0), ("B200", 2250.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
+    ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("MI300X", 1307.0), ("MI325X", 1307.0),
+)
+
+
+def default_peak_tflops(device_name: str) -> Optional[float]:
+    """Peak bf16 dense TFLOP/s for a GPU name (e.g. 'NVIDIA H100 80GB HBM3' -> 989), else None."""
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def padded_vocab_size(vocab_size: int, divisor: int = VOCAB_DIVISOR) -> int:
+    return -(-vocab_size // divisor) * divisor
+
+
+class ConfigView:
+    """Attribute access to an HF config given as a config.json dict: absent keys read as None
+    (the family's shape() applies transformers' defaults where it needs them)."""
+
+    def __init__(self, d: dict):
+        self._d = d
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._d.get(name)
+
+
+def config_view(cfg):
+    """A dict (config.json) as a ConfigView; anything else (a transformers config) as it is."""
+    return ConfigView(cfg) if isinstance(cfg, dict) else cfg
+
+
+def field(cfg, *names, default=None):
+    """The first of `names` the config sets (not None), else `default`."""
+    for n in names:
+        value = getattr(cfg, n, None)
+        if value is not None:
+            return value
+    return default
+
+
+def num_experts_field(cfg) -> int:
+    return int(field(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0))
+
+
+def common_shape_fields(c, name: str) -> dict:
+    """ModelShape fields every family reads the same way (c: a transformers config or a ConfigView)."""
+    return dict(name=name, model_type=c.model_type, num_layers=int(c.num_hidden_layers),
+                hidden=int(c.hidden_size), vocab=int(c.vocab_size), num_heads=int(c.num_attention_heads),
+                num_experts=num_experts_field(c), topk=int(c.num_experts_per_tok or 0),
+                tie_embeddings=bool(c.tie_word_embeddings or False))
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek multi-latent attention sizes (q_lora None: plain q projection)."""
+
+    q_lora: Optional[int]
+    kv_lora: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    model_type: str
+    num_layers: int
+    hidden: int
+    vocab: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int                  # GQA head dim (kv_channels)
+    qk_norm: bool
+    ffn: int                       # dense MLP intermediate size (dense layers only)
+    num_experts: int
+    topk: int
+    moe_ffn: int
+    shared_ffn: int                # summed width of the shared experts (0: none)
+    moe_layers: tuple[bool, ...]   # per decoder layer: MoE (True) or dense MLP
+    mtp_layers: int                # MTP depths (from_config: those that run in the forward)
+    tie_embeddings: bool
+    mla: Optional[MLA] = None
+    glu: bool = True               # SwiGLU: 3 matmuls per MLP, else 2
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.vocab)
+
+    @property
+    def family(self) -> str:
+        return self.model_type
+
+    def describe(self) -> str:
+        attn = (f"MLA q_lora={self.mla.q_lora} kv_lora={self.mla.kv_lora} heads={self.num_heads}"
+                if self.mla else f"GQA {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}")
+        dense = self.num_layers - sum(self.moe_layers)
+        shared = f" + shared {self.shared_ffn}" if self.shared_ffn else ""
+        return (f"{self.name} ({self.model_type}): {self.num_layers} layers ({dense} dense), hidden "
+                f"{self.hidden}, {attn}, {self.num_experts} experts top-{self.topk} x {self.moe_ffn}"
+                f"{shared}, vocab {self.vocab}" + (f", {self.mtp_layers} MTP" if self.mtp_layers else ""))
+
+    @classmethod
+    def from_config(cls, config, vocab_size: int, run_mtp: bool = False, name: str = "model",
+                    model_type: str = "") -> "ModelShape":
+        """The shape of the model built from a megatron TransformerConfig; MTP layers count only
+        when they run in the forward (`run_mtp`)."""
+        mla = None
+        if getattr(config, "multi_latent_attention", False):
+            mla = MLA(q_lora=getattr(config, "q_lora_rank", None), kv_lora=getattr(config, "kv_lora_rank", 0),
+                      qk_nope=getattr(config, "qk_head_dim", 0), qk_rope=getattr(config, "qk_pos_emb_head_dim", 0),
+                      v_head=getattr(config, "v_head_dim", 0))
+        return cls(
+            name=name, model_type=model_type, num_layers=config.num_layers, hidden=config.hidden_size,
+            vocab=vocab_size, num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_query_groups or config.num_attention_heads,
+            head_dim=config.kv_channels, qk_norm=bool(getattr(config, "qk_layernorm", False)),
+            ffn=config.ffn_hidden_size, num_experts=config.num_moe_experts or 0,
+            topk=config.moe_router_topk or 0, moe_ffn=config.moe_ffn_hidden_size or 0,
+            shared_ffn=config.moe_shared_expert_intermediate_size or 0,
+            moe_layers=tuple(is_moe_layer_of_config(config, i) for i in range(config.num_layers)),
+            mtp_layers=(config.mtp_num_layers or 0) if run_mtp else 0,
+            tie_embeddings=False, mla=mla, glu=bool(config.gated_linear_unit))
+
+
+def is_moe_layer_of_config(config, layer_index: int) -> bool:
+    """Layer `layer_index` of a megatron TransformerConfig is MoE: megatron's `moe_layer_freq`
+    (an int: every freq-th layer; a list: one 0/1 per layer), no layer without experts."""
+    if not config.num_moe_experts:
+        return False
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return layer_index % freq == 0
+    return bool(freq[layer_index])
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def attention_projection_flops(s: ModelShape) -> int:
+    """Forward FLOPs per token of one layer's q/k/v/o projections."""
+    h = s.hidden
+    if s.mla is None:
+        return 2 * h * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 2 * s.num_heads * s.head_dim * h
+    m = s.mla
+    q_dim = s.num_heads * (m.qk_nope + m.qk_rope)
+    q = 2 * h * m.q_lora + 2 * m.q_lora * q_dim if m.q_lora else 2 * h * q_dim
+    kv = 2 * h * (m.kv_lora + m.qk_rope) + 2 * m.kv_lora * s.num_heads * (m.qk_nope + m.v_head)
+    return q + kv + 2 * s.num_heads * m.v_head * h
+
+
+def attention_pair_flops(s: ModelShape) -> int:
+    """Forward FLOPs of one layer's QK^T and AV per (query, key) pair."""
+    d_qk, d_v = (s.mla.qk_nope + s.mla.qk_rope, s.mla.v_head) if s.mla else (s.head_dim, s.head_dim)
+    return 2 * s.num_heads * (d_qk + d_v)
+
+
+def mlp_flops(s: ModelShape, moe: bool) -> int:
+    """Forward FLOPs per token of one layer's MLP: dense, or router + k active + shared experts."""
+    mats = 3 if s.glu else 2
+    if not moe:
+        return mats * 2 * s.hidden * s.ffn
+    return (2 * s.hidden * s.num_experts + s.topk * mats * 2 * s.hidden * s.moe_ffn
+            + (3 if s.shared_ffn else 0) * 2 * s.hidden * s.shared_ffn)
+
+
+def forward_flops_per_token(s: ModelShape) -> dict[str, int]:
+    """Forward FLOPs per token by part, excluding the attention scores (see attention_pairs)."""
+    attn = attention_projection_flops(s)
+    parts = {"attention_projections": attn * len(s.moe_layers),
+             "dense_mlp": sum(mlp_flops(s, False) for moe in s.moe_layers if not moe),
+             "moe_mlp": sum(mlp_flops(s, True) for moe in s.moe_layers if moe),
+             "lm_head": 2 * s.hidden * s.vocab}
+    if s.mtp_layers:
+        last_moe = s.moe_layers[-1]  # megatron's MTP layer has the last decoder layer's spec
+        parts["mtp"] = s.mtp_layers * (2 * 2 * s.hidden * s.hidden + attn + mlp_flops(s, last_moe)
+                                       + 2 * s.hidden * s.vocab)
+    return parts
+
+
+def attention_pairs(seqlens: Sequence[int], causal: bool = True) -> int:
+    """Query-key pairs of documents attended separately: sum of L(L+1)/2 (causal) or L^2."""
+    return sum(n * (n + 1) // 2 if causal else n * n for n in seqlens)
+
+
+def forward_flops(s: ModelShape, seqlens: Sequence[int], causal: bool = True) -> int:
+    """Forward model FLOPs of documents of these lengths (any packing of them gives the same)."""
+    tokens = sum(seqlens)
+    attn_layers = len(s.moe_layers) + s.mtp_layers
+    return (tokens * sum(forward_flops_per_token(s).values())
+            + attn_layers * attention_pair_flops(s) * attention_pairs(seqlens, causal))
