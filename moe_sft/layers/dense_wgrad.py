@@ -5,7 +5,7 @@ MLPs, the LM head) add each micro-batch's weight gradient into the fp32 main gra
 GEMM (`fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`). Without apex it writes a bf16
 gradient and DDP's hook adds it (2 + 2 + 4 + 4 bytes per parameter per micro-batch): 23 ms of
 the H200 benchmark's step at the Qwen3-30B-A3B shape, most of it the LM head's 311M parameters
-(tools/benchmark.py, "grads"). torch's `addmm(main_grad, dY^T, X, out_dtype=float32,
+(benchmarks/benchmark.py, "grads"). torch's `addmm(main_grad, dY^T, X, out_dtype=float32,
 out=main_grad)` is that GEMM: bf16 operands, fp32 accumulation, the fp32 main grad read and
 written in its epilogue. We hand it to megatron under apex's name and turn the fusion on per
 layer, only for layers whose weights DDP gave a main grad, only on CUDA (the op's only backend).

@@ -4,7 +4,7 @@ megatron-core 0.16.1's unfused `_apply_rotary_pos_emb_thd` reads the document le
 (`cu_seqlens.tolist()`, a tensor comparison in an `if`, `.item()` per document) to slice the
 frequencies document by document. That is two to three host syncs per attention layer and
 micro-batch: 272 per step of the Qwen3-30B-A3B-shape benchmark at 4096 tokens, each one letting
-the GPU run dry (tools/benchmark.py's host-sync census, docs/benchmarks.md).
+the GPU run dry (benchmarks/benchmark.py's host-sync census, docs/benchmarks.md).
 
 The slices it concatenates are, token by token, `freqs[position of the token in its document]`
 (or `freqs[token index]` when `freqs` already has one row per packed token, which megatron

@@ -41,7 +41,7 @@ except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
     triton = None
 
 # An output tile of BLOCK_K x BLOCK_N fp32 per program, the expert's rows in chunks of BLOCK_M.
-# tests/gpu/wgrad_sweep.py timed 32 candidates on an H200 at Qwen3-30B-A3B's shapes (4096 tokens):
+# benchmarks/gpu/wgrad_sweep.py timed 32 candidates on an H200 at Qwen3-30B-A3B's shapes (4096 tokens):
 # this one took 1.23 / 0.62 ms for fc1 / fc2 (memory floor 0.72 / 0.37; grouped_mm's bf16 weight
 # gradient plus the fp32 add 1.93 / 0.98).
 TILES = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=3)

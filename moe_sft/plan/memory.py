@@ -28,7 +28,7 @@ from moe_sft.plan.params import Count, stage_params
 from moe_sft.models.shape import ModelShape
 
 GIB = 2 ** 30
-# Assumptions beyond the model (docs/planner.md; refine them with tests/gpu/plan_calibration.py).
+# Assumptions beyond the model (docs/planner.md; refine them with benchmarks/gpu/plan_calibration.py).
 # reserved / allocated - 1 of torch's caching allocator under MoE churn, with the expandable segments
 # the trainer turns on: measured 1.01-1.03 on H200 (1.17-1.31 with the default allocator).
 FRAGMENTATION = 0.10

@@ -76,7 +76,7 @@ def prepare_runtime(choice: RuntimeChoice) -> list[str]:
 def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A CPU tensor on `device`. To a GPU it goes through pinned memory without waiting: a copy
     from pageable memory makes the host wait until every kernel already queued has run, so the
-    GPU runs dry at each micro-batch's inputs (tools/benchmark.py's host-sync census)."""
+    GPU runs dry at each micro-batch's inputs (benchmarks/benchmark.py's host-sync census)."""
     if t.device.type != "cpu" or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

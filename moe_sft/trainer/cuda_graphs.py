@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 # 0: capture, then run every layer eagerly anyway: the same padding, data and stream use, for
-# parity checks and A/B timings (tests/gpu/test_gpu_cuda_graphs.py, tests/gpu/ab_steps.py)
+# parity checks and A/B timings (tests/gpu/test_gpu_cuda_graphs.py, benchmarks/gpu/ab_steps.py)
 REPLAY = os.environ.get("MOE_SFT_CUDA_GRAPHS_REPLAY", "1") != "0"
 
 

@@ -30,7 +30,7 @@ import torch
 from moe_sft.data.packing import PackedMicroBatch
 from moe_sft.runtime.device import host_to_device
 
-ENABLED = True  # tests/gpu/ab_steps.py switches it off to measure it
+ENABLED = True  # benchmarks/gpu/ab_steps.py switches it off to measure it
 
 
 @dataclass

@@ -130,7 +130,7 @@ def peak_memory_per_rank(device: str, earlier_gib: tuple[float, float] = (0.0, 0
     """(peak allocated, peak reserved) GiB of every rank since the last reset, or `earlier_gib`
     (this rank's peaks before that reset) where larger; [] unless on CUDA.
 
-    A collective (all ranks call it). The planner's calibration (tests/gpu/plan_calibration.py)
+    A collective (all ranks call it). The planner's calibration (benchmarks/gpu/plan_calibration.py)
     compares these with `python -m moe_sft.plan`'s per-stage prediction.
     """
     import torch.distributed as dist

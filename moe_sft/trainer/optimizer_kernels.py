@@ -34,7 +34,7 @@ import torch
 
 from moe_sft.trainer import adam_kernel
 
-# tests/gpu/ab_steps.py's switches: False runs megatron's clip multiply and torch's fused Adam instead;
+# benchmarks/gpu/ab_steps.py's switches: False runs megatron's clip multiply and torch's fused Adam instead;
 # the kernel without the bf16 parameter writes (megatron's copy then runs).
 ENABLED = True
 WRITE_MODEL_PARAMS = True

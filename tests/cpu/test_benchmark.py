@@ -1,4 +1,4 @@
-"""tools/benchmark.py on CPU with tiny shapes: the report is complete and self-consistent.
+"""benchmarks/benchmark.py on CPU with tiny shapes: the report is complete and self-consistent.
 
 Runs in this process (`compare` runs arms in-process on CPU): the moe-sft arm (the production
 Trainer with the synthetic workload) and the transformers arm at two token budgets, 2 timed steps
@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 
-from moe_sft.bench.phases import PHASES
-from moe_sft.bench.workload import Workload, hf_config, model_shape, real_tokens
+from benchmarks.phases import PHASES
+from benchmarks.workload import Workload, hf_config, model_shape, real_tokens
 from moe_sft.runtime import distributed
 from moe_sft.trainer import flops
 from tests.conftest import REPO
@@ -30,7 +30,7 @@ STEPS = 2
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_tool", REPO / "tools" / "benchmark.py")
+    spec = importlib.util.spec_from_file_location("benchmark_tool", REPO / "benchmarks" / "benchmark.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -154,7 +154,7 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
     """torch.optim's record_function range shows up on the GPU timeline spanning its kernels (with
     or without the user-annotation flag) and may be attached to the CPU op like a kernel: the
     first H200 run then reported an optimizer phase of 15.8 s in a 1.2 s step."""
-    from moe_sft.bench.phases import SCOPE, attribute_events
+    from benchmarks.phases import SCOPE, attribute_events
 
     scope = _event(1, SCOPE + "optimizer", 0, 100)
     step = _event(2, "Optimizer.step#AdamW.step", 1, 99, parent=scope,
@@ -178,7 +178,7 @@ def test_the_adam_kernel_tied_to_no_op_counts_in_the_optimizer():
     """The clip + Adam Triton kernel is launched outside any torch op: the profiler ties it to none
     (the first profiles with it put its ~37 ms in "other"). Named, it is the optimizer's;
     where a profiler does tie it to an op, it is not counted twice."""
-    from moe_sft.bench.phases import SCOPE, attribute_events
+    from benchmarks.phases import SCOPE, attribute_events
 
     scope = _event(1, SCOPE + "optimizer", 0, 100)
     norm = _event(2, "aten::_foreach_norm", 1, 9, parent=scope, kernels=[("multi_tensor_apply_kernel", 5.0)])
@@ -193,7 +193,7 @@ def test_the_adam_kernel_tied_to_no_op_counts_in_the_optimizer():
 
 
 def test_idle_gaps_sum_the_gpu_waits_by_the_kernel_that_ended_them():
-    from moe_sft.bench.phases import idle_gaps
+    from benchmarks.phases import idle_gaps
 
     events = [_event(1, "aten::mm", 0, 5),                              # a CPU op: not on the GPU timeline
               _event(2, "gemm", 0, 100, device=True),
@@ -209,7 +209,7 @@ def test_idle_gaps_sum_the_gpu_waits_by_the_kernel_that_ended_them():
 
 
 def test_top_ops_keeps_each_phases_costliest_ops_in_ms_per_step():
-    from moe_sft.bench.phases import top_ops
+    from benchmarks.phases import top_ops
 
     ops = {("norms", "aten::mul"): 3000.0, ("norms", "aten::_fused_rms_norm"): 5000.0, ("loss", "ce"): 800.0,
            ("norms", "aten::sum"): 1000.0}
@@ -221,7 +221,7 @@ def test_compiled_kernels_count_in_the_phase_that_launched_them():
     """inductor wraps each Triton launch in a CPU range named like the kernel: that is not a GPU
     copy of a CPU range, and its kernel belongs to the enclosing phase (first seen on an H200: the
     compiled cross entropy's kernels were dropped and "loss" read 0.2 ms)."""
-    from moe_sft.bench.phases import SCOPE, attribute_events
+    from benchmarks.phases import SCOPE, attribute_events
 
     scope = _event(1, SCOPE + "loss", 0, 100)
     launch = _event(2, "triton_red_fused_amax_0", 1, 9, parent=scope, kernels=[("triton_red_fused_amax_0", 700.0)])
@@ -230,7 +230,7 @@ def test_compiled_kernels_count_in_the_phase_that_launched_them():
 
 
 def test_host_sync_lines_name_the_busiest_lines_per_arm():
-    from moe_sft.bench.report import host_sync_lines
+    from benchmarks.report import host_sync_lines
 
     group = [dict(arm="moe-sft", host_syncs={"trainer/step.py:50": 8, "a.py:1": 2, "b.py:2": 1}),
              dict(arm="transformers", host_syncs={}), dict(arm="cpu-run")]
@@ -240,8 +240,8 @@ def test_host_sync_lines_name_the_busiest_lines_per_arm():
 
 
 def test_one_time_work_is_named_with_the_step_it_slowed():
-    from moe_sft.bench.measure import _one_time_events
-    from moe_sft.bench.report import one_time_event_lines
+    from benchmarks.measure import _one_time_events
+    from benchmarks.report import one_time_event_lines
     from moe_sft.layers import triton_launch
 
     before = _one_time_events("cpu")
@@ -264,7 +264,7 @@ def test_one_time_work_is_named_with_the_step_it_slowed():
 
 
 def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
-    from moe_sft.bench.report import phase_detail_lines
+    from benchmarks.report import phase_detail_lines
 
     run = dict(arm="moe-sft", phase_ops={"router": [["aten::topk", 4.4], ["aten::sum", 3.2]]},
                gpu_idle={"total_ms": 12.5, "by_next_kernel": [["_rope_kernel", 6.0]],

@@ -497,7 +497,7 @@ def test_sbatch_preflight_stops_a_job_whose_checkpoint_is_missing(tmp_path):
 
 def test_calibration_script_parses_logs_and_plans_its_layouts(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     try:
         import plan_calibration as cal
     finally:
@@ -530,7 +530,7 @@ def test_recipe_shard_layouts_give_each_gpu_the_recipe_s_local_experts_and_shape
 
     from moe_sft.models.hf_config import num_experts
 
-    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     try:
         import plan_calibration as cal
     finally:

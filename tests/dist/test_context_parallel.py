@@ -10,7 +10,7 @@ The loader pads each document to 2*CP and packs the padded lengths; the one-rank
 data.pad_documents_to=4 so that it trains on the same micro-batches.
 
 Also measured equal to one rank, not run here to keep the file under ~3 minutes on 2 cores:
-CP2 x TP2 + SP on 4 ranks (2.4 minutes alone); it is in tests/gpu/layout_matrix.sh.
+CP2 x TP2 + SP on 4 ranks (2.4 minutes alone); it is in benchmarks/gpu/layout_matrix.sh.
 """
 
 from __future__ import annotations

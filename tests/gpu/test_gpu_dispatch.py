@@ -74,7 +74,7 @@ def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
 
 
 def test_host_sync_census_names_the_line_that_waited():
-    from moe_sft.bench.measure import host_sync_sites
+    from benchmarks.measure import host_sync_sites
 
     x = torch.ones(4, device="cuda")
 

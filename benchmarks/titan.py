@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_sft.bench import phases
-from moe_sft.bench.plain_step import optimizer_update, token_loss
-from moe_sft.bench.workload import SyntheticPlan, Workload
+from benchmarks import phases
+from benchmarks.plain_step import optimizer_update, token_loss
+from benchmarks.workload import SyntheticPlan, Workload
 
 
 def titan_args(cfg, max_seq_len: int):

@@ -4,7 +4,7 @@ Triton kernel (moe_sft/trainer/adam_kernel.py) + `copy_`, and the kernel writing
 itself; on fp32 tensors shaped like the benchmark shard's (one big expert tensor per layer and many
 small ones), with each side's bytes moved and the bandwidth that gives.
 
-Usage: python3 tests/gpu/adam_speed.py [--params 5.6e9 --iters 10]
+Usage: python3 benchmarks/gpu/adam_speed.py [--params 5.6e9 --iters 10]
 """
 
 import argparse
@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe_sft.bench.ceilings import seconds_per_call  # noqa: E402  (after the path insert)
+from benchmarks.ceilings import seconds_per_call  # noqa: E402  (after the path insert)
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
-from moe_sft.bench.phases import SCOPE
+from benchmarks.phases import SCOPE
 
 
 def token_loss(logits: torch.Tensor, mb, loss_tokens: float, device) -> torch.Tensor:

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_sft.bench import phases
-from moe_sft.bench.workload import PRESETS, REPO, SyntheticPlan, Workload, hf_config
+from benchmarks import phases
+from benchmarks.workload import PRESETS, REPO, SyntheticPlan, Workload, hf_config
 from moe_sft.config import (CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                             TrainConfig, TrainerConfig, validate_config)
 from moe_sft.trainer import step as train_step

@@ -1,11 +1,11 @@
 """Training throughput of moe-sft against transformers, with a per-phase breakdown and kernel ceilings.
 
-    python tools/benchmark.py ceilings --model qwen3_30b --out DIR
-    python tools/benchmark.py compare  --model qwen3_30b --arms moe-sft,transformers --budgets 4096,8192 --out DIR
-    python tools/benchmark.py train    --arm moe-sft --model dsv3_reduced --budgets 4096,8192 --out DIR
-    torchrun --nproc_per_node=4 tools/benchmark.py train --arm moe-sft --model qwen3_30b --layers 24 --ep 4 \\
+    python benchmarks/benchmark.py ceilings --model qwen3_30b --out DIR
+    python benchmarks/benchmark.py compare  --model qwen3_30b --arms moe-sft,transformers --budgets 4096,8192 --out DIR
+    python benchmarks/benchmark.py train    --arm moe-sft --model dsv3_reduced --budgets 4096,8192 --out DIR
+    torchrun --nproc_per_node=4 benchmarks/benchmark.py train --arm moe-sft --model qwen3_30b --layers 24 --ep 4 \\
         --tokens-per-step 131072 --out DIR
-    python tools/benchmark.py report DIR
+    python benchmarks/benchmark.py report DIR
 
 `train` runs one arm in this process (under torchrun for expert parallelism), each budget in turn:
 warmup steps, timed steps, then profiled steps for the phase breakdown. `compare` runs each arm
@@ -40,7 +40,7 @@ def _device(choice: str) -> str:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    from moe_sft.bench.workload import PRESETS
+    from benchmarks.workload import PRESETS
 
     parser.add_argument("--model", default="qwen3_30b", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's, sized for one H200)")
@@ -67,24 +67,24 @@ def _forwarded(args) -> list[str]:
 
 
 def _make_arm(name: str, args, device: str, layers: int, first):
-    from moe_sft.bench.workload import hf_config
+    from benchmarks.workload import hf_config
 
     if name in ("moe-sft", "moe-sft-graphs"):
-        from moe_sft.bench.ours import OursArm
+        from benchmarks.ours import OursArm
 
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
         return OursArm(args.model, layers, args.out / "work" / args.model, ep=args.ep, first=first,
                        max_steps=max_steps, device=device, cuda_graphs=name == "moe-sft-graphs")
     if name == "transformers":
-        from moe_sft.bench.hf import HFArm
+        from benchmarks.hf import HFArm
 
         if args.ep != 1:
             raise SystemExit("the transformers arm runs on one GPU: use --ep 1")
         return HFArm(hf_config(args.model, layers)[1], device=device, attn=args.hf_attn, experts=args.hf_experts,
                      seed=args.seed)
     if name == "torchtitan":  # experimental: docs/benchmarks.md#torchtitan
-        from moe_sft.bench.titan import TitanArm
+        from benchmarks.titan import TitanArm
 
         return TitanArm(hf_config(args.model, layers)[1], device=device, seed=args.seed,
                         max_seq_len=max(int(b) for b in args.budgets.split(",")))
@@ -95,9 +95,9 @@ def run_arm(name: str, args) -> list[dict]:
     """Every budget of one arm in this process; rank 0 merges the records into args.out."""
     import torch
 
-    from moe_sft.bench import report
-    from moe_sft.bench.measure import measure
-    from moe_sft.bench.workload import PRESETS, Workload, hf_config, model_shape
+    from benchmarks import report
+    from benchmarks.measure import measure
+    from benchmarks.workload import PRESETS, Workload, hf_config, model_shape
 
     device = _device(args.device)
     layers = args.layers or PRESETS[args.model].layers
@@ -142,7 +142,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from moe_sft.bench import report
+    from benchmarks import report
 
     arms = [a for a in args.arms.split(",") if a]
     in_process = args.in_process or _device(args.device) == "cpu"
@@ -164,8 +164,8 @@ def cmd_compare(args) -> int:
 
 
 def _record_failure(name: str, args, status: str) -> None:
-    from moe_sft.bench import report
-    from moe_sft.bench.workload import PRESETS
+    from benchmarks import report
+    from benchmarks.workload import PRESETS
 
     layers = args.layers or PRESETS[args.model].layers
     done = {report.run_key(r) for r in report.load(args.out)["runs"] if r.get("status") == "ok"}
@@ -175,7 +175,7 @@ def _record_failure(name: str, args, status: str) -> None:
 
 
 def cmd_ceilings(args) -> int:
-    from moe_sft.bench import ceilings, report
+    from benchmarks import ceilings, report
 
     for model in args.model.split(","):  # merged per model: a time limit keeps what was measured
         rows = ceilings.run(model, args.budget, _device(args.device), warmup=args.warmup, iters=args.iters)
@@ -185,7 +185,7 @@ def cmd_ceilings(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from moe_sft.bench import report
+    from benchmarks import report
 
     print(report.markdown(report.load(args.dir)))
     return 0

@@ -3,10 +3,10 @@
 The timed step is host-bound (docs/benchmarks.md), and H200 machines of one kind time the same code
 0.59-0.76 s apart, so an A/B across runs or machines measures the machine; within one process the
 host's speed drifts too (0.58-0.85 s within a minute, measured). Here one benchmark model
-(tools/benchmark.py's moe-sft arm) trains `--pairs` pairs of back-to-back steps, one with the switch
+(benchmarks/benchmark.py's moe-sft arm) trains `--pairs` pairs of back-to-back steps, one with the switch
 on and one off, the order flipping every pair; the median of the pairs' time ratios is the result.
 
-Usage: python3 tests/gpu/ab_steps.py --switch router_topk [--model qwen3_30b --layers 8 --budget 4096
+Usage: python3 benchmarks/gpu/ab_steps.py --switch router_topk [--model qwen3_30b --layers 8 --budget 4096
        --tokens-per-step 32768 --pairs 12 --out DIR]
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.gpu.bench_model import add_model_args, build_arm  # noqa: E402
+from benchmarks.gpu.bench_model import add_model_args, build_arm  # noqa: E402
 
 class _ThroughTriton(dict):
     """A launch cache that never hits: every Triton launch goes through Triton's own entry."""
@@ -78,7 +78,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("ab_out"))
     args = p.parse_args()
 
-    from moe_sft.bench.measure import _sync
+    from benchmarks.measure import _sync
 
     module_name, attr = SWITCHES[args.switch]
     off_value = _off_values()[args.switch]

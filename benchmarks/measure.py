@@ -2,7 +2,7 @@
 
 Per budget: `warmup` steps (not timed), `steps` timed steps (CUDA synchronised before and after
 each; the step's batch is built before its timer starts), then `profile_steps` steps under
-torch.profiler for the phase breakdown (moe_sft/bench/phases.py), then on CUDA one step under
+torch.profiler for the phase breakdown (benchmarks/phases.py), then on CUDA one step under
 torch's sync debug mode: where the host waited for the GPU (`host_syncs`). Steps are numbered from 0 at
 every budget, so every arm trains on the same batches (workload.Workload.global_batch(step)).
 
@@ -23,8 +23,8 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from moe_sft.bench import phases as phase_mod
-from moe_sft.bench.workload import Workload, real_tokens
+from benchmarks import phases as phase_mod
+from benchmarks.workload import Workload, real_tokens
 from moe_sft.models.shape import default_peak_tflops
 from moe_sft.trainer import flops
 

@@ -3,7 +3,7 @@
 The step is host-bound (docs/benchmarks.md), so the Python and dispatcher time per step decides
 the step time. cProfile slows Python calls, so read shares, not absolute times. Writes the top
 functions by own time and by cumulative time to OUT/host_profile.txt.
-Usage: python3 tests/gpu/host_profile.py OUT [--model qwen3_30b --layers 8 --budget 4096 --steps 2]
+Usage: python3 benchmarks/gpu/host_profile.py OUT [--model qwen3_30b --layers 8 --budget 4096 --steps 2]
 """
 
 import argparse
@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.gpu.bench_model import add_model_args, build_arm  # noqa: E402
+from benchmarks.gpu.bench_model import add_model_args, build_arm  # noqa: E402
 
 
 def step_anatomy(arm, steps) -> list[dict]:
     """Wall time of the parts of `Trainer.train_one_step` (forward-backward, the loss all-reduce,
     the optimizer with its grad norm, the rest), each between synchronisations, so that the host
     time of a part that waits on the GPU's result shows."""
-    from moe_sft.bench.measure import _sync
+    from benchmarks.measure import _sync
     from moe_sft.trainer import guard, trainer
 
     parts, rows = {}, []
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--callers", nargs="*", default=[], help="also list who calls these functions (regexes)")
     args = p.parse_args()
 
-    from moe_sft.bench.measure import _sync
+    from benchmarks.measure import _sync
 
     arm = build_arm(args, args.out / "work", max_steps=args.warmup + 1 + 2 * args.steps)
     for step in range(args.warmup):

@@ -8,7 +8,7 @@ is, `off_all` every switch below, any other name one switch (ab_steps.py's names
 `embedding` for the embedding's main-grad fusion). Spread across data seeds within a variant is
 the yardstick a variant's difference has to beat.
 
-    python3 tests/gpu/quickstart_spread.py --out DIR --variants base,off_all --seeds 1234,1,2
+    python3 benchmarks/gpu/quickstart_spread.py --out DIR --variants base,off_all --seeds 1234,1,2
 
 Under torchrun (LOCAL_RANK set) this file is the child: it applies QS_OFF's switches, then runs
 moe_sft.train with the given Hydra overrides.

@@ -1,6 +1,6 @@
 """Planner calibration: predicted vs measured peak GPU memory per pipeline stage, on 1-4 GPUs.
 
-    python tests/gpu/plan_calibration.py [--out DIR] [--only NAME,...] [--timeout 600] [--dry-run]
+    python benchmarks/gpu/plan_calibration.py [--out DIR] [--only NAME,...] [--timeout 600] [--dry-run]
 
 For each layout that fits the GPUs present, it trains a few steps of a reduced stack with the real
 trainer (`torchrun -m moe_sft.train`, bf16, torch-native spec) and reads each rank's
@@ -169,7 +169,7 @@ def markdown(results: list[dict], gpu_name: str) -> str:
     head = ("| layout | GPUs | stage | predicted allocated GiB | measured max allocated GiB | error | "
             "measured reserved GiB | predicted reserved GiB (x fragmentation) | prediction: weights / grads / optim / "
             "activ / work / logits | tokens/s (median, steps >= 2) |")
-    rows = [f"Planner calibration on {gpu_name} (bf16, torch-native spec; `python tests/gpu/plan_calibration.py`).",
+    rows = [f"Planner calibration on {gpu_name} (bf16, torch-native spec; `python benchmarks/gpu/plan_calibration.py`).",
             "Error = predicted / measured - 1 on torch.cuda.max_memory_allocated (target: within 10%).", "",
             head, "|" + "---|" * 10]
     errors = []

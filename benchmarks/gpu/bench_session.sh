@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Throughput benchmark session (issue 7; method and results: docs/benchmarks.md). Usage:
-#   bash tests/gpu/bench_session.sh LOG_DIR        # one H200, ~6 min (parts capped at 90+330+170 s): ceilings;
+#   bash benchmarks/gpu/bench_session.sh LOG_DIR        # one H200, ~6 min (parts capped at 90+330+170 s): ceilings;
 #                                                  # moe-sft vs transformers,
 #                                                  # Qwen3-30B-A3B shape x 8 layers, 4096 and 8192 tokens;
 #                                                  # DeepSeek-V3 reduced stack (moe-sft)
-#   bash tests/gpu/bench_session.sh LOG_DIR ep4    # 4 GPUs: moe-sft EP4, Qwen3-30B-A3B shape x 24 layers
-#   bash tests/gpu/bench_session.sh LOG_DIR ep2    # 2 GPUs: moe-sft EP2, 16 layers (4096)
+#   bash benchmarks/gpu/bench_session.sh LOG_DIR ep4    # 4 GPUs: moe-sft EP4, Qwen3-30B-A3B shape x 24 layers
+#   bash benchmarks/gpu/bench_session.sh LOG_DIR ep2    # 2 GPUs: moe-sft EP2, 16 layers (4096)
 # Environment: LAYERS (8), EP4_LAYERS (24), EP2_LAYERS (16), DSV3_LAYERS (5), STEPS (10), WARMUP (3); QWEN_MODEL
 #   (qwen3_30b), DSV3_MODEL (dsv3_reduced): tiny / tiny_dsv3 dry-run the script on CPU;
 #   TITAN=1 adds the experimental torchtitan arm (needs its wheels: docs/benchmarks.md#torchtitan);
@@ -17,7 +17,7 @@ mkdir -p "$log"
 out="$log/results"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 steps=${STEPS:-10}; warmup=${WARMUP:-3}; qwen=${QWEN_MODEL:-qwen3_30b}; dsv3=${DSV3_MODEL:-dsv3_reduced}
-bench="python3 tools/benchmark.py"
+bench="python3 benchmarks/benchmark.py"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$log/gpu.txt" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   >> "$log/gpu.txt" 2>&1
@@ -32,10 +32,10 @@ part() {  # name time-limit-seconds command...
 
 common="--warmup $warmup --steps $steps --profile-steps 1 --out $out"
 if [ "$mode" = ep2 ]; then  # 2 GPUs: twice the one-GPU stack, the same tokens per GPU
-  part ep2 300 torchrun --standalone --nproc_per_node=2 tools/benchmark.py train --arm moe-sft --model $qwen \
+  part ep2 300 torchrun --standalone --nproc_per_node=2 benchmarks/benchmark.py train --arm moe-sft --model $qwen \
     --layers "${EP2_LAYERS:-16}" --ep 2 --tokens-per-step 65536 --budgets 4096 $common
 elif [ "$mode" = ep4 ]; then
-  part ep4 590 torchrun --standalone --nproc_per_node=4 tools/benchmark.py train --arm moe-sft --model $qwen \
+  part ep4 590 torchrun --standalone --nproc_per_node=4 benchmarks/benchmark.py train --arm moe-sft --model $qwen \
     --layers "${EP4_LAYERS:-24}" --ep 4 --tokens-per-step 131072 --budgets 4096,8192 $common
 else
   arms=moe-sft,moe-sft-graphs,transformers; [ "${TITAN:-0}" = 1 ] && arms=$arms,torchtitan

@@ -3,7 +3,7 @@
 The timed training step is host-bound (docs/benchmarks.md): the GPU waits for Python to launch
 kernels, so an op's cost in the step is its host time as much as its kernel time. Each op runs on
 a 64-token input, too small for the GPU to lag behind, `--iters` times without a synchronisation;
-the host's wall time per call is what the step pays for it. Usage: python3 tests/gpu/host_overhead.py
+the host's wall time per call is what the step pays for it. Usage: python3 benchmarks/gpu/host_overhead.py
 """
 
 import json

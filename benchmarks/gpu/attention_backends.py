@@ -1,6 +1,6 @@
 """Packed causal attention on one GPU: torch's flash kernels against cuDNN's fused attention.
 
-For the benchmark's packs (tools/benchmark.py's documents, 4096 and 8192 tokens) and the two head
+For the benchmark's packs (benchmarks/benchmark.py's documents, 4096 and 8192 tokens) and the two head
 layouts the trainer sees (Qwen3's GQA 32/4 x 128; DeepSeek-V3's MLA, q/k 192 and v 128), prints
 per backend the error of the output and of dq/dk/dv against an fp32 per-document SDPA, and the
 forward and forward+backward time (CUDA events) with the causal TFLOP/s they imply.
@@ -10,7 +10,7 @@ path gives the right output but 40-60 ms per forward (flash: 0.2-0.3 ms) and wro
 (relative error ~1), so the trainer keeps the flash kernels. torch's own varlen_attn has this
 cuDNN path switched off (`_should_use_cudnn` returns False).
 
-    python3 tests/gpu/attention_backends.py
+    python3 benchmarks/gpu/attention_backends.py
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from moe_sft.bench.ceilings import seconds_per_call
-from moe_sft.bench.workload import Workload
+from benchmarks.ceilings import seconds_per_call
+from benchmarks.workload import Workload
 from moe_sft.layers import attention
 
 

@@ -7,7 +7,7 @@ import platform
 import time
 from pathlib import Path
 
-from moe_sft.bench.phases import PHASES
+from benchmarks.phases import PHASES
 
 JSON_NAME, MD_NAME = "benchmark.json", "benchmark.md"
 

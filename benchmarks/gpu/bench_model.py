@@ -1,4 +1,4 @@
-"""The benchmark model the host-time scripts (ab_steps.py, host_profile.py) train: tools/benchmark.py's
+"""The benchmark model the host-time scripts (ab_steps.py, host_profile.py) train: benchmarks/benchmark.py's
 moe-sft arm on one GPU, its model and packed data chosen by the same arguments."""
 
 import argparse
@@ -17,8 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_arm(args, work_dir: Path, max_steps: int):
     """An OursArm built for the arguments' model and already using their workload."""
-    from moe_sft.bench.ours import OursArm
-    from moe_sft.bench.workload import Workload, hf_config
+    from benchmarks.ours import OursArm
+    from benchmarks.workload import Workload, hf_config
 
     work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
                     vocab=hf_config(args.model, args.layers)[1].vocab_size)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 9 on one host of 8 GPUs (bf16, torch-native spec). Usage:
-#   bash tests/gpu/validate_8gpu.sh LOG_DIR PART
+#   bash benchmarks/gpu/validate_8gpu.sh LOG_DIR PART
 # PART = qwen30b : the real Qwen3-30B-A3B shape (48 layers) from a synthetic HF checkpoint written
 #                  and converted here (--workers 16), EP8 + distributed optimizer, packed demo SFT
 #                  data at 4096 tokens per micro-batch, 100 steps (no checkpoint: ~430 GB with the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Parallel layouts on the GPUs of one host (bf16): each layout trains the same 4-layer tiny
 # Qwen3-MoE for 5 steps on the same global batch; the table compares loss and grad norm with
-# the one-GPU run and reports tokens/s. Usage: bash tests/gpu/layout_matrix.sh LOG_DIR NUM_GPUS
+# the one-GPU run and reports tokens/s. Usage: bash benchmarks/gpu/layout_matrix.sh LOG_DIR NUM_GPUS
 set -uo pipefail
 log=${1:-gpu_logs}; gpus=${2:-2}
 mkdir -p "$log"; work=/tmp/layout_matrix; rm -rf "$work"

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from moe_sft.bench.workload import Workload, hf_config, model_shape
+from benchmarks.workload import Workload, hf_config, model_shape
 from moe_sft.trainer import flops
 
 

@@ -1,7 +1,7 @@
 """Times the grouped weight-gradient kernel (moe_sft/layers/wgrad.py) over tile configurations at
 the Qwen3-30B-A3B expert shapes of one 4096-token micro-batch, against the memory floor (read and
 write the fp32 main grad once, read the inputs once) and against what it replaces (grouped_mm's
-bf16 weight gradient + the fp32 add of DDP's hook). Usage: python tests/gpu/wgrad_sweep.py"""
+bf16 weight gradient + the fp32 add of DDP's hook). Usage: python benchmarks/gpu/wgrad_sweep.py"""
 
 import itertools
 import sys
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from moe_sft.bench import ceilings  # noqa: E402
+from benchmarks import ceilings  # noqa: E402
 from moe_sft.layers import wgrad  # noqa: E402
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from moe_sft.data.chat import TokenizedDoc
 from moe_sft.data.packing import PackedMicroBatch, best_fit_decreasing, build_micro_batch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO / "recipes" / "models"
 
 

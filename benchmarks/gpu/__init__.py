@@ -1,0 +1,1 @@
+"""GPU benchmark and sweep scripts (not tests): each runs as `python3 benchmarks/gpu/NAME.py`; see its docstring."""
