@@ -72,7 +72,9 @@ def test_checkpoints_are_complete_and_pruned(runs):
     ckpts = tmp / "resumed" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "4"
     names = sorted(p.name for p in ckpts.iterdir())
-    assert names == ["latest", "step_0000002", "step_0000004"]  # keep_last=2, no .tmp left
+    # keep_last=2, no .tmp left; hf_side: the config + tokenizer the resume loaded (a step dir's
+    # copy, kept apart because pruning removes step dirs)
+    assert names == ["hf_side", "latest", "step_0000002", "step_0000004"]
     for step in ("step_0000002", "step_0000004"):
         assert (ckpts / step / "moe_sft_meta.json").is_file()
         assert (ckpts / step / "hf" / "config.json").is_file()
