@@ -9,6 +9,7 @@ shard, a truncated or corrupt safetensors file, mixed dtypes across shards.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ class CheckpointError(ValueError):
     """The HF checkpoint on disk is unusable; the message names the file and the fix."""
 
 
-class HFCheckpointReader:
+class HFCheckpointReader(ABC):
     """Base of the HF checkpoint readers: one tensor in memory at a time."""
 
     def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
@@ -94,9 +95,9 @@ class HFCheckpointReader:
         except ValueError as err:
             raise CheckpointError(f"{self._name_to_file[scale]}: {scale}: {err}") from err
 
+    @abstractmethod
     def _read(self, name: str) -> torch.Tensor:
         """The stored tensor `name` as it is on disk (StreamingHFReader: plain file reads)."""
-        raise NotImplementedError
 
     def dtypes(self) -> dict[str, set[str]]:
         """Floating dtypes per shard file (read from headers only)."""
