@@ -110,6 +110,14 @@ def gqa_shape_fields(c, name: str) -> dict:
     return fields
 
 
+def gqa_moe_shape(c, name: str, *, qk_norm: bool, moe_ffn: int, is_moe_layer) -> shape.ModelShape:
+    """The ModelShape of a GQA family without shared experts or MTP (c: shape.config_view)."""
+    fields = gqa_shape_fields(c, name)
+    return shape.ModelShape(**fields, qk_norm=qk_norm, ffn=int(c.intermediate_size), moe_ffn=int(moe_ffn),
+                            shared_ffn=0, mtp_layers=0,
+                            moe_layers=tuple(is_moe_layer(c, i) for i in range(fields["num_layers"])))
+
+
 def softmax_routing_config(topk: int, normalize: bool) -> dict:
     """transformers' softmax routers: softmax over all experts, top-k, renormalised when `normalize`.
 

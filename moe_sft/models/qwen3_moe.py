@@ -48,10 +48,7 @@ def transformer_config_kwargs(cfg) -> dict:
 
 def shape(cfg, name: str = "model") -> S.ModelShape:
     c = S.config_view(cfg)
-    fields = common.gqa_shape_fields(c, name)
-    return S.ModelShape(**fields, qk_norm=True, ffn=int(c.intermediate_size), moe_ffn=int(c.moe_intermediate_size),
-                        shared_ffn=0, moe_layers=tuple(is_moe_layer(c, i) for i in range(fields["num_layers"])),
-                        mtp_layers=0)
+    return common.gqa_moe_shape(c, name, qk_norm=True, moe_ffn=c.moe_intermediate_size, is_moe_layer=is_moe_layer)
 
 
 def rules(cfg) -> list[Rule]:

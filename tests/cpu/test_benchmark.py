@@ -12,7 +12,6 @@ expert, dense first layer, MTP) runs through the moe-sft arm too.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -22,7 +21,6 @@ from benchmarks.phases import PHASES
 from benchmarks.workload import Workload, hf_config, model_shape, real_tokens
 from moe_sft.runtime import distributed
 from moe_sft.trainer import flops
-from tests.conftest import REPO
 
 BUDGETS = (128, 256)
 TOKENS_PER_STEP = 512
@@ -30,10 +28,9 @@ STEPS = 2
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_tool", REPO / "benchmarks" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.scripts import load_script
+
+    return load_script("benchmarks/benchmark.py", "benchmark_tool")
 
 
 @pytest.fixture(scope="module")

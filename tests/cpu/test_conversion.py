@@ -5,7 +5,6 @@ One module-scoped fixture builds, converts and exports the model once; the rest 
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -41,6 +40,7 @@ from moe_sft.models import registry  # noqa: E402
 from moe_sft.models.family import UnsupportedConfigError  # noqa: E402
 from moe_sft.models.forward import packed_logits  # noqa: E402
 from moe_sft.runtime import compat, distributed  # noqa: E402
+from tests.scripts import load_tool  # noqa: E402
 
 FAMILY = qwen3_moe.FAMILY
 VOCAB = 300          # not a multiple of 128: megatron's embedding is padded to 384 rows
@@ -463,10 +463,7 @@ def test_cli_bad_path_is_one_line_exit_2(tmp_path):
 
 
 def _load_tool(script: str):
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), REPO / "tools" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(script)
 
 
 def test_cli_exit_codes_in_process(tmp_path, tiny, capsys):

@@ -6,7 +6,6 @@ own `<output_dir>/hf` is re-exported after a resumed run; exporting an interrupt
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from moe_sft.conversion.hf_reader import CheckpointError
 from moe_sft.conversion.workers import RUN_STAMP
 from moe_sft.models import registry
 from moe_sft.runtime import compat
+from tests.scripts import load_tool  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # The refusals are mcore_io.OutputDirError, a CheckpointError (the tools' exit 2); caught as the
@@ -39,10 +39,7 @@ def _foreign(path: Path) -> dict:
 
 
 def _tool(script: str):
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), REPO / "tools" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(script)
 
 
 @pytest.fixture(scope="module")

@@ -237,12 +237,9 @@ def test_a_missing_expert_chunk_is_an_error_naming_it(checkpoints, tmp_path, cap
 
 
 def _export_tool():
-    import importlib.util
+    from tests.scripts import load_tool
 
-    spec = importlib.util.spec_from_file_location("export_tool", REPO / "tools" / "export_mcore_to_hf.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("export_mcore_to_hf.py")
 
 
 @pytest.mark.parametrize("checkpoints", ["qwen3_moe"], indirect=True)

@@ -10,7 +10,6 @@ DeepSeek-V3 `first_k_dense_replace`); DeepSeek-V3 has one MTP layer (tests/deeps
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -30,6 +29,7 @@ from moe_sft.conversion.verify import choose_layers, verify, verify_layers  # no
 from moe_sft.models import registry  # noqa: E402
 from moe_sft.runtime import compat  # noqa: E402
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp  # noqa: E402
+from tests.scripts import load_tool  # noqa: E402
 
 FAMILIES = [f.name for f in registry.FAMILIES]
 VOCAB = 300
@@ -221,10 +221,7 @@ def test_choose_layers():
 
 
 def _load_tool(script: str):
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), REPO / "tools" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(script)
 
 
 def test_cli_prints_a_line_per_layer_and_exits_1_beyond_tolerance(tmp_path, capsys):
