@@ -45,13 +45,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen3_30b", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's, sized for one H200)")
     parser.add_argument("--budgets", default="4096,8192", help="tokens per packed micro-batch, comma-separated")
-    parser.add_argument("--tokens-per-step", type=int, default=32768,
-                        help="tokens per optimizer step over all GPUs (micro-batches = this / budget)")
+    parser.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=32768,
+        help="tokens per optimizer step over all GPUs (micro-batches = this / budget)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per budget")
     parser.add_argument("--profile-steps", type=int, default=2, help="profiled steps per budget (0: no phases)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (moe-sft arm; run under torchrun)")
-    parser.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)")
+    parser.add_argument(
+        "--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)"
+    )
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--seed", type=int, default=0, help="data seed")
@@ -59,10 +65,32 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _forwarded(args) -> list[str]:
-    argv = ["--model", args.model, "--budgets", args.budgets, "--tokens-per-step", str(args.tokens_per_step),
-            "--warmup", str(args.warmup), "--steps", str(args.steps), "--profile-steps", str(args.profile_steps),
-            "--ep", str(args.ep), "--hf-attn", args.hf_attn, "--hf-experts", args.hf_experts,
-            "--device", args.device, "--seed", str(args.seed), "--out", str(args.out)]
+    argv = [
+        "--model",
+        args.model,
+        "--budgets",
+        args.budgets,
+        "--tokens-per-step",
+        str(args.tokens_per_step),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--profile-steps",
+        str(args.profile_steps),
+        "--ep",
+        str(args.ep),
+        "--hf-attn",
+        args.hf_attn,
+        "--hf-experts",
+        args.hf_experts,
+        "--device",
+        args.device,
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(args.out),
+    ]
     return argv + (["--layers", str(args.layers)] if args.layers else [])
 
 
@@ -74,20 +102,33 @@ def _make_arm(name: str, args, device: str, layers: int, first):
 
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
-        return OursArm(args.model, layers, args.out / "work" / args.model, ep=args.ep, first=first,
-                       max_steps=max_steps, device=device, cuda_graphs=name == "moe-sft-graphs")
+        return OursArm(
+            args.model,
+            layers,
+            args.out / "work" / args.model,
+            ep=args.ep,
+            first=first,
+            max_steps=max_steps,
+            device=device,
+            cuda_graphs=name == "moe-sft-graphs",
+        )
     if name == "transformers":
         from benchmarks.hf import HFArm
 
         if args.ep != 1:
             raise SystemExit("the transformers arm runs on one GPU: use --ep 1")
-        return HFArm(hf_config(args.model, layers)[1], device=device, attn=args.hf_attn, experts=args.hf_experts,
-                     seed=args.seed)
+        return HFArm(
+            hf_config(args.model, layers)[1], device=device, attn=args.hf_attn, experts=args.hf_experts, seed=args.seed
+        )
     if name == "torchtitan":  # experimental: docs/benchmarks.md#torchtitan
         from benchmarks.titan import TitanArm
 
-        return TitanArm(hf_config(args.model, layers)[1], device=device, seed=args.seed,
-                        max_seq_len=max(int(b) for b in args.budgets.split(",")))
+        return TitanArm(
+            hf_config(args.model, layers)[1],
+            device=device,
+            seed=args.seed,
+            max_seq_len=max(int(b) for b in args.budgets.split(",")),
+        )
     raise SystemExit(f"unknown arm {name!r}; choose from {', '.join(ARMS)}")
 
 
@@ -95,7 +136,7 @@ def run_arm(name: str, args) -> list[dict]:
     """Every budget of one arm in this process; rank 0 merges the records into args.out."""
     import torch
 
-    from benchmarks import report
+    from benchmarks import results
     from benchmarks.measure import measure
     from benchmarks.workload import PRESETS, Workload, hf_config, model_shape
 
@@ -113,23 +154,32 @@ def run_arm(name: str, args) -> list[dict]:
     shape = model_shape(args.model, layers, run_mtp=getattr(arm, "run_mtp", False))
     records = []
     for budget in budgets:
-        base = {**arm.describe(), **dict(arm=name, model=args.model, layers=layers, ep=args.ep, gpus=arm.world,
-                                         budget=budget, device=device)}
+        base = {
+            **arm.describe(),
+            **dict(arm=name, model=args.model, layers=layers, ep=args.ep, gpus=arm.world, budget=budget, device=device),
+        }
         try:
-            rec = measure(arm, workload(budget), shape, warmup=args.warmup, steps=args.steps,
-                          profile_steps=args.profile_steps)
+            rec = measure(
+                arm, workload(budget), shape, warmup=args.warmup, steps=args.steps, profile_steps=args.profile_steps
+            )
         except torch.OutOfMemoryError as err:
             rec = dict(status=f"OOM: {str(err).splitlines()[0][:160]}")
             torch.cuda.empty_cache()
         records.append({**base, **rec})
         if arm.rank == 0:
             r = records[-1]
-            print(f"[benchmark] {name} {args.model} L{layers} budget {budget}: " + (
-                f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['tflops_per_gpu']:.1f} TFLOP/s/GPU, "
-                f"MFU {r['mfu_pct']:.1f}%, peak {r['peak_allocated_gib']:.1f} GiB" if r.get("status") == "ok"
-                else r["status"]), flush=True)
+            print(
+                f"[benchmark] {name} {args.model} L{layers} budget {budget}: "
+                + (
+                    f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['tflops_per_gpu']:.1f} TFLOP/s/GPU, "
+                    f"MFU {r['mfu_pct']:.1f}%, peak {r['peak_allocated_gib']:.1f} GiB"
+                    if r.get("status") == "ok"
+                    else r["status"]
+                ),
+                flush=True,
+            )
     if arm.rank == 0:
-        report.merge(args.out, runs=records)
+        results.merge(args.out, runs=records)
     arm.close()
     return records
 
@@ -142,7 +192,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from benchmarks import report
+    from benchmarks import results
 
     arms = [a for a in args.arms.split(",") if a]
     in_process = args.in_process or _device(args.device) == "cpu"
@@ -159,35 +209,37 @@ def cmd_compare(args) -> int:
         rc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
         if rc:
             _record_failure(name, args, f"failed: exit status {rc} (see the log above)")
-    print(report.markdown(report.load(args.out)))
+    print(results.markdown(results.load(args.out)))
     return 0
 
 
 def _record_failure(name: str, args, status: str) -> None:
-    from benchmarks import report
+    from benchmarks import results
     from benchmarks.workload import PRESETS
 
     layers = args.layers or PRESETS[args.model].layers
-    done = {report.run_key(r) for r in report.load(args.out)["runs"] if r.get("status") == "ok"}
-    runs = [dict(arm=name, model=args.model, layers=layers, ep=args.ep, gpus=args.ep, budget=int(b), status=status)
-            for b in args.budgets.split(",")]
-    report.merge(args.out, runs=[r for r in runs if report.run_key(r) not in done])
+    done = {results.run_key(r) for r in results.load(args.out)["runs"] if r.get("status") == "ok"}
+    runs = [
+        dict(arm=name, model=args.model, layers=layers, ep=args.ep, gpus=args.ep, budget=int(b), status=status)
+        for b in args.budgets.split(",")
+    ]
+    results.merge(args.out, runs=[r for r in runs if results.run_key(r) not in done])
 
 
 def cmd_ceilings(args) -> int:
-    from benchmarks import ceilings, report
+    from benchmarks import ceilings, results
 
     for model in args.model.split(","):  # merged per model: a time limit keeps what was measured
         rows = ceilings.run(model, args.budget, _device(args.device), warmup=args.warmup, iters=args.iters)
-        report.merge(args.out, ceilings=rows)
-    print(report.markdown(report.load(args.out)))
+        results.merge(args.out, ceilings=rows)
+    print(results.markdown(results.load(args.out)))
     return 0
 
 
 def cmd_report(args) -> int:
-    from benchmarks import report
+    from benchmarks import results
 
-    print(report.markdown(report.load(args.dir)))
+    print(results.markdown(results.load(args.dir)))
     return 0
 
 
@@ -211,7 +263,9 @@ def main(argv: list[str]) -> int:
     rep = sub.add_parser("report", help="print DIR/benchmark.json as markdown")
     rep.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
-    return {"train": cmd_train, "compare": cmd_compare, "ceilings": cmd_ceilings, "report": cmd_report}[args.command](args)
+    return {"train": cmd_train, "compare": cmd_compare, "ceilings": cmd_ceilings, "report": cmd_report}[args.command](
+        args
+    )
 
 
 if __name__ == "__main__":

@@ -50,11 +50,26 @@ def _row(kind: str, shape: str, flop: float, seconds: float, **extra) -> dict:
 
 def matmul(m: int, k: int, n: int, dtype, device: str, warmup: int, iters: int, label: str) -> dict:
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-    return _row("matmul", f"{label} [{m},{k}]x[{k},{n}]", 2.0 * m * k * n, seconds_per_call(lambda: a @ b, device, warmup, iters))
+    return _row(
+        "matmul",
+        f"{label} [{m},{k}]x[{k},{n}]",
+        2.0 * m * k * n,
+        seconds_per_call(lambda: a @ b, device, warmup, iters),
+    )
 
 
-def grouped(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype, device: str,
-            warmup: int, iters: int, backward: bool) -> dict:
+def grouped(
+    tokens: int,
+    topk: int,
+    experts: int,
+    hidden: int,
+    ffn: int,
+    dtype,
+    device: str,
+    warmup: int,
+    iters: int,
+    backward: bool,
+) -> dict:
     from moe_sft.layers.experts import grouped_matmul
 
     rows = tokens * topk
@@ -76,12 +91,27 @@ def grouped(tokens: int, topk: int, experts: int, hidden: int, ffn: int, dtype, 
 
     flop = 3 * 2.0 * rows * hidden * ffn * (3 if backward else 1)
     shape = f"{experts} experts, {tokens}x top-{topk} rows, {hidden}->2x{ffn}->{hidden}"
-    return _row("grouped_mm" + (" fwd+bwd" if backward else " fwd"), shape, flop,
-                seconds_per_call(fwd_bwd if backward else fwd, device, warmup, iters))
+    return _row(
+        "grouped_mm" + (" fwd+bwd" if backward else " fwd"),
+        shape,
+        flop,
+        seconds_per_call(fwd_bwd if backward else fwd, device, warmup, iters),
+    )
 
 
-def varlen(seqlens: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int, dtype, device: str,
-           warmup: int, iters: int, backward: bool, label: str) -> dict:
+def varlen(
+    seqlens: list[int],
+    heads: int,
+    kv_heads: int,
+    d_qk: int,
+    d_v: int,
+    dtype,
+    device: str,
+    warmup: int,
+    iters: int,
+    backward: bool,
+    label: str,
+) -> dict:
     from moe_sft.layers.attention import cp_kernel
 
     total = sum(seqlens)
@@ -90,7 +120,7 @@ def varlen(seqlens: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int, d
     k = torch.randn(total, kv_heads, d_qk, dtype=dtype, device=device, requires_grad=backward)
     v = torch.randn(total, kv_heads, d_v, dtype=dtype, device=device, requires_grad=backward)
     grad = torch.randn(total, heads, d_v, dtype=dtype, device=device)
-    longest, scale = max(seqlens), d_qk ** -0.5
+    longest, scale = max(seqlens), d_qk**-0.5
 
     def fwd():
         return cp_kernel(q, k, v, cu, cu, longest, longest, scale)
@@ -100,8 +130,12 @@ def varlen(seqlens: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int, d
 
     flop = 2.0 * heads * (d_qk + d_v) * flops.attention_pairs(seqlens) * (3 if backward else 1)
     shape = f"{label}: {len(seqlens)} docs / {total} tokens, {heads}/{kv_heads} heads, d {d_qk}/{d_v}"
-    return _row("varlen attention" + (" fwd+bwd" if backward else " fwd"), shape, flop,
-                seconds_per_call(fwd_bwd if backward else fwd, device, warmup, iters))
+    return _row(
+        "varlen attention" + (" fwd+bwd" if backward else " fwd"),
+        shape,
+        flop,
+        seconds_per_call(fwd_bwd if backward else fwd, device, warmup, iters),
+    )
 
 
 def run(model: str, budget: int, device: str, warmup: int = 3, iters: int = 10, log=print) -> list[dict]:
@@ -128,8 +162,9 @@ def run(model: str, budget: int, device: str, warmup: int = 3, iters: int = 10, 
     for backward in (False, True):
         add(grouped(tokens, s.topk, s.num_experts, s.hidden, s.moe_ffn, dtype, device, warmup, iters, backward))
     d_qk, d_v = (s.mla.qk_nope + s.mla.qk_rope, s.mla.v_head) if s.mla else (s.head_dim, s.head_dim)
-    workload_lens = [n for mb in Workload(budget, 1, cfg.vocab_size).global_batch(0)
-                     for n in flops.document_lengths(mb)]
+    workload_lens = [
+        n for mb in Workload(budget, 1, cfg.vocab_size).global_batch(0) for n in flops.document_lengths(mb)
+    ]
     even = [min(2048, budget)] * max(budget // 2048, 1)
     for label, lens in (("workload micro-batch", workload_lens), ("equal documents", even)):
         for backward in (False, True):

@@ -28,29 +28,40 @@ from benchmarks.workload import SyntheticPlan, Workload
 class HFArm:
     name = "transformers"
 
-    def __init__(self, hf_cfg, *, device: str, attn: str = "sdpa", experts: str = "grouped_mm",
-                 lr: float = 1e-5, clip_grad: float = 1.0, seed: int = 0):
+    def __init__(
+        self,
+        hf_cfg,
+        *,
+        device: str,
+        attn: str = "sdpa",
+        experts: str = "grouped_mm",
+        lr: float = 1e-5,
+        clip_grad: float = 1.0,
+        seed: int = 0,
+    ):
         from transformers import AutoModelForCausalLM
 
-        from moe_sft.runtime import compat
+        from moe_sft.runtime import cpu_compat
 
         self.device, self.world, self.rank = device, 1, 0
-        self.compat = compat.suspended  # megatron's CPU patches (if active here) must not touch HF
+        self.compat = cpu_compat.suspended  # megatron's CPU patches (if active here) must not touch HF
         cfg = copy.deepcopy(hf_cfg)
         cfg.use_cache = False
         self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.aux_coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
         torch.manual_seed(seed)
         with self.compat(), torch.device(device):
-            self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation=attn,
-                                                          experts_implementation=experts)
+            self.model = AutoModelForCausalLM.from_config(
+                cfg, dtype=self.dtype, attn_implementation=attn, experts_implementation=experts
+            )
         self.model.train()
         self.attn = self.model.config._attn_implementation
         self.experts = getattr(self.model.config, "_experts_implementation", None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.clip_grad = clip_grad
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                           fused=device == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device == "cuda"
+        )
         self.plan: SyntheticPlan | None = None
 
     def use(self, workload: Workload) -> None:
@@ -66,9 +77,12 @@ class HFArm:
         with self.compat():
             self.optimizer.zero_grad(set_to_none=True)
             for mb in batches:
-                out = self.model(input_ids=mb.tokens[None].to(self.device),
-                                 position_ids=mb.position_ids[None].to(self.device),
-                                 use_cache=False, **({"output_router_logits": True} if aux else {}))
+                out = self.model(
+                    input_ids=mb.tokens[None].to(self.device),
+                    position_ids=mb.position_ids[None].to(self.device),
+                    use_cache=False,
+                    **({"output_router_logits": True} if aux else {}),
+                )
                 loss = token_loss(out.logits, mb, loss_tokens, self.device)
                 total += loss.detach()
                 if aux and getattr(out, "aux_loss", None) is not None:
@@ -112,10 +126,14 @@ class HFArm:
     def describe(self) -> dict:
         import transformers
 
-        return dict(implementation=f"transformers {transformers.__version__} {type(self.model).__name__}, "
-                    f"attn_implementation={self.attn}, experts_implementation={self.experts}, torch AdamW",
-                    params_rank0=sum(p.numel() for p in self.params), ep=1,
-                    precision="bf16" if self.dtype == torch.bfloat16 else "fp32", attention=self.attn)
+        return dict(
+            implementation=f"transformers {transformers.__version__} {type(self.model).__name__}, "
+            f"attn_implementation={self.attn}, experts_implementation={self.experts}, torch AdamW",
+            params_rank0=sum(p.numel() for p in self.params),
+            ep=1,
+            precision="bf16" if self.dtype == torch.bfloat16 else "fp32",
+            attention=self.attn,
+        )
 
     def close(self) -> None:
         del self.optimizer, self.model, self.params

@@ -18,8 +18,9 @@ import collections
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -38,10 +39,10 @@ class Arm(Protocol):
     rank: int
 
     def use(self, workload: Workload) -> None: ...
-    def prepare(self, step: int) -> None: ...            # build the step's batch (untimed)
-    def step(self, step: int) -> float: ...              # one full training step; returns the loss
+    def prepare(self, step: int) -> None: ...  # build the step's batch (untimed)
+    def step(self, step: int) -> float: ...  # one full training step; returns the loss
     def install_scopes(self) -> phase_mod.Scopes: ...
-    def fed(self) -> tuple[int, str]: ...                 # real tokens and digest since reset_fed
+    def fed(self) -> tuple[int, str]: ...  # real tokens and digest since reset_fed
     def reset_fed(self) -> None: ...
     def reset_peak(self) -> None: ...
     def peak_memory_gib(self) -> tuple[float, float]: ...  # (allocated, reserved) max over ranks
@@ -59,11 +60,13 @@ def phase_flops(shape: flops.ModelShape, seqlens) -> dict[str, float]:
     mats = 3 if shape.glu else 2
     moe_layers = sum(shape.moe_layers) + (shape.mtp_layers if shape.moe_layers and shape.moe_layers[-1] else 0)
     attn_layers = len(shape.moe_layers) + shape.mtp_layers
-    return {"experts": 3.0 * tokens * moe_layers * shape.topk * mats * 2 * shape.hidden * shape.moe_ffn,
-            "attention_core": 3.0 * attn_layers * flops.attention_pair_flops(shape) * flops.attention_pairs(seqlens)}
+    return {
+        "experts": 3.0 * tokens * moe_layers * shape.topk * mats * 2 * shape.hidden * shape.moe_ffn,
+        "attention_core": 3.0 * attn_layers * flops.attention_pair_flops(shape) * flops.attention_pairs(seqlens),
+    }
 
 
-def host_sync_sites(run: Callable[[], None], device: str) -> Optional[dict[str, int]]:
+def host_sync_sites(run: Callable[[], None], device: str) -> dict[str, int] | None:
     """Where one call of `run` makes the host wait for the GPU, as {"file:line": count} (None
     without CUDA: nothing to wait for, and `run` is not called).
 
@@ -91,12 +94,14 @@ def host_sync_sites(run: Callable[[], None], device: str) -> Optional[dict[str, 
 
 def _one_time_events(device: str) -> collections.Counter:
     """Running totals of what makes a step slower once: a new Triton specialisation compiled through
-    moe_sft/layers/triton_launch.py (by kernel), a torch.compile graph compiled, the caching
+    moe_sft/kernels/triton_launch.py (by kernel), a torch.compile graph compiled, the caching
     allocator freeing its cache to retry an allocation (a device sync)."""
-    from moe_sft.layers import triton_launch
+    from moe_sft.kernels import triton_launch
+
     events = collections.Counter(f"triton {getattr(key[0], '__name__', key[0])}" for key in triton_launch._cache)
     try:
         from torch._dynamo.utils import counters
+
         events["compiled_graphs"] = counters["stats"]["unique_graphs"]  # a Counter: 0 before the first compile
     except ImportError:
         pass
@@ -105,8 +110,16 @@ def _one_time_events(device: str) -> collections.Counter:
     return events
 
 
-def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: int, steps: int,
-            profile_steps: int, peak_tflops: float = PEAK_TFLOPS) -> dict:
+def measure(
+    arm: Arm,
+    workload: Workload,
+    shape: flops.ModelShape,
+    *,
+    warmup: int,
+    steps: int,
+    profile_steps: int,
+    peak_tflops: float = PEAK_TFLOPS,
+) -> dict:
     arm.use(workload)
     arm.reset_peak()
     for step in range(warmup):
@@ -135,9 +148,11 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
     if profile_steps:
         scopes = arm.install_scopes()
         try:
+
             def run(step):
                 arm.prepare(step)  # one cached batch: built before the step's ops are profiled
                 arm.step(step)
+
             phases_ms, profiled_s, phase_ops, idle = phase_mod.profile_steps(run, profiled, arm.device)
             profiled_lens = [n for s in profiled for mb in workload.global_batch(s) for n in flops.document_lengths(mb)]
         except Exception as err:  # keep the timed steps' results; say why the phases are missing
@@ -149,23 +164,46 @@ def measure(arm: Arm, workload: Workload, shape: flops.ModelShape, *, warmup: in
     def census():
         arm.prepare(census_step)
         arm.step(census_step)
+
     host_syncs = host_sync_sites(census, arm.device)
     alloc, reserved = arm.peak_memory_gib()
     total_s = sum(seconds)
     tflops = model_flops / max(total_s, 1e-12) / arm.world / 1e12
     per_phase_flops = {k: v / max(profile_steps, 1) / arm.world for k, v in phase_flops(shape, profiled_lens).items()}
     return dict(
-        arm=arm.name, budget=workload.budget, micro_batches=workload.micro_batches, gpus=arm.world,
-        device=arm.device, warmup=warmup, steps=steps, profile_steps=profile_steps,
-        step_seconds=seconds, step_seconds_median=statistics.median(seconds) if seconds else None,
-        real_tokens=tokens, real_tokens_per_step=tokens / max(steps, 1), fed_tokens=fed_tokens,
-        fed_digest=fed_digest, model_flop=model_flops, model_flop_per_step=model_flops / max(steps, 1),
-        tokens_per_s_per_gpu=tokens / max(total_s, 1e-12) / arm.world, tflops_per_gpu=tflops,
-        peak_tflops=peak_tflops, mfu_pct=100.0 * tflops / peak_tflops,
-        peak_allocated_gib=alloc, peak_reserved_gib=reserved, losses=losses,
-        phases_ms=phases_ms, phase_ops=phase_ops, gpu_idle=idle, profiled_step_seconds=profiled_s,
-        phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time", phase_error=phase_error,
-        host_syncs=host_syncs, step_events=step_events, step_real_tokens=step_tokens, step_model_flop=step_flops,
-        phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items()
-                      if phases_ms.get(k)},
-        status="ok")
+        arm=arm.name,
+        budget=workload.budget,
+        micro_batches=workload.micro_batches,
+        gpus=arm.world,
+        device=arm.device,
+        warmup=warmup,
+        steps=steps,
+        profile_steps=profile_steps,
+        step_seconds=seconds,
+        step_seconds_median=statistics.median(seconds) if seconds else None,
+        real_tokens=tokens,
+        real_tokens_per_step=tokens / max(steps, 1),
+        fed_tokens=fed_tokens,
+        fed_digest=fed_digest,
+        model_flop=model_flops,
+        model_flop_per_step=model_flops / max(steps, 1),
+        tokens_per_s_per_gpu=tokens / max(total_s, 1e-12) / arm.world,
+        tflops_per_gpu=tflops,
+        peak_tflops=peak_tflops,
+        mfu_pct=100.0 * tflops / peak_tflops,
+        peak_allocated_gib=alloc,
+        peak_reserved_gib=reserved,
+        losses=losses,
+        phases_ms=phases_ms,
+        phase_ops=phase_ops,
+        gpu_idle=idle,
+        profiled_step_seconds=profiled_s,
+        phase_source="CUDA kernel time" if arm.device == "cuda" else "CPU op time",
+        phase_error=phase_error,
+        host_syncs=host_syncs,
+        step_events=step_events,
+        step_real_tokens=step_tokens,
+        step_model_flop=step_flops,
+        phase_tflops={k: v / (phases_ms[k] / 1e3) / 1e12 for k, v in per_phase_flops.items() if phases_ms.get(k)},
+        status="ok",
+    )

@@ -1,9 +1,9 @@
 """The moe-sft arm: the production Trainer (moe_sft/trainer/trainer.py), random weights, synthetic data.
 
-`BenchTrainer` changes three build phases of `Trainer` and nothing of the step: the model source
+`BenchTrainer` changes four build phases of `Trainer` and nothing of the step: the model source
 is the preset's HF config written to a work directory (no checkpoint: megatron's random init,
-so `_resume` loads nothing and the checkpoint pre-flight is skipped), and the data plan is the
-workload's packed batches. Everything else is the trainer's: TransformerConfig and GPTModel from
+so `_resume` loads nothing and the checkpoint pre-flight is skipped), and the training batches are
+the workload's packed batches. Everything else is the trainer's: TransformerConfig and GPTModel from
 the family (torch-native spec: varlen attention, grouped_mm experts, alltoall dispatcher on
 CUDA), megatron DDP, the distributed optimizer, and `Trainer.train_one_step` (schedule,
 loss normalisation, guarded optimizer step, LR scheduler, telemetry) is what gets timed.
@@ -18,27 +18,56 @@ import torch.distributed as dist
 
 from benchmarks import phases
 from benchmarks.workload import PRESETS, REPO, SyntheticPlan, Workload, hf_config
-from moe_sft.config import (CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                            TrainConfig, TrainerConfig, validate_config)
+from moe_sft.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainConfig,
+    TrainerConfig,
+    validate_config,
+)
+from moe_sft.data.pipeline import DataPipeline
 from moe_sft.trainer import step as train_step
-from moe_sft.trainer.trainer import Trainer
+from moe_sft.trainer.trainer import ModelSource, Trainer
 
 
-def bench_config(model: str, work: Path, *, ep: int, budget: int, micro_batches: int, max_steps: int,
-                 device: str = "auto", cuda_graphs: bool = False) -> TrainConfig:
+def bench_config(
+    model: str,
+    work: Path,
+    *,
+    ep: int,
+    budget: int,
+    micro_batches: int,
+    max_steps: int,
+    device: str = "auto",
+    cuda_graphs: bool = False,
+) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
     return TrainConfig(
         model=ModelConfig(mcore_path=str(work / "model"), backend="torch", **options),
         # validate_config checks that a train file exists; the workload replaces the data plan
-        data=DataConfig(train_files=[str(REPO / "recipes/demo/data/train.jsonl")], pack_length=budget,
-                        max_seq_len=budget, prefetch=False),
+        data=DataConfig(
+            train_files=[str(REPO / "recipes/demo/data/train.jsonl")],
+            pack_length=budget,
+            max_seq_len=budget,
+            prefetch=False,
+        ),
         parallel=ParallelConfig(expert_model_parallel_size=ep, use_distributed_optimizer=True),
         optimizer=OptimizerConfig(lr=1e-5, min_lr=1e-6, lr_warmup_steps=0, clip_grad=1.0),
-        trainer=TrainerConfig(output_dir=str(work / "run"), max_steps=max_steps, global_batch_size=micro_batches,
-                              device=device, log_interval=10**9, export_hf_at_end=False,
-                              cuda_graphs=cuda_graphs),
-        checkpoint=CheckpointConfig(save_at_end=False, resume="never"))
+        trainer=TrainerConfig(
+            output_dir=str(work / "run"),
+            max_steps=max_steps,
+            global_batch_size=micro_batches,
+            device=device,
+            log_interval=10**9,
+            export_hf_at_end=False,
+            cuda_graphs=cuda_graphs,
+        ),
+        checkpoint=CheckpointConfig(save_at_end=False, resume="never"),
+    )
 
 
 class BenchTrainer(Trainer):
@@ -50,72 +79,91 @@ class BenchTrainer(Trainer):
         Path(self.cfg.model.mcore_path).mkdir(parents=True, exist_ok=True)  # holds hf/config.json only
         validate_config(self.cfg, world)  # no checkpoint pre-flight: there is none (random init)
 
-    def _model_source(self) -> None:
-        self.hf_side = Path(self.cfg.model.mcore_path) / "hf"
+    def _model_source(self) -> ModelSource:
+        hf_side = Path(self.cfg.model.mcore_path) / "hf"
         if dist.get_rank() == 0:
             _, cfg = hf_config(self.preset, self.layers)
-            self.hf_side.mkdir(parents=True, exist_ok=True)
-            cfg.to_json_file(str(self.hf_side / "config.json"))
+            hf_side.mkdir(parents=True, exist_ok=True)
+            cfg.to_json_file(str(hf_side / "config.json"))
         dist.barrier()
-        self.meta = {}
+        return ModelSource(meta={}, hf_side=hf_side, resume_path=None)
 
-    def _data(self) -> None:
-        self._micro_batch_shape()  # sets fixed_shape / seq_length; the workload fills every batch
-        self.plan = SyntheticPlan(self.workload)
+    def _data(self, shape) -> DataPipeline:
+        return DataPipeline(train=SyntheticPlan(self.workload), eval=None, summary=[])
 
-    def _resume(self) -> None:
-        pass  # random init: the fp32 main params were made from the same weights by the optimizer
+    def _resume(self, model, optimizer, scheduler, batches) -> tuple[int, int]:
+        return 0, 0  # random init: the fp32 main params were made from the same weights by the optimizer
 
 
 class OursArm:
-    def __init__(self, model: str, layers: int, work: Path, *, ep: int, first: Workload, max_steps: int,
-                 device: str = "auto", cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model: str,
+        layers: int,
+        work: Path,
+        *,
+        ep: int,
+        first: Workload,
+        max_steps: int,
+        device: str = "auto",
+        cuda_graphs: bool = False,
+    ):
         self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft"
-        cfg = bench_config(model, work, ep=ep, budget=first.budget, micro_batches=first.micro_batches,
-                           max_steps=max_steps, device=device, cuda_graphs=cuda_graphs)
+        cfg = bench_config(
+            model,
+            work,
+            ep=ep,
+            budget=first.budget,
+            micro_batches=first.micro_batches,
+            max_steps=max_steps,
+            device=device,
+            cuda_graphs=cuda_graphs,
+        )
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer
         self.device, self.world, self.rank = t.rt.device, dist.get_world_size(), dist.get_rank()
-        self.run_mtp = t.train_mtp
+        self.run_mtp = t.state.train_mtp
         self.step_index = 0  # the trainer's own step counter (LR schedule), over all budgets
         self._peak = (0.0, 0.0)
         self.last_metrics: dict = {}
 
     def use(self, workload: Workload) -> None:
         t = self.trainer
-        t.plan = SyntheticPlan(workload)
+        t.state.batches = SyntheticPlan(workload)
         t.cfg.data.pack_length = t.cfg.data.max_seq_len = workload.budget
-        t._micro_batch_shape()
+        t.state.shape = t._batch_shape()
         t._cuda_graphs()  # graphs for this budget's micro-batch length (if on)
 
     def prepare(self, step: int) -> None:
-        self.trainer.plan.global_batch(step)
+        self.trainer.state.batches.global_batch(step)
 
     def step(self, step: int) -> float:
         t = self.trainer
-        t.plan.next_step = step
+        t.state.batches.next_step = step
         metrics = t.train_one_step(step)
         self.step_index += 1
         self.last_metrics = metrics
         if "memory/max_allocated_gib" in metrics:  # telemetry resets the peak every step: keep the max
-            self._peak = (max(self._peak[0], metrics["memory/max_allocated_gib"]),
-                          max(self._peak[1], metrics["memory/max_reserved_gib"]))
+            self._peak = (
+                max(self._peak[0], metrics["memory/max_allocated_gib"]),
+                max(self._peak[1], metrics["memory/max_reserved_gib"]),
+            )
         return float(metrics["train/loss"])
 
     def install_scopes(self) -> phases.Scopes:
         t, scopes = self.trainer, phases.Scopes()
-        for i, chunk in enumerate(t.model):
-            scopes.modules(chunk.module, prefix="" if len(t.model) == 1 else f"chunk{i}")
+        for i, chunk in enumerate(t.state.model):
+            scopes.modules(chunk.module, prefix="" if len(t.state.model) == 1 else f"chunk{i}")
         scopes.attribute(train_step, "_loss_func", "loss")  # looked up when each micro-batch's step is made
-        scopes.attribute(t.tconfig, "finalize_model_grads_func", "grads")
-        scopes.attribute(t.optimizer, "step", "optimizer")
+        scopes.attribute(t.state.tconfig, "finalize_model_grads_func", "grads")
+        scopes.attribute(t.state.optimizer, "step", "optimizer")
         return scopes
 
     def fed(self) -> tuple[int, str]:
-        return self.trainer.plan.fed_tokens, self.trainer.plan.fed_digest
+        return self.trainer.state.batches.fed_tokens, self.trainer.state.batches.fed_digest
 
     def reset_fed(self) -> None:
-        self.trainer.plan.reset_record()
+        self.trainer.state.batches.reset_record()
 
     def reset_peak(self) -> None:
         self._peak = (0.0, 0.0)
@@ -128,11 +176,17 @@ class OursArm:
 
     def describe(self) -> dict:
         t = self.trainer
-        params = sum(p.numel() for c in t.model for p in c.parameters())
-        return dict(implementation="moe_sft Trainer.train_one_step (megatron-core "
-                    f"{_mcore_version()}, torch-native spec, {t.tconfig.moe_token_dispatcher_type} dispatcher, "
-                    "distributed optimizer)", params_rank0=params, ep=t.cfg.parallel.expert_model_parallel_size,
-                    precision=t.rt.precision, attention=_attention_kernel(t.rt.device), mtp_trained=self.run_mtp)
+        params = sum(p.numel() for c in t.state.model for p in c.parameters())
+        return dict(
+            implementation="moe_sft Trainer.train_one_step (megatron-core "
+            f"{_mcore_version()}, torch-native spec, {t.state.tconfig.moe_token_dispatcher_type} dispatcher, "
+            "distributed optimizer)",
+            params_rank0=params,
+            ep=t.cfg.parallel.expert_model_parallel_size,
+            precision=t.rt.precision,
+            attention=_attention_kernel(t.rt.device),
+            mtp_trained=self.run_mtp,
+        )
 
     def close(self) -> None:
         self.trainer.close()

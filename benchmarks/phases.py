@@ -35,8 +35,23 @@ PROFILER_OVERHEAD = {"Buffer Flush", "Activity Buffer Request", "Command Buffer 
 # no CPU op, so without this they land in "other". The clip + Adam kernel runs in the optimizer's
 # step, outside autograd (the layers' kernels run inside autograd Functions and are tied to those).
 KERNEL_PHASES = {"_adam_kernel": "optimizer"}
-PHASES = ("embedding", "attention", "attention_core", "norms", "router", "dispatch", "experts",
-          "shared_experts", "dense_mlp", "moe_other", "lm_head", "loss", "grads", "optimizer", "other")
+PHASES = (
+    "embedding",
+    "attention",
+    "attention_core",
+    "norms",
+    "router",
+    "dispatch",
+    "experts",
+    "shared_experts",
+    "dense_mlp",
+    "moe_other",
+    "lm_head",
+    "loss",
+    "grads",
+    "optimizer",
+    "other",
+)
 
 # Qualified module names -> phase, first match wins. megatron GPTModel (torch-native or TE spec),
 # transformers (Qwen3-MoE, DeepSeek-V3) and torchtitan names.
@@ -52,8 +67,14 @@ MODULE_RULES = (
     (r"(^|\.)(output_layer|lm_head|output)$", "lm_head"),
     (r"\.(mlp|moe|feed_forward)$", "mlp"),
 )
-DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
-                      "combine_preprocess", "token_combine", "combine_postprocess")
+DISPATCHER_METHODS = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
 
 
 def module_phase(name: str, module: torch.nn.Module) -> str | None:
@@ -132,8 +153,8 @@ def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str,
     With `ops` (a dict), also adds each op's time under (phase, op name): where a phase's time goes."""
     from torch.autograd import DeviceType
 
-    fwd_phase: dict[tuple[int, int], str] = {}   # (thread, sequence number) -> forward op's phase
-    phase_of: dict[int, str | None] = {}          # event id -> phase (None: no scope)
+    fwd_phase: dict[tuple[int, int], str] = {}  # (thread, sequence number) -> forward op's phase
+    phase_of: dict[int, str | None] = {}  # event id -> phase (None: no scope)
     in_backward: dict[int, bool] = {}
     totals: dict[str, float] = defaultdict(float)
     device_total = 0.0
@@ -145,8 +166,11 @@ def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str,
     # the kernel (triton_poi_/triton_red_/triton_per_...); those kernels are work, and the range
     # ties them to their phase (the fused cross entropy's were missing from "loss").
     cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU and not e.name.startswith("triton_")}
-    annotations = (cpu_names | PROFILER_OVERHEAD
-                   | {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation})
+    annotations = (
+        cpu_names
+        | PROFILER_OVERHEAD
+        | {e.name for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation}
+    )
     for e in sorted(events, key=lambda ev: (ev.time_range.start, -ev.time_range.end)):
         if e.device_type != DeviceType.CPU:
             if e.name not in annotations:
@@ -158,7 +182,7 @@ def attribute_events(events, device: bool, ops: dict | None = None) -> dict[str,
         phase = phase_of.get(parent.id) if parent is not None else None
         backward = bool(parent is not None and in_backward.get(parent.id))
         if e.name.startswith(SCOPE):
-            phase = e.name[len(SCOPE):]
+            phase = e.name[len(SCOPE) :]
         elif e.name.startswith(BACKWARD_NODE):
             backward = True
             phase = fwd_phase.get((e.fwd_thread, e.sequence_nr))
@@ -197,9 +221,14 @@ def idle_gaps(events, per: float, min_us: float = 10.0, top: int = 10) -> dict:
     from torch.autograd import DeviceType
 
     cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type != DeviceType.CPU and not e.is_user_annotation
-                     and e.name not in cpu_names and e.name not in PROFILER_OVERHEAD)
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type != DeviceType.CPU
+        and not e.is_user_annotation
+        and e.name not in cpu_names
+        and e.name not in PROFILER_OVERHEAD
+    )
     by_next: dict[str, float] = defaultdict(float)
     busy_until = None
     for start, end, name in kernels:
@@ -207,8 +236,10 @@ def idle_gaps(events, per: float, min_us: float = 10.0, top: int = 10) -> dict:
             by_next[name[:80]] += start - busy_until
         busy_until = end if busy_until is None else max(busy_until, end)
     worst = sorted(by_next.items(), key=lambda kv: -kv[1])[:top]
-    return dict(total_ms=round(sum(by_next.values()) / 1e3 / per, 2),
-                by_next_kernel=[[name, round(us / 1e3 / per, 2)] for name, us in worst])
+    return dict(
+        total_ms=round(sum(by_next.values()) / 1e3 / per, 2),
+        by_next_kernel=[[name, round(us / 1e3 / per, 2)] for name, us in worst],
+    )
 
 
 def top_ops(ops: dict, per: float, top: int = 8) -> dict[str, list]:

@@ -33,21 +33,41 @@ def titan_args(cfg, max_seq_len: int):
     from moe_sft.models.hf_config import rope_theta
 
     return Qwen3ModelArgs(
-        vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
-        n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps, rope_theta=rope_theta(cfg), qk_norm=True,
-        max_seq_len=max_seq_len, attn_type="varlen", attn_mask_type="block_causal",
-        enable_weight_tying=bool(cfg.tie_word_embeddings), moe_enabled=True, moe_inter_dim=cfg.moe_intermediate_size,
-        moe_args=MoEArgs(num_experts=cfg.num_experts, num_shared_experts=0, top_k=cfg.num_experts_per_tok,
-                         score_func="softmax", route_norm=bool(cfg.norm_topk_prob), route_scale=1.0,
-                         score_before_experts=False, load_balance_coeff=None))
+        vocab_size=cfg.vocab_size,
+        dim=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        hidden_dim=cfg.intermediate_size,
+        norm_eps=cfg.rms_norm_eps,
+        rope_theta=rope_theta(cfg),
+        qk_norm=True,
+        max_seq_len=max_seq_len,
+        attn_type="varlen",
+        attn_mask_type="block_causal",
+        enable_weight_tying=bool(cfg.tie_word_embeddings),
+        moe_enabled=True,
+        moe_inter_dim=cfg.moe_intermediate_size,
+        moe_args=MoEArgs(
+            num_experts=cfg.num_experts,
+            num_shared_experts=0,
+            top_k=cfg.num_experts_per_tok,
+            score_func="softmax",
+            route_norm=bool(cfg.norm_topk_prob),
+            route_scale=1.0,
+            score_before_experts=False,
+            load_balance_coeff=None,
+        ),
+    )
 
 
 class TitanArm:
     name = "torchtitan"
 
-    def __init__(self, hf_cfg, *, device: str, max_seq_len: int, lr: float = 1e-5, clip_grad: float = 1.0,
-                 seed: int = 0):
+    def __init__(
+        self, hf_cfg, *, device: str, max_seq_len: int, lr: float = 1e-5, clip_grad: float = 1.0, seed: int = 0
+    ):
         if device != "cuda":
             raise RuntimeError("the torchtitan arm needs CUDA (varlen attention, its MoE's integer histc)")
         if getattr(hf_cfg, "model_type", "") != "qwen3_moe":
@@ -65,8 +85,9 @@ class TitanArm:
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.clip_grad = clip_grad
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                           fused=True)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True
+        )
         self.plan: SyntheticPlan | None = None
 
     def use(self, workload: Workload) -> None:
@@ -85,8 +106,11 @@ class TitanArm:
             cu = mb.cu_seqlens.to(self.device, torch.int32)
             masks = VarlenMetadata(cu_seq_q=cu, cu_seq_k=cu, max_q=mb.max_seqlen, max_k=mb.max_seqlen)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = self.model(mb.tokens[None].to(self.device), attention_masks=masks,
-                                    positions=mb.position_ids[None].to(self.device))
+                logits = self.model(
+                    mb.tokens[None].to(self.device),
+                    attention_masks=masks,
+                    positions=mb.position_ids[None].to(self.device),
+                )
             loss = token_loss(logits, mb, loss_tokens, self.device)
             total += loss.detach()
             loss.backward()
@@ -112,10 +136,14 @@ class TitanArm:
         return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
     def describe(self) -> dict:
-        return dict(implementation=f"torchtitan {self.version} Qwen3Model (varlen block_causal, grouped_mm MoE), "
-                    "fp32 params + bf16 autocast, torch AdamW (EXPERIMENTAL arm)",
-                    params_rank0=sum(p.numel() for p in self.params), ep=1, precision="fp32 + bf16 autocast",
-                    attention="torch varlen_attn (torch.compile'd by torchtitan)")
+        return dict(
+            implementation=f"torchtitan {self.version} Qwen3Model (varlen block_causal, grouped_mm MoE), "
+            "fp32 params + bf16 autocast, torch AdamW (EXPERIMENTAL arm)",
+            params_rank0=sum(p.numel() for p in self.params),
+            ep=1,
+            precision="fp32 + bf16 autocast",
+            attention="torch varlen_attn (torch.compile'd by torchtitan)",
+        )
 
     def close(self) -> None:
         del self.optimizer, self.model, self.params

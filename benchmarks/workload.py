@@ -25,7 +25,6 @@ import copy
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -38,32 +37,49 @@ MODELS_DIR = REPO / "recipes" / "models"
 
 @dataclass(frozen=True)
 class Preset:
-    family: str                      # moe_sft.models.registry name
-    base: Optional[str]              # recipes/models/<base>/config.json, else the family's tiny config
-    layers: int                      # default --layers (one H200 with the distributed optimizer)
-    overrides: dict = field(default_factory=dict)          # HF config fields
-    model_options: dict = field(default_factory=dict)      # moe_sft ModelConfig fields (the recipe's)
-    hf_arm: bool = False             # transformers' implementation is benchmarked too
+    family: str  # moe_sft.models.registry name
+    base: str | None  # recipes/models/<base>/config.json, else the family's tiny config
+    layers: int  # default --layers (one H200 with the distributed optimizer)
+    overrides: dict = field(default_factory=dict)  # HF config fields
+    model_options: dict = field(default_factory=dict)  # moe_sft ModelConfig fields (the recipe's)
+    hf_arm: bool = False  # transformers' implementation is benchmarked too
 
 
-DSV3_ROUTER = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
-                   moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3, mtp_loss_weight=0.1)
+DSV3_ROUTER = dict(
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=1e-4,
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-3,
+    mtp_loss_weight=0.1,
+)
 
 PRESETS = {
     # 8 layers: the planner's 128 of 139.7 GiB at 8192 tokens (9 layers: 141); docs/benchmarks.md
     "qwen3_30b": Preset("qwen3_moe", "qwen3_30b_a3b", layers=8, hf_arm=True),
     # 5 layers (1 dense + 4 MoE) + 1 MTP layer: the planner's 115 of 139.7 GiB at 8192 tokens
-    "dsv3_reduced": Preset("deepseek_v3", "deepseek_v3", layers=5, overrides=dict(
-        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, moe_intermediate_size=512,
-        intermediate_size=4608, first_k_dense_replace=1, num_nextn_predict_layers=1),
-        model_options=DSV3_ROUTER),
+    "dsv3_reduced": Preset(
+        "deepseek_v3",
+        "deepseek_v3",
+        layers=5,
+        overrides=dict(
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            moe_intermediate_size=512,
+            intermediate_size=4608,
+            first_k_dense_replace=1,
+            num_nextn_predict_layers=1,
+        ),
+        model_options=DSV3_ROUTER,
+    ),
     "tiny": Preset("qwen3_moe", None, layers=2, hf_arm=True),
-    "tiny_dsv3": Preset("deepseek_v3", None, layers=2, overrides=dict(num_nextn_predict_layers=1),
-                        model_options=DSV3_ROUTER),
+    "tiny_dsv3": Preset(
+        "deepseek_v3", None, layers=2, overrides=dict(num_nextn_predict_layers=1), model_options=DSV3_ROUTER
+    ),
 }
 
 
-def hf_config(model: str, layers: Optional[int] = None):
+def hf_config(model: str, layers: int | None = None):
     """(family, HF config) of preset `model` with `layers` decoder layers (default: the preset's)."""
     from moe_sft.models import registry
 
@@ -88,7 +104,7 @@ def hf_config(model: str, layers: Optional[int] = None):
     return family, cfg
 
 
-def model_shape(model: str, layers: Optional[int] = None, run_mtp: bool = True):
+def model_shape(model: str, layers: int | None = None, run_mtp: bool = True):
     """moe_sft.models.shape.ModelShape of the preset, from the same TransformerConfig the trainer builds."""
     from moe_sft.models.builder import ModelOptions, build_transformer_config
     from moe_sft.models.shape import ModelShape
@@ -105,11 +121,11 @@ def model_shape(model: str, layers: Optional[int] = None, run_mtp: bool = True):
 class Workload:
     """The packed global batches of every step at one token budget (pure function of the fields)."""
 
-    budget: int                     # tokens per packed micro-batch
-    micro_batches: int              # per step, over all data-parallel ranks
+    budget: int  # tokens per packed micro-batch
+    micro_batches: int  # per step, over all data-parallel ranks
     vocab: int
     seed: int = 0
-    median: float = 600.0           # document length distribution (log-normal, clipped to the budget)
+    median: float = 600.0  # document length distribution (log-normal, clipped to the budget)
     sigma: float = 1.0
     min_len: int = 16
     pad_to: int = 1
@@ -133,7 +149,7 @@ class Workload:
         # a random choice among the bins that best-fit filled to >= 90% (not the fullest: those are the
         # documents clipped to the whole budget)
         full = [b for b in bins if sum(lengths[i] for i in b) >= 0.9 * self.budget]
-        bins = [full[i] for i in rng.permutation(len(full))[:self.micro_batches]]
+        bins = [full[i] for i in rng.permutation(len(full))[: self.micro_batches]]
         out = []
         for members in bins:
             docs = [self.doc(rng, lengths[i]) for i in members]
@@ -179,8 +195,10 @@ class SyntheticPlan:
     def batches_for_step(self, step: int, dp_rank: int = 0, dp_size: int = 1):
         batch = self.global_batch(step)
         if len(batch) % dp_size:
-            raise ValueError(f"{len(batch)} micro-batches per step do not split over {dp_size} data-parallel "
-                             f"ranks; use a --tokens-per-step that is a multiple of budget x {dp_size}")
+            raise ValueError(
+                f"{len(batch)} micro-batches per step do not split over {dp_size} data-parallel "
+                f"ranks; use a --tokens-per-step that is a multiple of budget x {dp_size}"
+            )
         self.fed_tokens += real_tokens(batch)
         self.fed_digest = digest(batch, self.fed_digest)
         return batch[dp_rank::dp_size], sum(mb.loss_weight_sum for mb in batch)

@@ -13,8 +13,16 @@ def user_errors() -> tuple[type[Exception], ...]:
     from moe_sft.data.packing import PackingError
     from moe_sft.models.family import UnsupportedConfigError
 
-    return (ConfigError, CheckpointError, MappingError, DataFormatError, DataPlanError,
-            PackingError, UnsupportedConfigError, FileNotFoundError)
+    return (
+        ConfigError,
+        CheckpointError,
+        MappingError,
+        DataFormatError,
+        DataPlanError,
+        PackingError,
+        UnsupportedConfigError,
+        FileNotFoundError,
+    )
 
 
 def run_reporting_user_errors(run, args) -> int:

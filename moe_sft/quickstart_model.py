@@ -31,8 +31,9 @@ def create_tiny_hf(hf_path: Path, tokenizer_dir: Path, seed: int = 0, **config_o
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                     do_sample=False).save_pretrained(str(tmp))
+    GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, do_sample=False).save_pretrained(
+        str(tmp)
+    )
     tmp.rename(hf_path)
 
 

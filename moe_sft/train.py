@@ -32,14 +32,22 @@ def fail(line: str, code: int) -> int:
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         try:
             with open(error_file, "w") as f:
-                json.dump({"message": {"message": line, "extraInfo": {
-                    "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+                json.dump(
+                    {
+                        "message": {
+                            "message": line,
+                            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+                        }
+                    },
+                    f,
+                )
         except OSError:
             pass
     return code
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], hooks=None) -> int:
+    """`hooks`: a moe_sft.trainer.hooks.TrainHooks (tests inject faults through it)."""
     default_allocator_config()
     from moe_sft.config import ConfigError, load_config
 
@@ -56,7 +64,7 @@ def main(argv: list[str]) -> int:
     from moe_sft.trainer.run_lock import RunLockError, disk_full_message
     from moe_sft.trainer.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, hooks)
     try:
         trainer.setup()
         trainer.train()
@@ -67,8 +75,11 @@ def main(argv: list[str]) -> int:
     except NonFiniteTrainingError as err:  # the last good checkpoint is intact
         return fail(f"error: {err}", 3)
     except BaseException as err:  # torch's CheckpointException (a failed write) is a BaseException
-        message = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else disk_full_message(
-            err, trainer.out, remove_partial=os.environ.get("RANK", "0") == "0")
+        message = (
+            None
+            if isinstance(err, (KeyboardInterrupt, SystemExit))
+            else disk_full_message(err, trainer.out, remove_partial=os.environ.get("RANK", "0") == "0")
+        )
         if message is None:
             raise
         return fail(f"error: {message}", 4)

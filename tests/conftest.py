@@ -52,5 +52,8 @@ def _dynamo_disable_flag_survives():
         return
     if before is not None:
         config.disable = before  # the tests after this one see the value it found
-    pytest.fail("this test left torch._dynamo.config.disable deleted (hidden); patch torch configs with "
-                "`with torch._dynamo.config.patch(disable=...)`, not pytest's monkeypatch", pytrace=False)
+    pytest.fail(
+        "this test left torch._dynamo.config.disable deleted (hidden); patch torch configs with "
+        "`with torch._dynamo.config.patch(disable=...)`, not pytest's monkeypatch",
+        pytrace=False,
+    )

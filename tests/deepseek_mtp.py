@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
 from moe_sft.models import registry
-from moe_sft.runtime import compat
+from moe_sft.runtime import cpu_compat
 
 
 class ReferenceMTP(torch.nn.Module):
@@ -34,10 +34,14 @@ class ReferenceMTP(torch.nn.Module):
         self.head_norm = DeepseekV3RMSNorm(h, cfg.rms_norm_eps)
 
     def hf_tensors(self, prefix: str, embed: torch.Tensor, head: torch.Tensor) -> dict:
-        out = {f"{prefix}enorm.weight": self.enorm.weight, f"{prefix}hnorm.weight": self.hnorm.weight,
-               f"{prefix}eh_proj.weight": self.eh_proj.weight,
-               f"{prefix}shared_head.norm.weight": self.head_norm.weight,
-               f"{prefix}embed_tokens.weight": embed, f"{prefix}shared_head.head.weight": head}
+        out = {
+            f"{prefix}enorm.weight": self.enorm.weight,
+            f"{prefix}hnorm.weight": self.hnorm.weight,
+            f"{prefix}eh_proj.weight": self.eh_proj.weight,
+            f"{prefix}shared_head.norm.weight": self.head_norm.weight,
+            f"{prefix}embed_tokens.weight": embed,
+            f"{prefix}shared_head.head.weight": head,
+        }
         for name, value in self.layer.state_dict().items():
             if name == "mlp.experts.gate_up_proj":  # transformers 5 fuses experts in memory [E, 2F, H]
                 ffn = value.shape[1] // 2
@@ -56,7 +60,7 @@ def write_tiny_deepseek_with_mtp(path: Path, vocab_size: int, seed: int = 0, **o
     """Save a tiny random DeepSeek-V3 with one MTP layer; returns (HF model, reference MTP layer)."""
     family = registry.family_by_name("deepseek_v3")
     cfg = family.tiny_hf_config(vocab_size=vocab_size, num_nextn_predict_layers=1, **overrides)
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(seed)
         hf = family.hf_model_class(cfg).eval()
         mtp = ReferenceMTP(hf.config, cfg.num_hidden_layers).eval()
@@ -72,8 +76,9 @@ def write_tiny_deepseek_with_mtp(path: Path, vocab_size: int, seed: int = 0, **o
             for norm in (mtp.enorm, mtp.hnorm, mtp.head_norm, hf.model.norm):  # ones at init: make them matter
                 norm.weight.copy_(1 + 0.3 * torch.randn_like(norm.weight))
         hf.save_pretrained(str(path))
-        extra = mtp.hf_tensors(f"model.layers.{cfg.num_hidden_layers}.",
-                               hf.model.embed_tokens.weight, hf.lm_head.weight)
+        extra = mtp.hf_tensors(
+            f"model.layers.{cfg.num_hidden_layers}.", hf.model.embed_tokens.weight, hf.lm_head.weight
+        )
         save_file(extra, str(path / "mtp.safetensors"))
     return hf, mtp
 
@@ -92,18 +97,20 @@ def reference_logits(hf, mtp: ReferenceMTP, doc: list[int]) -> tuple[torch.Tenso
     """(main logits [T, V], MTP logits [T - 1, V]) of one document, run alone."""
     captured = {}
     hook = hf.model.norm.register_forward_hook(
-        lambda module, args, out: captured.__setitem__("h", out[0] if isinstance(out, tuple) else out))
+        lambda module, args, out: captured.__setitem__("h", out[0] if isinstance(out, tuple) else out)
+    )
     device = hf.lm_head.weight.device
-    with compat.suspended():
+    with cpu_compat.suspended():
         try:
             main = hf(torch.tensor([doc], device=device)).logits[0]
         finally:
             hook.remove()
-        h = captured["h"][:, :-1]                      # position i, for i < T - 1
+        h = captured["h"][:, :-1]  # position i, for i < T - 1
         nxt = hf.model.embed_tokens(torch.tensor([doc[1:]], device=device))
         x = mtp.eh_proj(torch.cat([mtp.enorm(nxt), mtp.hnorm(h)], dim=-1))
         positions = torch.arange(x.shape[1], device=device)[None]
-        out = mtp.layer(x, attention_mask=None, position_ids=positions,
-                        position_embeddings=hf.model.rotary_emb(x, positions))
+        out = mtp.layer(
+            x, attention_mask=None, position_ids=positions, position_embeddings=hf.model.rotary_emb(x, positions)
+        )
         out = out[0] if isinstance(out, tuple) else out
         return main.float(), hf.lm_head(mtp.head_norm(out))[0].float()

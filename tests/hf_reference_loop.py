@@ -31,8 +31,9 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 
 
-def megatron_lr(num_steps: int, *, init_lr: float, max_lr: float, min_lr: float, warmup: int,
-                decay_steps: int, style: str) -> float:
+def megatron_lr(
+    num_steps: int, *, init_lr: float, max_lr: float, min_lr: float, warmup: int, decay_steps: int, style: str
+) -> float:
     """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler.get_lr (0.16.1), for
     the styles the schema allows (cosine | linear | constant)."""
     if warmup > 0 and num_steps <= warmup:
@@ -59,8 +60,14 @@ def trainer_lr_schedule(cfg: dict, shift: int = 0) -> list[float]:
     """
     o, steps = cfg["optimizer"], cfg["trainer"]["max_steps"]
     warmup = o["lr_warmup_steps"]
-    kwargs = dict(init_lr=0.0 if warmup else o["lr"], max_lr=o["lr"], min_lr=o["min_lr"], warmup=warmup,
-                  decay_steps=max(steps, warmup + 1), style=o["lr_decay_style"])
+    kwargs = dict(
+        init_lr=0.0 if warmup else o["lr"],
+        max_lr=o["lr"],
+        min_lr=o["min_lr"],
+        warmup=warmup,
+        decay_steps=max(steps, warmup + 1),
+        style=o["lr_decay_style"],
+    )
     return [megatron_lr(s + shift, **kwargs) for s in range(steps)]
 
 
@@ -81,12 +88,23 @@ def trainer_plan(cfg: dict):
 
     tokenizer_path = in_repo(d["tokenizer_path"]) or str(Path(cfg["model"]["mcore_path"]) / "hf")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    data = DataConfig(**{**d, "train_files": [in_repo(f) for f in d["train_files"]],
-                         "eval_files": [in_repo(f) for f in d["eval_files"]], "cache_dir": in_repo(d["cache_dir"]),
-                         "chat_template": in_repo(d["chat_template"])})
-    pipeline = build_pipeline(data, tokenizer_path=tokenizer_path,
-                              global_batch_size=cfg["trainer"]["global_batch_size"], pad_to=1,
-                              pad_token_id=tokenizer.pad_token_id or 0, log=lambda message: None)
+    data = DataConfig(
+        **{
+            **d,
+            "train_files": [in_repo(f) for f in d["train_files"]],
+            "eval_files": [in_repo(f) for f in d["eval_files"]],
+            "cache_dir": in_repo(d["cache_dir"]),
+            "chat_template": in_repo(d["chat_template"]),
+        }
+    )
+    pipeline = build_pipeline(
+        data,
+        tokenizer_path=tokenizer_path,
+        global_batch_size=cfg["trainer"]["global_batch_size"],
+        pad_to=1,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        log=lambda message: None,
+    )
     return pipeline.train, tokenizer
 
 
@@ -124,8 +142,8 @@ def as_padded_rows(rows, pad_id: int):
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (t, l, m) in enumerate(rows):
-        tokens[i, :len(t)], labels[i, :len(t)], mask[i, :len(t)] = t, l, m
+    for i, (t, lab, m) in enumerate(rows):
+        tokens[i, : len(t)], labels[i, : len(t)], mask[i, : len(t)] = t, lab, m
     return tokens, labels, mask
 
 
@@ -141,22 +159,23 @@ def load_hf_model(hf_path):
     """The HF checkpoint in fp32, training mode, router aux loss off (megatron's differs)."""
     from transformers import AutoModelForCausalLM
 
-    from moe_sft.runtime import compat
+    from moe_sft.runtime import cpu_compat
 
-    with compat.suspended():  # a no-op unless megatron's CPU patches are active in this process
+    with cpu_compat.suspended():  # a no-op unless megatron's CPU patches are active in this process
         model = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=torch.float32)
     model.config.output_router_logits = False
     model.config.use_cache = False
     return model.train()
 
 
-def train_reference(hf_path, cfg: dict, steps: int | None = None, plan=None, *, lr_shift: int = 0,
-                    decay_all: bool = False) -> list[StepResult]:
+def train_reference(
+    hf_path, cfg: dict, steps: int | None = None, plan=None, *, lr_shift: int = 0, decay_all: bool = False
+) -> list[StepResult]:
     """Train the HF model at `hf_path` for `steps` steps of `cfg` (the trainer's resolved
     config.yaml as a dict); per step: the loss before the update, the pre-clip global grad L2
     norm, and the lr the update used. `lr_shift` / `decay_all`: see `trainer_lr_schedule` /
     `megatron_param_groups` (negative controls only)."""
-    from moe_sft.runtime import compat
+    from moe_sft.runtime import cpu_compat
 
     o = cfg["optimizer"]
     steps = cfg["trainer"]["max_steps"] if steps is None else steps
@@ -165,18 +184,23 @@ def train_reference(hf_path, cfg: dict, steps: int | None = None, plan=None, *, 
     lrs = trainer_lr_schedule(cfg, shift=lr_shift)
     model = load_hf_model(hf_path)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(megatron_param_groups(model, o["weight_decay"], decay_all), lr=0.0,
-                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"])
+    optimizer = torch.optim.AdamW(
+        megatron_param_groups(model, o["weight_decay"], decay_all),
+        lr=0.0,
+        betas=(o["adam_beta1"], o["adam_beta2"]),
+        eps=o["adam_eps"],
+    )
     results = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 1M-parameter model: one thread is as fast, and immune to oversubscription
     try:
-        with compat.suspended():  # a no-op unless megatron's CPU patches are active in this process
+        with cpu_compat.suspended():  # a no-op unless megatron's CPU patches are active in this process
             for step in range(steps):
                 batches, global_tokens = plan.batches_for_step(step, 0, 1)
                 optimizer.zero_grad(set_to_none=True)
-                tokens, labels, mask = as_padded_rows([doc for mb in batches for doc in documents(mb)],
-                                                     plan.pad_token_id)
+                tokens, labels, mask = as_padded_rows(
+                    [doc for mb in batches for doc in documents(mb)], plan.pad_token_id
+                )
                 logits = model(input_ids=tokens, use_cache=False, output_router_logits=False).logits
                 keep = mask.bool()  # assistant-token positions only (row padding never enters the loss)
                 total = F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")

@@ -37,11 +37,14 @@ def measure(tmp_path: Path, main_source: str, *args, label: str, timeout: int = 
     script.write_text(SCRIPT_HEADER + main_source + SCRIPT_FOOTER)
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(script), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["above"] = result["peak"] - result["baseline"]
-    print(f"{label}: baseline {result['baseline'] / 2**20:.0f} MiB, peak {result['peak'] / 2**20:.0f} MiB "
-          f"(+{result['above'] / 2**20:.0f} MiB), {result['written'] / 1e6 / result['seconds']:.0f} MB/s")
+    print(
+        f"{label}: baseline {result['baseline'] / 2**20:.0f} MiB, peak {result['peak'] / 2**20:.0f} MiB "
+        f"(+{result['above'] / 2**20:.0f} MiB), {result['written'] / 1e6 / result['seconds']:.0f} MB/s"
+    )
     return result

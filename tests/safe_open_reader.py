@@ -18,5 +18,6 @@ class SafeOpenHFReader(HFCheckpointReader):
         except CheckpointError:
             raise
         except Exception as err:
-            raise CheckpointError(f"{file}: reading tensor {name!r} failed ({err}); the file is "
-                                  "truncated or corrupt") from err
+            raise CheckpointError(
+                f"{file}: reading tensor {name!r} failed ({err}); the file is truncated or corrupt"
+            ) from err

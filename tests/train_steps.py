@@ -17,12 +17,15 @@ class PromptedDoc:
 
 def random_batches(vocab: int, lengths, micro_batches: int = 1, prompt: int = 4, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
-    return [build_micro_batch([PromptedDoc(torch.randint(0, vocab, (n,), generator=g).tolist(), prompt)
-                               for n in lengths]) for _ in range(micro_batches)]
+    return [
+        build_micro_batch([PromptedDoc(torch.randint(0, vocab, (n,), generator=g).tolist(), prompt) for n in lengths])
+        for _ in range(micro_batches)
+    ]
 
 
-def adam_steps(model, batches, vocab: int, device: str, steps: int, lr: float, mtp_weight: float = 0.0,
-               after_backward=None):
+def adam_steps(
+    model, batches, vocab: int, device: str, steps: int, lr: float, mtp_weight: float = 0.0, after_backward=None
+):
     """(loss per step, MTP loss per step) over `steps` Adam updates on the same batches;
     `after_backward(model)` runs every step before the update (e.g. to check gradients)."""
     from moe_sft.trainer.step import run_forward_backward
@@ -32,8 +35,7 @@ def adam_steps(model, batches, vocab: int, device: str, steps: int, lr: float, m
     main, mtp = [], []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        total = run_forward_backward([model], batches, tokens, device, vocab, seq_length=0,
-                                     mtp_weight=mtp_weight)
+        total = run_forward_backward([model], batches, tokens, device, vocab, seq_length=0, mtp_weight=mtp_weight)
         main.append((total[0] / total[1]).item())
         mtp.append((total[2] / total[1]).item())
         if after_backward is not None:

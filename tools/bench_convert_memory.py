@@ -45,12 +45,20 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                     num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=4096)
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+)
 # bf16 bytes: each layer (128 experts × 3 × 2048 × 768, attention, norms, router) and the rest
-LAYER_BYTES = 2 * (128 * 3 * 2048 * 768 + 2048 * (4096 + 2 * 512) + 4096 * 2048 + 128 * 2048
-                   + 2 * 2048 + 2 * 128)
+LAYER_BYTES = 2 * (128 * 3 * 2048 * 768 + 2048 * (4096 + 2 * 512) + 4096 * 2048 + 128 * 2048 + 2 * 2048 + 2 * 128)
 FIXED_BYTES = 2 * (2 * 151936 * 2048 + 2048)
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -78,18 +86,26 @@ def parse_args(argv=None):
     from moe_sft.conversion.sizes import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=tempfile.gettempdir() + "/moe_sft_bench",
-                        help="where the synthetic checkpoint and the output go (deleted after)")
+    parser.add_argument(
+        "--dir",
+        default=tempfile.gettempdir() + "/moe_sft_bench",
+        help="where the synthetic checkpoint and the output go (deleted after)",
+    )
     parser.add_argument("--size-gb", type=float, default=28.0, help="synthetic checkpoint size (GB)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1],
-                        help="one conversion per value (default: 1)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="one conversion per value (default: 1)")
     parser.add_argument("--chunk-size", default="256MiB", type=parse_size)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per conversion process (OMP_NUM_THREADS; default: torch's)")
-    parser.add_argument("--export", action="store_true",
-                        help="also export the converted checkpoint back to HF, measured the same way")
-    parser.add_argument("--read-size", default="256MiB", type=parse_size,
-                        help="the exporter's --read-size (default 256MiB)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per conversion process (OMP_NUM_THREADS; default: torch's)",
+    )
+    parser.add_argument(
+        "--export", action="store_true", help="also export the converted checkpoint back to HF, measured the same way"
+    )
+    parser.add_argument(
+        "--read-size", default="256MiB", type=parse_size, help="the exporter's --read-size (default 256MiB)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the files")
     parser.add_argument("--step", nargs="+", help=argparse.SUPPRESS)  # internal: a child's job
     return parser.parse_args(argv)
@@ -108,8 +124,7 @@ def run_measured(cmd: list[str], threads: int | None = None) -> dict:
     import psutil
 
     started = time.time()
-    proc = subprocess.Popen(cmd, env=_env(threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, env=_env(threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak_tree, loads, done = [0], [], threading.Event()
 
     def sample():
@@ -128,8 +143,10 @@ def run_measured(cmd: list[str], threads: int | None = None) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     out_chunks, err_chunks = [], []
-    readers = [threading.Thread(target=lambda s=s, c=c: c.append(s.read()), daemon=True)
-               for s, c in ((proc.stdout, out_chunks), (proc.stderr, err_chunks))]
+    readers = [
+        threading.Thread(target=lambda s=s, c=c: c.append(s.read()), daemon=True)
+        for s, c in ((proc.stdout, out_chunks), (proc.stderr, err_chunks))
+    ]
     for r in readers:
         r.start()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -138,10 +155,17 @@ def run_measured(cmd: list[str], threads: int | None = None) -> dict:
         r.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     loads.append(os.getloadavg()[0])
-    return dict(returncode=proc.returncode, seconds=time.time() - started,
-                peak_rss_bytes=usage.ru_maxrss * 1024, peak_tree_rss_bytes=peak_tree[0],
-                load_min=min(loads), load_max=max(loads), load_mean=sum(loads) / len(loads),
-                stdout="".join(out_chunks), stderr="".join(err_chunks))
+    return dict(
+        returncode=proc.returncode,
+        seconds=time.time() - started,
+        peak_rss_bytes=usage.ru_maxrss * 1024,
+        peak_tree_rss_bytes=peak_tree[0],
+        load_min=min(loads),
+        load_max=max(loads),
+        load_mean=sum(loads) / len(loads),
+        stdout="".join(out_chunks),
+        stderr="".join(err_chunks),
+    )
 
 
 def write_source(hf_dir: Path, layers: int) -> int:
@@ -164,10 +188,14 @@ def spot_check(hf_dir: Path, out_dir: Path) -> list[str]:
     init_single_rank("bf16")  # megatron's loader needs a process group
     reader = StreamingHFReader(hf_dir)
     stored = dist_checkpointing.load_tensors_metadata(str(out_dir))
-    keys = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.experts.experts.linear_fc1.weight",
-            "decoder.layers.0.mlp.experts.experts.linear_fc2.weight"]
-    template = {k: ShardedTensor.from_rank_offsets(k, torch.empty(stored[k].global_shape,
-                                                                  dtype=stored[k].dtype)) for k in keys}
+    keys = [
+        "embedding.word_embeddings.weight",
+        "decoder.layers.0.mlp.experts.experts.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.experts.linear_fc2.weight",
+    ]
+    template = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty(stored[k].global_shape, dtype=stored[k].dtype)) for k in keys
+    }
     loaded = dist_checkpointing.load(template, str(out_dir), validate_access_integrity=False)
     problems = []
     embed = reader.get("model.embed_tokens.weight")
@@ -177,9 +205,11 @@ def spot_check(hf_dir: Path, out_dir: Path) -> list[str]:
     ffn = fc1.shape[1] // 2
     for e in range(fc1.shape[0]):
         prefix = f"model.layers.0.mlp.experts.{e}."
-        if not (torch.equal(fc1[e, :ffn], reader.get(prefix + "gate_proj.weight"))
-                and torch.equal(fc1[e, ffn:], reader.get(prefix + "up_proj.weight"))
-                and torch.equal(fc2[e], reader.get(prefix + "down_proj.weight"))):
+        if not (
+            torch.equal(fc1[e, :ffn], reader.get(prefix + "gate_proj.weight"))
+            and torch.equal(fc1[e, ffn:], reader.get(prefix + "up_proj.weight"))
+            and torch.equal(fc2[e], reader.get(prefix + "down_proj.weight"))
+        ):
             problems.append(f"layer 0 expert {e} differs")
     return problems
 
@@ -196,10 +226,14 @@ def export_spot_check(ckpt_dir: Path, export_dir: Path) -> list[str]:
     init_single_rank("bf16")
     exported = StreamingHFReader(export_dir)
     stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
-    keys = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.experts.experts.linear_fc1.weight",
-            "decoder.layers.0.mlp.experts.experts.linear_fc2.weight"]
-    template = {k: ShardedTensor.from_rank_offsets(k, torch.empty(stored[k].global_shape,
-                                                                  dtype=stored[k].dtype)) for k in keys}
+    keys = [
+        "embedding.word_embeddings.weight",
+        "decoder.layers.0.mlp.experts.experts.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.experts.linear_fc2.weight",
+    ]
+    template = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty(stored[k].global_shape, dtype=stored[k].dtype)) for k in keys
+    }
     loaded = dist_checkpointing.load(template, str(ckpt_dir), validate_access_integrity=False)
     problems = []
     embed = exported.get("model.embed_tokens.weight")
@@ -209,9 +243,11 @@ def export_spot_check(ckpt_dir: Path, export_dir: Path) -> list[str]:
     ffn = fc1.shape[1] // 2
     for e in range(fc1.shape[0]):
         prefix = f"model.layers.0.mlp.experts.{e}."
-        if not (torch.equal(fc1[e, :ffn], exported.get(prefix + "gate_proj.weight"))
-                and torch.equal(fc1[e, ffn:], exported.get(prefix + "up_proj.weight"))
-                and torch.equal(fc2[e], exported.get(prefix + "down_proj.weight"))):
+        if not (
+            torch.equal(fc1[e, :ffn], exported.get(prefix + "gate_proj.weight"))
+            and torch.equal(fc1[e, ffn:], exported.get(prefix + "up_proj.weight"))
+            and torch.equal(fc2[e], exported.get(prefix + "down_proj.weight"))
+        ):
             problems.append(f"layer 0 expert {e} differs")
     return problems
 
@@ -228,24 +264,31 @@ def _child_step(step: list[str]) -> int:
 
 
 def _run_step(*step) -> object:
-    proc = subprocess.run([sys.executable, __file__, "--step", *map(str, step)], env=_env(),
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--step", *map(str, step)], env=_env(), capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"step {step} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _describe(run: dict) -> str:
-    return (f"peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB per process, "
-            f"{run['peak_tree_rss_bytes'] / 2**30:.2f} GiB summed over processes (sampled); load "
-            f"average {run['load_min']:.1f}-{run['load_max']:.1f} (mean {run['load_mean']:.1f})")
+    return (
+        f"peak RSS {run['peak_rss_bytes'] / 2**30:.2f} GiB per process, "
+        f"{run['peak_tree_rss_bytes'] / 2**30:.2f} GiB summed over processes (sampled); load "
+        f"average {run['load_min']:.1f}-{run['load_max']:.1f} (mean {run['load_mean']:.1f})"
+    )
 
 
 def _measured_entry(run: dict, written: int, **extra) -> dict:
-    keys = ("returncode", "seconds", "peak_rss_bytes", "peak_tree_rss_bytes", "load_min", "load_max",
-            "load_mean")
-    return dict(extra, **{k: run[k] for k in keys}, written_bytes=written,
-                mb_per_s=written / 1e6 / run["seconds"], tool_output=run["stdout"].strip().splitlines()[-2:])
+    keys = ("returncode", "seconds", "peak_rss_bytes", "peak_tree_rss_bytes", "load_min", "load_max", "load_mean")
+    return dict(
+        extra,
+        **{k: run[k] for k in keys},
+        written_bytes=written,
+        mb_per_s=written / 1e6 / run["seconds"],
+        tool_output=run["stdout"].strip().splitlines()[-2:],
+    )
 
 
 def convert_runs(args, hf_dir: Path, out_dir: Path, report: dict) -> int:
@@ -255,8 +298,18 @@ def convert_runs(args, hf_dir: Path, out_dir: Path, report: dict) -> int:
     print(f"baseline (imports + meta model): peak RSS {base['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
     for workers in args.workers:
         shutil.rmtree(out_dir, ignore_errors=True)
-        cmd = [sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), "--hf-path", str(hf_dir),
-               "--output", str(out_dir), "--workers", str(workers), "--chunk-size", str(args.chunk_size)]
+        cmd = [
+            sys.executable,
+            str(REPO / "tools" / "convert_hf_to_mcore.py"),
+            "--hf-path",
+            str(hf_dir),
+            "--output",
+            str(out_dir),
+            "--workers",
+            str(workers),
+            "--chunk-size",
+            str(args.chunk_size),
+        ]
         run = run_measured(cmd, args.threads)
         written = sum(f.stat().st_size for f in out_dir.glob("*.distcp")) if out_dir.exists() else 0
         entry = _measured_entry(run, written, workers=workers)
@@ -267,23 +320,38 @@ def convert_runs(args, hf_dir: Path, out_dir: Path, report: dict) -> int:
             entry["spot_check_problems"] = _run_step("check", hf_dir, out_dir)
             status |= bool(entry["spot_check_problems"])
         report["runs"].append(entry)
-        print(f"workers={workers}: exit {run['returncode']}, {written / 1e9:.2f} GB in "
-              f"{run['seconds']:.0f}s (whole process incl. imports) = {entry['mb_per_s']:.0f} MB/s; "
-              f"{_describe(run)}; spot check: {entry.get('spot_check_problems') or 'equal'}", flush=True)
+        print(
+            f"workers={workers}: exit {run['returncode']}, {written / 1e9:.2f} GB in "
+            f"{run['seconds']:.0f}s (whole process incl. imports) = {entry['mb_per_s']:.0f} MB/s; "
+            f"{_describe(run)}; spot check: {entry.get('spot_check_problems') or 'equal'}",
+            flush=True,
+        )
         for line in entry["tool_output"]:
             print("  tool: " + line)
     return status
 
 
 def export_run(args, ckpt_dir: Path, export_dir: Path, report: dict) -> int:
-    base = run_measured([sys.executable, "-c", EXPORT_BASELINE_SCRIPT.format(
-        repo=str(REPO), ckpt=str(ckpt_dir), read=args.read_size)])
+    base = run_measured(
+        [sys.executable, "-c", EXPORT_BASELINE_SCRIPT.format(repo=str(REPO), ckpt=str(ckpt_dir), read=args.read_size)]
+    )
     report["export_baseline_rss_bytes"] = base["peak_rss_bytes"]
-    print(f"export baseline (imports + meta models + plan): peak RSS "
-          f"{base['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+    print(
+        f"export baseline (imports + meta models + plan): peak RSS {base['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True
+    )
     shutil.rmtree(export_dir, ignore_errors=True)
-    cmd = [sys.executable, str(REPO / "tools" / "export_mcore_to_hf.py"), "--mcore-path", str(ckpt_dir),
-           "--output", str(export_dir), "--dtype", "bf16", "--read-size", str(args.read_size)]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "export_mcore_to_hf.py"),
+        "--mcore-path",
+        str(ckpt_dir),
+        "--output",
+        str(export_dir),
+        "--dtype",
+        "bf16",
+        "--read-size",
+        str(args.read_size),
+    ]
     run = run_measured(cmd, args.threads)
     index = export_dir / "model.safetensors.index.json"
     written = json.loads(index.read_text())["metadata"]["total_size"] if index.is_file() else 0
@@ -296,9 +364,12 @@ def export_run(args, ckpt_dir: Path, export_dir: Path, report: dict) -> int:
         entry["spot_check_problems"] = _run_step("check-export", ckpt_dir, export_dir)
         status = int(bool(entry["spot_check_problems"]))
     report["export"] = entry
-    print(f"export: exit {run['returncode']}, {written / 1e9:.2f} GB in {run['seconds']:.0f}s (whole "
-          f"process incl. imports) = {entry['mb_per_s']:.0f} MB/s; {_describe(run)}; spot check: "
-          f"{entry.get('spot_check_problems') or 'equal'}", flush=True)
+    print(
+        f"export: exit {run['returncode']}, {written / 1e9:.2f} GB in {run['seconds']:.0f}s (whole "
+        f"process incl. imports) = {entry['mb_per_s']:.0f} MB/s; {_describe(run)}; spot check: "
+        f"{entry.get('spot_check_problems') or 'equal'}",
+        flush=True,
+    )
     for line in entry["tool_output"]:
         print("  tool: " + line)
     return status
@@ -315,24 +386,31 @@ def main(argv=None) -> int:
     free = shutil.disk_usage(root).free
     need = 2 * expected + 2 * 10**9  # source + checkpoint; the export replaces the source if need be
     if free < need:
-        print(f"error: {root}: {free / 1e9:.1f} GB free, the {expected / 1e9:.1f} GB source plus its "
-              f"converted copy need {need / 1e9:.1f} GB; use --dir on a larger disk or a smaller "
-              "--size-gb", file=sys.stderr)
+        print(
+            f"error: {root}: {free / 1e9:.1f} GB free, the {expected / 1e9:.1f} GB source plus its "
+            f"converted copy need {need / 1e9:.1f} GB; use --dir on a larger disk or a smaller "
+            "--size-gb",
+            file=sys.stderr,
+        )
         return 2
     import psutil
 
     ram = psutil.virtual_memory().total
     hf_dir, out_dir, export_dir = root / "hf", root / "mcore", root / "export"
     shutil.rmtree(hf_dir, ignore_errors=True)
-    report = dict(ram_bytes=ram, cpus=os.cpu_count(), threads=args.threads, layers=layers,
-                  chunk_size=args.chunk_size, runs=[])
+    report = dict(
+        ram_bytes=ram, cpus=os.cpu_count(), threads=args.threads, layers=layers, chunk_size=args.chunk_size, runs=[]
+    )
     try:
         started = time.time()
         report["source_bytes"] = _run_step("write", hf_dir, layers)
         report["write_source_seconds"] = time.time() - started
-        print(f"synthetic Qwen3-30B-A3B-shaped checkpoint, {layers} layers: "
-              f"{report['source_bytes'] / 1e9:.2f} GB (RAM {ram / 1e9:.1f} GB), written in "
-              f"{report['write_source_seconds']:.0f}s", flush=True)
+        print(
+            f"synthetic Qwen3-30B-A3B-shaped checkpoint, {layers} layers: "
+            f"{report['source_bytes'] / 1e9:.2f} GB (RAM {ram / 1e9:.1f} GB), written in "
+            f"{report['write_source_seconds']:.0f}s",
+            flush=True,
+        )
         status = convert_runs(args, hf_dir, out_dir, report)
         if args.export and status == 0:
             if shutil.disk_usage(root).free < expected + 2 * 10**9:

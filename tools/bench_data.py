@@ -77,15 +77,24 @@ def bench_tokenize(rows: Path, workers: int, max_seq_len: int = 4096) -> dict:
         seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         stats = cache.stats
     # CPU seconds (this process + the workers) do not depend on what else runs on the machine.
-    return {"rows": stats.rows, "tokens": stats.tokens, "workers": workers, "seconds": round(seconds, 2),
-            "rows_per_s": round(stats.rows / seconds), "tokens_per_s": round(stats.tokens / seconds),
-            "cpu_s": round(cpu, 2), "rows_per_cpu_s": round(stats.rows / cpu),
-            "tokens_per_cpu_s": round(stats.tokens / cpu)}
+    return {
+        "rows": stats.rows,
+        "tokens": stats.tokens,
+        "workers": workers,
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(stats.rows / seconds),
+        "tokens_per_s": round(stats.tokens / seconds),
+        "cpu_s": round(cpu, 2),
+        "rows_per_cpu_s": round(stats.rows / cpu),
+        "tokens_per_cpu_s": round(stats.tokens / cpu),
+    }
 
 
 def _cpu_seconds() -> float:
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        r.ru_utime + r.ru_stime
+        for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 def bench_loader(rows: Path, steps: int, pack_length: int = 4096, global_batch_size: int = 8) -> dict:
@@ -104,25 +113,32 @@ def bench_loader(rows: Path, steps: int, pack_length: int = 4096, global_batch_s
             samples += sum(len(p.positions) for p in loader.step_packs(step))
             tokens += sum(mb.tokens.numel() - mb.num_padding for mb in batches)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
-    return {"steps": steps, "samples_per_s": round(samples / seconds), "tokens_per_s": round(tokens / seconds),
-            "ms_per_step": round(1000 * seconds / steps, 1), "cpu_ms_per_step": round(1000 * cpu / steps, 1),
-            "global_batch": f"{global_batch_size} x {pack_length}"}
+    return {
+        "steps": steps,
+        "samples_per_s": round(samples / seconds),
+        "tokens_per_s": round(tokens / seconds),
+        "ms_per_step": round(1000 * seconds / steps, 1),
+        "cpu_ms_per_step": round(1000 * cpu / steps, 1),
+        "global_batch": f"{global_batch_size} x {pack_length}",
+    }
 
 
 def throughput(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, long_tail in (("demo", False), ("long-tail", True)):
-            rows = synthetic_rows(Path(tmp) / f"{name}.jsonl", args.rows if not long_tail else args.rows // 4,
-                                  long_tail=long_tail)
+            rows = synthetic_rows(
+                Path(tmp) / f"{name}.jsonl", args.rows if not long_tail else args.rows // 4, long_tail=long_tail
+            )
             for workers in args.workers:
                 print(json.dumps({"bench": "tokenize", "data": name, **bench_tokenize(rows, workers)}), flush=True)
             print(json.dumps({"bench": "pack+build", "data": name, **bench_loader(rows, args.steps)}), flush=True)
 
 
 def efficiency(args) -> None:
+    from transformers import AutoTokenizer
+
     from moe_sft.data.chat import TokenizedDoc, tokenize_files
     from moe_sft.data.loader import PackedLoader
-    from transformers import AutoTokenizer
 
     def docs(lengths):
         return [TokenizedDoc(np.ones(n, dtype=np.int64), np.ones(n, dtype=np.float32)) for n in lengths]
@@ -135,10 +151,21 @@ def efficiency(args) -> None:
             loader = PackedLoader(docs(lengths), args.pack_length, 8, seed=0, window=window, prefetch=False)
             packs = loader.epoch_packs(0)
             eff = sum(p.tokens for p in packs) / (len(packs) * args.pack_length)
-            print(json.dumps({"bench": "efficiency", "data": name, "samples": len(lengths),
-                              "mean_len": round(float(np.mean(lengths)), 1), "pack_length": args.pack_length,
-                              "pack_window": window, "micro_batches": len(packs), "efficiency": round(eff, 4)}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "efficiency",
+                        "data": name,
+                        "samples": len(lengths),
+                        "mean_len": round(float(np.mean(lengths)), 1),
+                        "pack_length": args.pack_length,
+                        "pack_window": window,
+                        "micro_batches": len(packs),
+                        "efficiency": round(eff, 4),
+                    }
+                ),
+                flush=True,
+            )
 
 
 def _status() -> dict:
@@ -152,11 +179,11 @@ def _status() -> dict:
 
 def memory_one(args) -> None:
     """One dataset size in this (fresh) process: build the cache, then run the loader."""
+    from transformers import AutoTokenizer
+
     from moe_sft.data.cache import open_or_build
     from moe_sft.data.loader import PackedLoader
     from moe_sft.data.store import CachedDocs
-
-    from transformers import AutoTokenizer
 
     root = Path(args.workdir)
     rows = root / f"rows_{args.n}.jsonl"
@@ -175,16 +202,30 @@ def memory_one(args) -> None:
         loader.batches_for_step(step)
     loop_s = time.perf_counter() - start
     end = _status()
-    print(json.dumps({"rows": args.n, "file_MiB": rows.stat().st_size >> 20, "build_s": round(build_s, 1),
-                      "baseline": baseline, "after_build": after_build, "build_workers_peak_MiB": children_peak,
-                      "after_loader": end, "loader_ms_per_step": round(1000 * loop_s / args.steps, 2)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rows": args.n,
+                "file_MiB": rows.stat().st_size >> 20,
+                "build_s": round(build_s, 1),
+                "baseline": baseline,
+                "after_build": after_build,
+                "build_workers_peak_MiB": children_peak,
+                "after_loader": end,
+                "loader_ms_per_step": round(1000 * loop_s / args.steps, 2),
+            }
+        ),
+        flush=True,
+    )
 
 
 def memory(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
-            subprocess.run([sys.executable, __file__, "_memory_one", "--n", str(n), "--workdir", tmp,
-                            "--steps", str(args.steps)], check=True)
+            subprocess.run(
+                [sys.executable, __file__, "_memory_one", "--n", str(n), "--workdir", tmp, "--steps", str(args.steps)],
+                check=True,
+            )
 
 
 def main() -> None:

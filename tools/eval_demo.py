@@ -26,14 +26,16 @@ def evaluate(model_dir: str, data_path: str, limit: int = 0) -> tuple[int, int]:
         for line in f:
             messages = json.loads(line)["messages"]
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            prompt = tok.apply_chat_template(messages[:last], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)
+            prompt = tok.apply_chat_template(
+                messages[:last], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
             target = messages[last]["content"].strip()
             budget = len(tok(target)["input_ids"]) + 4
             with torch.no_grad():
-                out = model.generate(**prompt, max_new_tokens=budget, do_sample=False,
-                                     eos_token_id=stop, pad_token_id=tok.pad_token_id)
-            answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+                out = model.generate(
+                    **prompt, max_new_tokens=budget, do_sample=False, eos_token_id=stop, pad_token_id=tok.pad_token_id
+                )
+            answer = tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
             correct += answer.strip() == target
             total += 1
             if limit and total >= limit:

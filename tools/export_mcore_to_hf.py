@@ -36,20 +36,29 @@ from moe_sft.conversion.file_io import Progress
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mcore-path", required=True, help="moe-sft checkpoint directory")
-    parser.add_argument("--output", required=True,
-                        help="HF directory to write: absent or empty, or see --overwrite")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace whatever --output holds (refused otherwise, before exporting)")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                        help="dtype of the written tensors (default bf16)")
-    parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
-                        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB); "
-                             "shards are written in place, so this does not change the memory")
-    parser.add_argument("--read-size", type=parse_size, default=parse_size("256MiB"),
-                        help="most bytes of a megatron tensor read at once (experts, rows); memory "
-                             "is a few of these (default 256MiB)")
-    parser.add_argument("--traceback", action="store_true",
-                        help="show the full traceback instead of the one-line error")
+    parser.add_argument("--output", required=True, help="HF directory to write: absent or empty, or see --overwrite")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace whatever --output holds (refused otherwise, before exporting)"
+    )
+    parser.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the written tensors (default bf16)"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size("5GB"),
+        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB); "
+        "shards are written in place, so this does not change the memory",
+    )
+    parser.add_argument(
+        "--read-size",
+        type=parse_size,
+        default=parse_size("256MiB"),
+        help="most bytes of a megatron tensor read at once (experts, rows); memory is a few of these (default 256MiB)",
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", help="show the full traceback instead of the one-line error"
+    )
     return parser.parse_args(argv)
 
 
@@ -59,22 +68,29 @@ def run(args: argparse.Namespace) -> int:
     from moe_sft.conversion.export import export_with_stats
 
     started = time.time()
-    out, stats = export_with_stats(args.mcore_path, args.output, max_shard_bytes=args.max_shard_size,
-                                   dtype=args.dtype, read_bytes=args.read_size, progress=Progress("written"),
-                                   overwrite=args.overwrite)
+    out, stats = export_with_stats(
+        args.mcore_path,
+        args.output,
+        max_shard_bytes=args.max_shard_size,
+        dtype=args.dtype,
+        read_bytes=args.read_size,
+        progress=Progress("written"),
+        overwrite=args.overwrite,
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
-    print(f"exported {len(index['weight_map'])} tensors ({args.dtype}, {shards} shard(s), "
-          f"{index['metadata']['total_size'] / 1e6:.1f} MB) in {time.time() - started:.1f}s "
-          f"({stats.written_bytes / 1e6 / max(stats.seconds, 1e-9):.0f} MB/s) -> {out.resolve()}")
+    print(
+        f"exported {len(index['weight_map'])} tensors ({args.dtype}, {shards} shard(s), "
+        f"{index['metadata']['total_size'] / 1e6:.1f} MB) in {time.time() - started:.1f}s "
+        f"({stats.written_bytes / 1e6 / max(stats.seconds, 1e-9):.0f} MB/s) -> {out.resolve()}"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not Path(args.mcore_path).is_dir():
-        print(f"error: {args.mcore_path}: moe-sft checkpoint directory does not exist",
-              file=sys.stderr)
+        print(f"error: {args.mcore_path}: moe-sft checkpoint directory does not exist", file=sys.stderr)
         return 2
     from moe_sft.errors import run_reporting_user_errors
 

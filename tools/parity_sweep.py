@@ -55,9 +55,12 @@ def main(argv=None) -> int:
             failed += not result.passed
             worst[family.name] = max(worst.get(family.name, 0.0), result.max_logit_diff)
             status = "ok  " if result.passed else "FAIL"
-            print(f"{status} {family.name} seed {result.seed}: max abs logit diff "
-                  f"{result.max_logit_diff:.2e} round trip {'exact' if result.round_trip_exact else 'DIFFERS'}"
-                  f"{' ' + result.error if result.error else ''}", flush=True)
+            print(
+                f"{status} {family.name} seed {result.seed}: max abs logit diff "
+                f"{result.max_logit_diff:.2e} round trip {'exact' if result.round_trip_exact else 'DIFFERS'}"
+                f"{' ' + result.error if result.error else ''}",
+                flush=True,
+            )
             if out:
                 out.write(parity.result_json(result) + "\n")
                 out.flush()

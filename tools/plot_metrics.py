@@ -71,10 +71,12 @@ def panel(title: str, series: dict[str, list[tuple[int, float]]], floor_zero: bo
     def px(step, value):
         return x0 + PAD_L + pw * (step - s_lo) / (s_hi - s_lo), y0 + PAD_T + ph * (1 - (value - lo) / (hi - lo))
 
-    out = [f'<rect x="{x0 + PAD_L}" y="{y0 + PAD_T}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
-           f'<text x="{x0 + W / 2}" y="{y0 + 16}" text-anchor="middle" font-weight="bold">{escape(title)}</text>',
-           f'<text x="{x0 + PAD_L}" y="{y0 + H - 12}">{s_lo}</text>',
-           f'<text x="{x0 + W - PAD_R}" y="{y0 + H - 12}" text-anchor="end">step {s_hi}</text>']
+    out = [
+        f'<rect x="{x0 + PAD_L}" y="{y0 + PAD_T}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
+        f'<text x="{x0 + W / 2}" y="{y0 + 16}" text-anchor="middle" font-weight="bold">{escape(title)}</text>',
+        f'<text x="{x0 + PAD_L}" y="{y0 + H - 12}">{s_lo}</text>',
+        f'<text x="{x0 + W - PAD_R}" y="{y0 + H - 12}" text-anchor="end">step {s_hi}</text>',
+    ]
     for i, label in enumerate(_ticks(lo, hi)):
         y = y0 + PAD_T + ph * (1 - i / 2)
         out.append(f'<line x1="{x0 + PAD_L}" x2="{x0 + PAD_L + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
@@ -85,8 +87,10 @@ def panel(title: str, series: dict[str, list[tuple[int, float]]], floor_zero: bo
         out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="1.5"/>')
         if len(series) > 1:
             label = re.sub(r"^.*?(layer_\d+).*$", r"\1", tag) if "layer_" in tag else tag.split("/")[-1]
-            out.append(f'<text x="{x0 + PAD_L + 6 + 62 * (i % 4)}" y="{y0 + PAD_T + 14 + 12 * (i // 4)}" '
-                       f'fill="{color}">{escape(label)}</text>')
+            out.append(
+                f'<text x="{x0 + PAD_L + 6 + 62 * (i % 4)}" y="{y0 + PAD_T + 14 + 12 * (i // 4)}" '
+                f'fill="{color}">{escape(label)}</text>'
+            )
     return "\n".join(out)
 
 
@@ -100,12 +104,16 @@ def render_svg(scalars: dict[str, list[tuple[int, float]]], title: str, columns:
         raise SystemExit("no known metrics in the event files (is this a moe-sft run directory?)")
     rows = -(-len(panels) // columns)
     width, height = columns * W, rows * H + 30
-    body = [panel(name, series, floor, (i % columns) * W, 30 + (i // columns) * H)
-            for i, (name, series, floor) in enumerate(panels)]
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'font-family="sans-serif" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'
-            f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="14" font-weight="bold">'
-            f'{escape(title)}</text>\n' + "\n".join(body) + "\n</svg>\n")
+    body = [
+        panel(name, series, floor, (i % columns) * W, 30 + (i // columns) * H)
+        for i, (name, series, floor) in enumerate(panels)
+    ]
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'
+        f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="14" font-weight="bold">'
+        f"{escape(title)}</text>\n" + "\n".join(body) + "\n</svg>\n"
+    )
 
 
 def main(argv=None) -> int:

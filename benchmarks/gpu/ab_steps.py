@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.gpu.bench_model import add_model_args, build_arm  # noqa: E402
 
+
 class _ThroughTriton(dict):
     """A launch cache that never hits: every Triton launch goes through Triton's own entry."""
 
@@ -42,24 +43,32 @@ def _off_values():
     from moe_sft.layers import attention
 
     _TorchVarlenAttn.apply = staticmethod(attention.torch_varlen_attn)
-    return {"router_topk": None, "wgrad_overlap": False, "triton_launch": _ThroughTriton(),
-            "flash_direct": _TorchVarlenAttn, "topk_rows": None, "one_rank_collectives": lambda group: False,
-            "cuda_graphs": False, "loss_rows": False, "triton_adam": False,
-            "adam_writes_bf16": False}
+    return {
+        "router_topk": None,
+        "wgrad_overlap": False,
+        "triton_launch": _ThroughTriton(),
+        "flash_direct": _TorchVarlenAttn,
+        "topk_rows": None,
+        "one_rank_collectives": lambda group: False,
+        "cuda_graphs": False,
+        "loss_rows": False,
+        "triton_adam": False,
+        "adam_writes_bf16": False,
+    }
 
 
 # name: (module, attribute); the value that turns it off comes from _off_values()
 SWITCHES = {
-    "router_topk": ("moe_sft.layers.router_topk", "triton"),         # off: megatron's torch ops
-    "wgrad_overlap": ("moe_sft.layers.wgrad", "OVERLAP"),            # off: the compute stream
-    "triton_launch": ("moe_sft.layers.triton_launch", "_cache"),     # off: Triton's JIT entry each launch
-    "flash_direct": ("moe_sft.layers.attention", "_FlashVarlen"),    # off: torch's varlen_attn custom op
-    "topk_rows": ("moe_sft.layers.topk_rows", "triton"),             # off: the permutation's torch ops
-    "one_rank_collectives": ("moe_sft.layers.one_rank_collectives", "_one_rank"),  # off: megatron's Functions
-    "cuda_graphs": ("moe_sft.trainer.cuda_graphs", "REPLAY"),        # off: the captured layers run eagerly
-    "loss_rows": ("moe_sft.trainer.loss_rows", "ENABLED"),           # off: the LM head over every position
-    "triton_adam": ("moe_sft.trainer.optimizer_kernels", "ENABLED"),  # off: clip multiply + torch's fused Adam
-    "adam_writes_bf16": ("moe_sft.trainer.optimizer_kernels", "WRITE_MODEL_PARAMS"),  # off: megatron's copy_
+    "router_topk": ("moe_sft.kernels.router_topk", "triton"),  # off: megatron's torch ops
+    "wgrad_overlap": ("moe_sft.kernels.wgrad", "OVERLAP"),  # off: the compute stream
+    "triton_launch": ("moe_sft.kernels.triton_launch", "_cache"),  # off: Triton's JIT entry each launch
+    "flash_direct": ("moe_sft.layers.attention", "_FlashVarlen"),  # off: torch's varlen_attn custom op
+    "topk_rows": ("moe_sft.kernels.topk_rows", "triton"),  # off: the permutation's torch ops
+    "one_rank_collectives": ("moe_sft.kernels.one_rank_collectives", "_one_rank"),  # off: megatron's Functions
+    "cuda_graphs": ("moe_sft.trainer.cuda_graphs", "REPLAY"),  # off: the captured layers run eagerly
+    "loss_rows": ("moe_sft.trainer.loss_rows", "ENABLED"),  # off: the LM head over every position
+    "triton_adam": ("moe_sft.kernels.optimizer", "ENABLED"),  # off: clip multiply + torch's fused Adam
+    "adam_writes_bf16": ("moe_sft.kernels.optimizer", "WRITE_MODEL_PARAMS"),  # off: megatron's copy_
 }
 
 
@@ -95,7 +104,7 @@ def main() -> int:
         arm.step(step)
         step += 1
     for r in range(args.pairs):  # pairs of adjacent steps, the order flipping every pair
-        for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
             setattr(module, attr, on_value if side == "on" else off_value)
             arm.prepare(step)
             _sync(arm.device)
@@ -109,21 +118,30 @@ def main() -> int:
             allocator["alloc_retries"].append(after[1] - before[1])
             step += 1
     setattr(module, attr, on_value)
-    result = {"switch": args.switch, "model": args.model, "layers": args.layers, "budget": args.budget,
-              "tokens_per_step": args.tokens_per_step, "step_seconds": times, "losses": losses,
-              "allocator": allocator, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
-              "median_s": {k: statistics.median(v) for k, v in times.items()},
-              # each pair's two steps ran back to back: their ratio cancels the host's slow drift
-              "median_pair_ratio_off_over_on": statistics.median(
-                  off / on for on, off in zip(times["on"], times["off"])),
-              "device": torch.cuda.get_device_name() if arm.device == "cuda" else arm.device}
+    result = {
+        "switch": args.switch,
+        "model": args.model,
+        "layers": args.layers,
+        "budget": args.budget,
+        "tokens_per_step": args.tokens_per_step,
+        "step_seconds": times,
+        "losses": losses,
+        "allocator": allocator,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        # each pair's two steps ran back to back: their ratio cancels the host's slow drift
+        "median_pair_ratio_off_over_on": statistics.median(off / on for on, off in zip(times["on"], times["off"])),
+        "device": torch.cuda.get_device_name() if arm.device == "cuda" else arm.device,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"ab_{args.switch}.json").write_text(json.dumps(result, indent=1))
     on, off = result["median_s"]["on"], result["median_s"]["off"]
     pair = result["median_pair_ratio_off_over_on"]
-    print(f"[ab] {args.switch}: median step on {on:.4f} s, off {off:.4f} s; median of the pairs' off/on "
-          f"{pair:.3f} ({(pair - 1) * 100:+.1f}% slower off); cudaMalloc calls per step {allocator['device_allocs']}, retries "
-          f"{sum(allocator['alloc_retries'])}; steps on {[round(t, 3) for t in times['on']]} off {[round(t, 3) for t in times['off']]}")
+    print(
+        f"[ab] {args.switch}: median step on {on:.4f} s, off {off:.4f} s; median of the pairs' off/on "
+        f"{pair:.3f} ({(pair - 1) * 100:+.1f}% slower off); cudaMalloc calls per step {allocator['device_allocs']}, retries "
+        f"{sum(allocator['alloc_retries'])}; steps on {[round(t, 3) for t in times['on']]} off {[round(t, 3) for t in times['off']]}"
+    )
     arm.close()
     return 0
 

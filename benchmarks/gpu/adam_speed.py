@@ -1,6 +1,6 @@
 """Time the optimizer update alone, each followed by megatron's cast of the fp32 main parameters into
 the bf16 model parameters: the foreach clip multiply + torch's fused AdamW + `copy_`, the clip + Adam
-Triton kernel (moe_sft/trainer/adam_kernel.py) + `copy_`, and the kernel writing the bf16 parameters
+Triton kernel (moe_sft/kernels/adam.py) + `copy_`, and the kernel writing the bf16 parameters
 itself; on fp32 tensors shaped like the benchmark shard's (one big expert tensor per layer and many
 small ones), with each side's bytes moved and the bandwidth that gives.
 
@@ -24,7 +24,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
 
-    from moe_sft.trainer import adam_kernel
+    from moe_sft.kernels import adam as adam_kernel
 
     total = int(args.params)
     big = total // 10  # ten large tensors (stacked experts) ...
@@ -54,20 +54,33 @@ def main() -> int:
     def kernel_path(write_models):
         hyper = adam_kernel.hyper_parameters(group, coeff, "cuda")
         for q, (m, v), model in zip(params, states, models):
-            adam_kernel.adam_step(q.data, q.grad, m, v, step, hyper, decoupled=True, weight_decay=True,
-                                  grad_coeff=True, model_param=model if write_models else None)
+            adam_kernel.adam_step(
+                q.data,
+                q.grad,
+                m,
+                v,
+                step,
+                hyper,
+                decoupled=True,
+                weight_decay=True,
+                grad_coeff=True,
+                model_param=model if write_models else None,
+            )
         if not write_models:
             copy_to_models()
 
     elements = sum(sizes)
     # bytes per parameter: fp32 reads and writes, + the bf16 copy's 4-byte read and 2-byte write
     for name, fn, bytes_per in (
-            ("foreach clip multiply + torch fused AdamW + copy_", torch_path, 4 * (2 + 4 + 3) + 6),
-            ("clip + Adam Triton kernel + copy_", lambda: kernel_path(False), 4 * (4 + 3) + 6),
-            ("clip + Adam Triton kernel writing the bf16 parameters", lambda: kernel_path(True), 4 * (4 + 3) + 2)):
+        ("foreach clip multiply + torch fused AdamW + copy_", torch_path, 4 * (2 + 4 + 3) + 6),
+        ("clip + Adam Triton kernel + copy_", lambda: kernel_path(False), 4 * (4 + 3) + 6),
+        ("clip + Adam Triton kernel writing the bf16 parameters", lambda: kernel_path(True), 4 * (4 + 3) + 2),
+    ):
         ms = seconds_per_call(fn, "cuda", 1, args.iters) * 1e3
-        print(f"[adam] {name}: {ms:.2f} ms for {elements / 1e9:.2f}G parameters; {bytes_per} B/param moved, "
-              f"{elements * bytes_per / ms / 1e9:.2f} TB/s")
+        print(
+            f"[adam] {name}: {ms:.2f} ms for {elements / 1e9:.2f}G parameters; {bytes_per} B/param moved, "
+            f"{elements * bytes_per / ms / 1e9:.2f} TB/s"
+        )
     return 0
 
 

@@ -34,8 +34,8 @@ class _CudnnVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, 0.0, True, False,
-            scale=scale)
+            q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True, 0.0, True, False, scale=scale
+        )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset)
         ctx.sizes = (max_seqlen_q, max_seqlen_k, scale)
         return out
@@ -45,9 +45,23 @@ class _CudnnVarlen(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset = ctx.saved_tensors
         max_seqlen_q, max_seqlen_k, scale = ctx.sizes
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out=grad_out.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed,
-            philox_offset=offset, attn_bias=None, cum_seq_q=cu_seqlens_q, cum_seq_k=cu_seqlens_k,
-            max_q=max_seqlen_q, max_k=max_seqlen_k, dropout_p=0.0, is_causal=True, scale=scale)
+            grad_out=grad_out.contiguous(),
+            query=q,
+            key=k,
+            value=v,
+            out=out,
+            logsumexp=lse,
+            philox_seed=seed,
+            philox_offset=offset,
+            attn_bias=None,
+            cum_seq_q=cu_seqlens_q,
+            cum_seq_k=cu_seqlens_k,
+            max_q=max_seqlen_q,
+            max_k=max_seqlen_k,
+            dropout_p=0.0,
+            is_causal=True,
+            scale=scale,
+        )
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -78,7 +92,7 @@ def run_case(name, budget, hq, hkv, dqk, dv, backends):
     for n in lens:
         cu_list.append(cu_list[-1] + n)
     cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
-    t, maxlen, scale = cu_list[-1], max(lens), dqk ** -0.5
+    t, maxlen, scale = cu_list[-1], max(lens), dqk**-0.5
     q = torch.randn(t, hq, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(t, hkv, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(t, hkv, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -100,9 +114,12 @@ def run_case(name, budget, hq, hkv, dqk, dv, backends):
             with torch.no_grad():
                 fwd_ms = seconds_per_call(call, "cuda", 3, 20) * 1e3
             both_ms = seconds_per_call(lambda: torch.autograd.grad(call(), (q, k, v), grad), "cuda", 3, 20) * 1e3
-            row.update(fwd_ms=round(fwd_ms, 3), fwd_bwd_ms=round(both_ms, 3),
-                       fwd_tflops=round(fwd_flops / fwd_ms / 1e9, 1),
-                       fwd_bwd_tflops=round(3.5 * fwd_flops / both_ms / 1e9, 1))
+            row.update(
+                fwd_ms=round(fwd_ms, 3),
+                fwd_bwd_ms=round(both_ms, 3),
+                fwd_tflops=round(fwd_flops / fwd_ms / 1e9, 1),
+                fwd_bwd_tflops=round(3.5 * fwd_flops / both_ms / 1e9, 1),
+            )
         except Exception as exc:  # a backend that refuses a shape is a result too
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         print(json.dumps(row), flush=True)

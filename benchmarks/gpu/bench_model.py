@@ -20,9 +20,20 @@ def build_arm(args, work_dir: Path, max_steps: int):
     from benchmarks.ours import OursArm
     from benchmarks.workload import Workload, hf_config
 
-    work = Workload(budget=args.budget, micro_batches=args.tokens_per_step // args.budget,
-                    vocab=hf_config(args.model, args.layers)[1].vocab_size)
-    arm = OursArm(args.model, args.layers, work_dir, ep=1, first=work, max_steps=max_steps, device=args.device,
-                  cuda_graphs=getattr(args, "cuda_graphs", False))
+    work = Workload(
+        budget=args.budget,
+        micro_batches=args.tokens_per_step // args.budget,
+        vocab=hf_config(args.model, args.layers)[1].vocab_size,
+    )
+    arm = OursArm(
+        args.model,
+        args.layers,
+        work_dir,
+        ep=1,
+        first=work,
+        max_steps=max_steps,
+        device=args.device,
+        cuda_graphs=getattr(args, "cuda_graphs", False),
+    )
     arm.use(work)
     return arm

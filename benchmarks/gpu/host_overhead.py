@@ -29,10 +29,13 @@ def host_us(fn, iters: int = 300) -> float:
 
 
 def cases():
-    from moe_sft.layers import gather_sum, norm, router_topk
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import gather_sum, install, router_topk
+    from moe_sft.layers import norm
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     dev = "cuda"
     tokens, hidden, experts, k = 64, 2048, 128, 8
     x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -44,18 +47,21 @@ def cases():
     def norm_step(use_triton):
         def run():
             norm.rms_norm(x, w, 1e-6, use_triton=use_triton).sum().backward()
+
         return run
 
     def routing(fn):
         def run():
             probs, _ = fn(logits, k, score_function="softmax")
             probs.sum().backward()
+
         return run
 
     def aux_scores(fn):
         def run():
             _, scores = fn(logits, k, "softmax")
             scores.sum().backward()
+
         return run
 
     def flash(direct):
@@ -68,6 +74,7 @@ def cases():
 
         def run():
             fn(q, kv, kv, cu, cu, 44, 44, 0.088).sum().backward()
+
         return run
 
     def empty_sum():
@@ -85,17 +92,25 @@ def cases():
         def backward(ctx, g):
             return g
 
-    yield ("the baseline with 4 identity autograd Functions | without",
-           lambda: Identity.apply(Identity.apply(Identity.apply(Identity.apply(x * 2)))).sum().backward(),
-           lambda: (x * 2).sum().backward())
+    yield (
+        "the baseline with 4 identity autograd Functions | without",
+        lambda: Identity.apply(Identity.apply(Identity.apply(Identity.apply(x * 2)))).sum().backward(),
+        lambda: (x * 2).sum().backward(),
+    )
     yield from triton_launch_paths()
     yield "rms_norm fwd+bwd: Triton | torch ops", norm_step(True), norm_step(False)
-    yield ("top-k routing fwd+bwd: Triton | megatron's torch ops", routing(router_topk.topk_routing_with_score_function),
-           routing(router_topk._megatron_topk_routing))
-    yield ("aux-loss scores fwd+bwd: Triton | megatron's torch ops",
-           aux_scores(router_topk.compute_routing_scores_for_aux_loss), aux_scores(router_topk._megatron_aux_loss_scores))
+    yield (
+        "top-k routing fwd+bwd: Triton | megatron's torch ops",
+        routing(router_topk.topk_routing_with_score_function),
+        routing(router_topk._megatron_topk_routing),
+    )
+    yield (
+        "aux-loss scores fwd+bwd: Triton | megatron's torch ops",
+        aux_scores(router_topk.compute_routing_scores_for_aux_loss),
+        aux_scores(router_topk._megatron_aux_loss_scores),
+    )
     yield ("direct flash varlen | torch's varlen_attn, fwd+bwd", flash(True), flash(False))
-    from moe_sft.layers import permute, topk_rows
+    from moe_sft.kernels import permute, topk_rows
 
     choice = torch.randn(tokens, experts, device=dev).topk(k, dim=1).indices
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device=dev).scatter(1, choice, True)
@@ -106,10 +121,16 @@ def cases():
         permute._slot_rows(places, tokens, width)
         probs.T.reshape(-1).index_select(0, flat)
 
-    yield ("top-k permutation indices fwd: Triton | torch ops", lambda: topk_rows.topk_rows(routing_map, probs, k),
-           rows_torch)
-    yield ("gather_sum fwd: Triton | torch ops", lambda: gather_sum.gather_sum(rows, slots),
-           lambda: gather_sum._gather_sum_torch(rows, slots))
+    yield (
+        "top-k permutation indices fwd: Triton | torch ops",
+        lambda: topk_rows.topk_rows(routing_map, probs, k),
+        rows_torch,
+    )
+    yield (
+        "gather_sum fwd: Triton | torch ops",
+        lambda: gather_sum.gather_sum(rows, slots),
+        lambda: gather_sum._gather_sum_torch(rows, slots),
+    )
 
 
 def triton_launch_paths():
@@ -131,14 +152,18 @@ def triton_launch_paths():
     stream = torch.cuda.current_stream().cuda_stream
 
     def direct():
-        compiled.run(4, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     src, dst, 4096, 1024)
+        compiled.run(
+            4, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, src, dst, 4096, 1024
+        )
 
     yield "Triton launch: JIT entry | direct launcher", lambda: _copy[(4,)](src, dst, 4096, BLOCK=1024), direct
-    from moe_sft.layers.triton_launch import launch
+    from moe_sft.kernels.triton_launch import launch
 
-    yield ("Triton launch: compiled runner | moe_sft's launch()", lambda: compiled[(4, 1, 1)](src, dst, 4096, 1024),
-           lambda: launch(_copy, (4,), src, dst, 4096, BLOCK=1024))
+    yield (
+        "Triton launch: compiled runner | moe_sft's launch()",
+        lambda: compiled[(4, 1, 1)](src, dst, 4096, 1024),
+        lambda: launch(_copy, (4,), src, dst, 4096, BLOCK=1024),
+    )
 
 
 def main() -> int:

@@ -37,13 +37,16 @@ def step_anatomy(arm, steps) -> list[dict]:
             _sync(arm.device)
             parts[label] = parts.get(label, 0.0) + time.perf_counter() - start
             return out
+
         setattr(owner, name, wrapper)
         return owner, name, original
 
-    patched = [timed(trainer.train_step, "run_forward_backward", "forward_backward"),
-               timed(trainer.train_step, "global_loss", "loss_allreduce"),
-               timed(guard, "step_unless_non_finite", "optimizer"),
-               timed(arm.trainer.telemetry, "step_metrics", "telemetry")]
+    patched = [
+        timed(trainer.train_step, "run_forward_backward", "forward_backward"),
+        timed(trainer.train_step, "global_loss", "loss_allreduce"),
+        timed(guard, "step_unless_non_finite", "optimizer"),
+        timed(arm.trainer.telemetry, "step_metrics", "telemetry"),
+    ]
     try:
         for step in steps:
             arm.prepare(step)

@@ -43,31 +43,80 @@ if str(REPO) not in sys.path:
 PEAK_LINE = re.compile(r"peak memory per rank \(GiB allocated/reserved\): (.*)$")
 STEP_LINE = re.compile(r"^step (\d+)/\d+ (.*)$")
 
+
 def recipe_shard(recipe_model: str, **fewer) -> dict:
     """recipes/models/<recipe_model>/config.json (hidden, heads, expert FFN, MLA ranks, rope, router
     settings as the recipe trains them) with fewer layers and experts."""
     config = json.loads((REPO / "recipes" / "models" / recipe_model / "config.json").read_text())
-    not_shape = ("architectures", "auto_map", "model_type", "quantization_config", "torch_dtype",
-                 "transformers_version")
+    not_shape = (
+        "architectures",
+        "auto_map",
+        "model_type",
+        "quantization_config",
+        "torch_dtype",
+        "transformers_version",
+    )
     return {k: v for k, v in config.items() if k not in not_shape} | fewer
 
 
 MODELS = {
-    "qwen30b_4l": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                     moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
-                                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                     max_position_embeddings=40960, router_aux_loss_coef=0.001)),
-    "mixtral_2l": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                                   num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
-                                   head_dim=128, num_local_experts=8, num_experts_per_tok=2,
-                                   max_position_embeddings=32768)),
-    "dsv3_mini": ("deepseek_v3", dict(vocab_size=129280, hidden_size=2048, intermediate_size=5632,
-                                      moe_intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                                      num_key_value_heads=16, n_routed_experts=32, n_shared_experts=1,
-                                      num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1,
-                                      q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-                                      qk_nope_head_dim=128, v_head_dim=128, num_nextn_predict_layers=1,
-                                      max_position_embeddings=16384)),
+    "qwen30b_4l": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            max_position_embeddings=40960,
+            router_aux_loss_coef=0.001,
+        ),
+    ),
+    "mixtral_2l": (
+        "mixtral",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=2,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=32768,
+        ),
+    ),
+    "dsv3_mini": (
+        "deepseek_v3",
+        dict(
+            vocab_size=129280,
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_routed_experts=32,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=1,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            num_nextn_predict_layers=1,
+            max_position_embeddings=16384,
+        ),
+    ),
     # Per-recipe shard shapes (issue 8): the recipe's model with 2 layers and fewer experts, so that
     # EP2 gives each GPU the recipe's local experts. Balanced routing sends every GPU top_k rows per
     # local token whatever the EP size, so the routed activations match the recipe's too.
@@ -81,8 +130,10 @@ MODELS = {
     "mixtral8x7b_shard": ("mixtral", recipe_shard("mixtral_8x7b", num_hidden_layers=2, num_local_experts=2)),
     # DeepSeek-V3, recipe EP32: 256 experts = 8 local experts (8 groups of 2, top-4 groups); 1 dense +
     # 1 MoE layer + MTP.
-    "dsv3_shard": ("deepseek_v3", recipe_shard("deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1,
-                                               n_routed_experts=16)),
+    "dsv3_shard": (
+        "deepseek_v3",
+        recipe_shard("deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=16),
+    ),
 }
 
 SP = "parallel.sequence_parallel=true"
@@ -93,43 +144,83 @@ LAYOUTS = {
     "qwen_1gpu_16k": ("qwen30b_4l", 1, ["data.pack_length=16384", "trainer.global_batch_size=4"]),
     "qwen_1gpu_full8k": ("qwen30b_4l", 1, ["data.pack_length=8192"] + FULL),
     "qwen_1gpu_selective": ("qwen30b_4l", 1, ["data.pack_length=4096", "model.recompute_granularity=selective"]),
-    "qwen_1gpu_offload": ("qwen30b_4l", 1, ["data.pack_length=4096", "optimizer.optimizer_cpu_offload=true",
-                                            "optimizer.optimizer_offload_fraction=1.0"]),
+    "qwen_1gpu_offload": (
+        "qwen30b_4l",
+        1,
+        ["data.pack_length=4096", "optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=1.0"],
+    ),
     "qwen_ep2": ("qwen30b_4l", 2, ["data.pack_length=4096", "parallel.expert_model_parallel_size=2"]),
     "qwen_pp2": ("qwen30b_4l", 2, ["data.pack_length=4096", "parallel.pipeline_model_parallel_size=2"]),
-    "qwen_tp2_ep2": ("qwen30b_4l", 2, ["data.pack_length=4096", "parallel.tensor_model_parallel_size=2", SP,
-                                       "parallel.expert_model_parallel_size=2",
-                                       "parallel.expert_tensor_parallel_size=1"]),
+    "qwen_tp2_ep2": (
+        "qwen30b_4l",
+        2,
+        [
+            "data.pack_length=4096",
+            "parallel.tensor_model_parallel_size=2",
+            SP,
+            "parallel.expert_model_parallel_size=2",
+            "parallel.expert_tensor_parallel_size=1",
+        ],
+    ),
     "qwen_ep4": ("qwen30b_4l", 4, ["data.pack_length=8192", "parallel.expert_model_parallel_size=4"] + FULL),
-    "qwen_pp2_vpp2_ep2": ("qwen30b_4l", 4, ["data.pack_length=4096", "parallel.pipeline_model_parallel_size=2",
-                                            "parallel.virtual_pipeline_model_parallel_size=2",
-                                            "parallel.expert_model_parallel_size=2"]),
+    "qwen_pp2_vpp2_ep2": (
+        "qwen30b_4l",
+        4,
+        [
+            "data.pack_length=4096",
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "parallel.expert_model_parallel_size=2",
+        ],
+    ),
     "mixtral_1gpu": ("mixtral_2l", 1, ["data.pack_length=4096"]),
     "mixtral_1gpu_32k": ("mixtral_2l", 1, ["data.pack_length=32768", "trainer.global_batch_size=2"]),
     "mixtral_ep2_full": ("mixtral_2l", 2, ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"] + FULL),
-    "mixtral_tp2_ep2": ("mixtral_2l", 4, ["data.pack_length=4096", "parallel.tensor_model_parallel_size=2", SP,
-                                          "parallel.expert_model_parallel_size=2",
-                                          "parallel.expert_tensor_parallel_size=1"]),
+    "mixtral_tp2_ep2": (
+        "mixtral_2l",
+        4,
+        [
+            "data.pack_length=4096",
+            "parallel.tensor_model_parallel_size=2",
+            SP,
+            "parallel.expert_model_parallel_size=2",
+            "parallel.expert_tensor_parallel_size=1",
+        ],
+    ),
     "dsv3_1gpu": ("dsv3_mini", 1, ["data.pack_length=4096"]),
     "dsv3_1gpu_16k": ("dsv3_mini", 1, ["data.pack_length=16384", "trainer.global_batch_size=4"]),
-    "dsv3_pp2_ep2": ("dsv3_mini", 4, ["data.pack_length=4096", "parallel.pipeline_model_parallel_size=2",
-                                      "parallel.expert_model_parallel_size=2"]),
+    "dsv3_pp2_ep2": (
+        "dsv3_mini",
+        4,
+        ["data.pack_length=4096", "parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+    ),
     # the recipes' per-GPU shard shapes with their pack length and recompute (recipes/*.yaml)
-    "recipe_qwen3_235b": ("qwen235b_shard", 2, ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"]
-                          + FULL),
-    "recipe_mixtral_8x22b": ("mixtral8x22b_shard", 2, ["data.pack_length=8192",
-                                                       "parallel.expert_model_parallel_size=2"] + FULL),
-    "recipe_qwen3_30b": ("qwen30b_shard", 2, ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"]
-                         + FULL),
-    "recipe_mixtral_8x7b": ("mixtral8x7b_shard", 2, ["data.pack_length=8192",
-                                                     "parallel.expert_model_parallel_size=2"] + FULL),
-    "recipe_deepseek_v3": ("dsv3_shard", 2, ["data.pack_length=4096", "parallel.expert_model_parallel_size=2"]
-                           + FULL),
+    "recipe_qwen3_235b": (
+        "qwen235b_shard",
+        2,
+        ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"] + FULL,
+    ),
+    "recipe_mixtral_8x22b": (
+        "mixtral8x22b_shard",
+        2,
+        ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"] + FULL,
+    ),
+    "recipe_qwen3_30b": ("qwen30b_shard", 2, ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"] + FULL),
+    "recipe_mixtral_8x7b": (
+        "mixtral8x7b_shard",
+        2,
+        ["data.pack_length=8192", "parallel.expert_model_parallel_size=2"] + FULL,
+    ),
+    "recipe_deepseek_v3": ("dsv3_shard", 2, ["data.pack_length=4096", "parallel.expert_model_parallel_size=2"] + FULL),
 }
 # the recipe (recipes/<name>.yaml) whose per-GPU shard each recipe_* layout reproduces
-RECIPE_OF_LAYOUT = {"recipe_qwen3_30b": "qwen3_30b_a3b", "recipe_mixtral_8x7b": "mixtral_8x7b",
-                    "recipe_qwen3_235b": "qwen3_235b_a22b", "recipe_mixtral_8x22b": "mixtral_8x22b",
-                    "recipe_deepseek_v3": "deepseek_v3"}
+RECIPE_OF_LAYOUT = {
+    "recipe_qwen3_30b": "qwen3_30b_a3b",
+    "recipe_mixtral_8x7b": "mixtral_8x7b",
+    "recipe_qwen3_235b": "qwen3_235b_a22b",
+    "recipe_mixtral_8x22b": "mixtral_8x22b",
+    "recipe_deepseek_v3": "deepseek_v3",
+}
 
 
 # ----------------------------------------------------------------------------- pure helpers (CPU-tested)
@@ -166,12 +257,18 @@ def stage_peaks(peaks: list[tuple[float, float]], stage_of_rank: list[int]) -> d
 
 
 def markdown(results: list[dict], gpu_name: str) -> str:
-    head = ("| layout | GPUs | stage | predicted allocated GiB | measured max allocated GiB | error | "
-            "measured reserved GiB | predicted reserved GiB (x fragmentation) | prediction: weights / grads / optim / "
-            "activ / work / logits | tokens/s (median, steps >= 2) |")
-    rows = [f"Planner calibration on {gpu_name} (bf16, torch-native spec; `python benchmarks/gpu/plan_calibration.py`).",
-            "Error = predicted / measured - 1 on torch.cuda.max_memory_allocated (target: within 10%).", "",
-            head, "|" + "---|" * 10]
+    head = (
+        "| layout | GPUs | stage | predicted allocated GiB | measured max allocated GiB | error | "
+        "measured reserved GiB | predicted reserved GiB (x fragmentation) | prediction: weights / grads / optim / "
+        "activ / work / logits | tokens/s (median, steps >= 2) |"
+    )
+    rows = [
+        f"Planner calibration on {gpu_name} (bf16, torch-native spec; `python benchmarks/gpu/plan_calibration.py`).",
+        "Error = predicted / measured - 1 on torch.cuda.max_memory_allocated (target: within 10%).",
+        "",
+        head,
+        "|" + "---|" * 10,
+    ]
     errors = []
     for res in results:
         if res.get("status") != "ok":
@@ -180,14 +277,21 @@ def markdown(results: list[dict], gpu_name: str) -> str:
         for st in res["stages"]:
             err = st["predicted_gib"] / st["measured_gib"] - 1 if st["measured_gib"] else float("nan")
             errors.append(abs(err))
-            parts = " / ".join(f"{st['breakdown'][k]:.1f}" for k in
-                               ("weights", "grads", "optimizer", "activations", "working", "logits"))
-            rows.append(f"| {res['name']} | {res['gpus']} | {st['stage']} | {st['predicted_gib']:.2f} | "
-                        f"{st['measured_gib']:.2f} | {err:+.1%} | {st['reserved_gib']:.2f} | "
-                        f"{st['predicted_gib'] * (1 + st.get('fragmentation', 0.10)):.2f} | {parts} | {res.get('tokens_per_s', 0):,.0f} |")
+            parts = " / ".join(
+                f"{st['breakdown'][k]:.1f}"
+                for k in ("weights", "grads", "optimizer", "activations", "working", "logits")
+            )
+            rows.append(
+                f"| {res['name']} | {res['gpus']} | {st['stage']} | {st['predicted_gib']:.2f} | "
+                f"{st['measured_gib']:.2f} | {err:+.1%} | {st['reserved_gib']:.2f} | "
+                f"{st['predicted_gib'] * (1 + st.get('fragmentation', 0.10)):.2f} | {parts} | {res.get('tokens_per_s', 0):,.0f} |"
+            )
     if errors:
-        rows += ["", f"Stages within 10%: {sum(e <= 0.10 for e in errors)}/{len(errors)}; "
-                     f"max |error| {max(errors):.1%}; median {statistics.median(errors):.1%}."]
+        rows += [
+            "",
+            f"Stages within 10%: {sum(e <= 0.10 for e in errors)}/{len(errors)}; "
+            f"max |error| {max(errors):.1%}; median {statistics.median(errors):.1%}.",
+        ]
     return "\n".join(rows) + "\n"
 
 
@@ -204,14 +308,28 @@ def hf_config(model: str):
 
 def train_argv(name: str, work: Path, steps: int) -> list[str]:
     model, gpus, overrides = LAYOUTS[name]
-    return ["--config-path", str(REPO / "recipes"), "--config-name", "quickstart",
-            f"model.hf_path={work / model / 'hf'}", f"model.mcore_path={work / model / 'mcore'}",
-            "model.create_tiny_if_missing=false", "model.backend=torch", f"model.hf_config={work / model / 'config.json'}",
-            f"data.tokenizer_path={REPO / 'recipes/demo/tokenizer'}",
-            f"data.train_files=[{REPO / 'recipes/demo/data/train.jsonl'}]", "data.max_seq_len=256",
-            f"trainer.output_dir={work / 'runs' / name}", f"trainer.max_steps={steps}", "trainer.log_interval=1",
-            "trainer.global_batch_size=8", "trainer.export_hf_at_end=false",
-            "checkpoint.resume=never", "trainer.precision=bf16", *overrides]
+    return [
+        "--config-path",
+        str(REPO / "recipes"),
+        "--config-name",
+        "quickstart",
+        f"model.hf_path={work / model / 'hf'}",
+        f"model.mcore_path={work / model / 'mcore'}",
+        "model.create_tiny_if_missing=false",
+        "model.backend=torch",
+        f"model.hf_config={work / model / 'config.json'}",
+        f"data.tokenizer_path={REPO / 'recipes/demo/tokenizer'}",
+        f"data.train_files=[{REPO / 'recipes/demo/data/train.jsonl'}]",
+        "data.max_seq_len=256",
+        f"trainer.output_dir={work / 'runs' / name}",
+        f"trainer.max_steps={steps}",
+        "trainer.log_interval=1",
+        "trainer.global_batch_size=8",
+        "trainer.export_hf_at_end=false",
+        "checkpoint.resume=never",
+        "trainer.precision=bf16",
+        *overrides,
+    ]
 
 
 def predict(name: str, work: Path, steps: int, gpu_kind: str) -> dict:
@@ -226,12 +344,27 @@ def predict(name: str, work: Path, steps: int, gpu_kind: str) -> dict:
     plan = make_plan(cfg, gpus=gpus)
     env_checks = ("[data_files]", "[model_paths]", "[checkpoint]")
     errors = [e for e in plan.errors if not e.startswith(env_checks)]
-    stages = {st.pp_rank: dict(predicted_gib=st.allocated / GIB, fragmentation=st.fragmentation, breakdown=dict(
-        weights=st.weights / GIB, grads=st.grads / GIB, optimizer=st.optimizer / GIB,
-        activations=st.activations / GIB, working=st.working / GIB, logits=st.logits / GIB))
-        for st in plan.stages}
-    return dict(errors=errors, stages=stages, layout=plan.layout.short(),
-                stage_of_rank=[rank_coords(r, plan.layout)["pp"] for r in range(gpus)])
+    stages = {
+        st.pp_rank: dict(
+            predicted_gib=st.allocated / GIB,
+            fragmentation=st.fragmentation,
+            breakdown=dict(
+                weights=st.weights / GIB,
+                grads=st.grads / GIB,
+                optimizer=st.optimizer / GIB,
+                activations=st.activations / GIB,
+                working=st.working / GIB,
+                logits=st.logits / GIB,
+            ),
+        )
+        for st in plan.stages
+    }
+    return dict(
+        errors=errors,
+        stages=stages,
+        layout=plan.layout.short(),
+        stage_of_rank=[rank_coords(r, plan.layout)["pp"] for r in range(gpus)],
+    )
 
 
 def make_checkpoint(model: str, work: Path) -> None:
@@ -258,16 +391,25 @@ def ensure_checkpoint(model: str, work: Path, log) -> None:
         return
     started = time.time()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    subprocess.run([sys.executable, __file__, "--make-checkpoint", model, "--work", str(work)], cwd=REPO,
-                   env=env, check=True)
+    subprocess.run(
+        [sys.executable, __file__, "--make-checkpoint", model, "--work", str(work)], cwd=REPO, env=env, check=True
+    )
     log(f"{model}: synthetic checkpoint written and converted in {time.time() - started:.0f}s")
 
 
 def gpu_inventory() -> tuple[int, str, float]:
     """(count, name, GiB) from nvidia-smi, so this parent process never creates a CUDA context."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except (OSError, subprocess.TimeoutExpired):
         out = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -288,10 +430,15 @@ def wait_for_free_gpus(log, limit_s: float = 20.0) -> None:
     """Wait until no process holds GPU memory; then kill what is left. A layout's processes can
     outlive the SIGTERM of its launcher (a checkpoint writer, a worker mid-save): the next layout
     then ran out of memory next to them (100 GiB still held on the first H200 run)."""
+
     def holders() -> list[int]:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=60).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return []
         return [int(p) for p in out.split() if p.strip().isdigit()]
@@ -317,10 +464,21 @@ def run_layout(name: str, work: Path, out: Path, steps: int, timeout: int, gpu_k
     if pred["errors"]:
         return dict(result, status="planner rejected: " + "; ".join(pred["errors"]))
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "moe_sft.train", *train_argv(name, work, steps)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        "-m",
+        "moe_sft.train",
+        *train_argv(name, work, steps),
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
     log_path = out / f"{name}.log"
     status, started = "timeout", time.time()
@@ -356,16 +514,27 @@ def run_layout(name: str, work: Path, out: Path, steps: int, timeout: int, gpu_k
     measured = stage_peaks(peaks, pred["stage_of_rank"])
     steps_seen = parse_steps(text)
     tps = [m["tokens_per_s"] for s, m in steps_seen.items() if s >= 2 and "tokens_per_s" in m]
-    stages = [dict(stage=s, measured_gib=measured[s][0], reserved_gib=measured[s][1], **pred["stages"][s])
-              for s in sorted(measured)]
-    return dict(result, status="ok", layout=pred["layout"], stages=stages, seconds=time.time() - started,
-                tokens_per_s=statistics.median(tps) if tps else 0.0, peaks_per_rank=peaks)
+    stages = [
+        dict(stage=s, measured_gib=measured[s][0], reserved_gib=measured[s][1], **pred["stages"][s])
+        for s in sorted(measured)
+    ]
+    return dict(
+        result,
+        status="ok",
+        layout=pred["layout"],
+        stages=stages,
+        seconds=time.time() - started,
+        tokens_per_s=statistics.median(tps) if tps else 0.0,
+        peaks_per_rank=peaks,
+    )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "plan_calibration"))
-    parser.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "moe_sft_plan_calibration")
+    parser.add_argument(
+        "--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "moe_sft_plan_calibration"
+    )
     parser.add_argument("--only", default="", help="comma-separated layout names (default: all that fit)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per layout")
     parser.add_argument("--steps", type=int, default=4)
@@ -394,8 +563,10 @@ def main(argv: list[str]) -> int:
             hf_config(model)[1].to_json_file(str(base / "config.json"))
             pred = predict(name, args.work, args.steps, gpu_kind)
             total = " ".join(f"{s}:{v['predicted_gib']:.2f}" for s, v in pred["stages"].items())
-            log(f"{name}: {gpus} GPU(s), {pred['layout']}, predicted GiB per stage {total or '-'} "
-                f"{'ERRORS ' + str(pred['errors']) if pred['errors'] else ''}")
+            log(
+                f"{name}: {gpus} GPU(s), {pred['layout']}, predicted GiB per stage {total or '-'} "
+                f"{'ERRORS ' + str(pred['errors']) if pred['errors'] else ''}"
+            )
         return 0
     if not have:
         print("no GPU visible (nvidia-smi): nothing to measure (use --dry-run on CPU)", file=sys.stderr)

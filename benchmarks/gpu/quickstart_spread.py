@@ -33,7 +33,7 @@ KERNEL_SWITCHES = ("router_topk", "topk_rows", "flash_direct", "triton_launch", 
 
 def _switch_off(name: str) -> None:
     if name == "embedding":
-        from moe_sft.layers import dense_wgrad
+        from moe_sft.kernels import dense_wgrad
 
         dense_wgrad._fusable_embedding = lambda module: False
         return
@@ -74,10 +74,22 @@ def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str])
     run.mkdir(parents=True, exist_ok=True)
     # runs share the host's cores: two threads each keeps the Python side from thrashing
     env = {"OMP_NUM_THREADS": "2", **os.environ, "QS_OFF": ",".join(_off_list(variant))}
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", str(Path(__file__)),
-           "--config-path", str(ROOT / "recipes"), "--config-name", "quickstart",
-           f"trainer.output_dir={run}/out", f"model.hf_path={shared}/tiny_hf",
-           f"model.mcore_path={shared}/tiny_mcore", f"data.cache_dir={run}/cache", f"data.seed={seed}", *extra]
+    cmd = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(Path(__file__)),
+        "--config-path",
+        str(ROOT / "recipes"),
+        "--config-name",
+        "quickstart",
+        f"trainer.output_dir={run}/out",
+        f"model.hf_path={shared}/tiny_hf",
+        f"model.mcore_path={shared}/tiny_mcore",
+        f"data.cache_dir={run}/cache",
+        f"data.seed={seed}",
+        *extra,
+    ]
     start, rc = time.time(), 0
     if (run / "out" / "hf").is_dir():  # trained by an earlier call that ran out of time in the evals
         log = (run / "train.log").read_text()
@@ -87,8 +99,13 @@ def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str])
         (run / "train.log").write_text(log)
     result = {"variant": variant, "seed": seed, "rc": rc, "train_s": round(time.time() - start, 1), **_parse(log)}
     if rc == 0:
-        ev = subprocess.run([sys.executable, "tools/eval_demo.py", "--model", f"{run}/out/hf"], cwd=ROOT,
-                            env=env, capture_output=True, text=True)
+        ev = subprocess.run(
+            [sys.executable, "tools/eval_demo.py", "--model", f"{run}/out/hf"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         m = re.search(r"exact match: (\d+)/(\d+)", ev.stdout)
         result["exact_match"] = f"{m.group(1)}/{m.group(2)}" if m else ev.stderr[-400:]
     else:
@@ -108,9 +125,21 @@ def main() -> int:
     work, shared = args.out / "runs", args.out / "shared"
     shared.mkdir(parents=True, exist_ok=True)
     if not (shared / "tiny_mcore").exists():  # made once: every run starts from the same weights
-        subprocess.run([sys.executable, "-m", "moe_sft.quickstart_model", "--hf-path", f"{shared}/tiny_hf",
-                        "--mcore-path", f"{shared}/tiny_mcore", "--tokenizer", "recipes/demo/tokenizer"],
-                       cwd=ROOT, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moe_sft.quickstart_model",
+                "--hf-path",
+                f"{shared}/tiny_hf",
+                "--mcore-path",
+                f"{shared}/tiny_mcore",
+                "--tokenizer",
+                "recipes/demo/tokenizer",
+            ],
+            cwd=ROOT,
+            check=True,
+        )
     jobs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
     with ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(lambda j: one_run(work, j[0], j[1], shared, args.extra), jobs))
@@ -118,8 +147,10 @@ def main() -> int:
     print(f"{'variant':<28}{'seed':>6}{'loss@100':>10}{'loss@150':>10}{'loss@200':>10}{'eval':>9}  exact")
     for r in results:
         f = lambda x: f"{x:.4f}" if isinstance(x, float) else "-"  # noqa: E731
-        print(f"{r['variant']:<28}{r['seed']:>6}{f(r['loss'].get(100)):>10}{f(r['loss'].get(150)):>10}"
-              f"{f(r['loss'].get(200)):>10}{f(r['eval_loss']):>9}  {r.get('exact_match', 'rc=%d' % r['rc'])}")
+        print(
+            f"{r['variant']:<28}{r['seed']:>6}{f(r['loss'].get(100)):>10}{f(r['loss'].get(150)):>10}"
+            f"{f(r['loss'].get(200)):>10}{f(r['eval_loss']):>9}  {r.get('exact_match', 'rc=' + str(r['rc']))}"
+        )
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 

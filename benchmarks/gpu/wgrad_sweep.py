@@ -1,4 +1,4 @@
-"""Times the grouped weight-gradient kernel (moe_sft/layers/wgrad.py) over tile configurations at
+"""Times the grouped weight-gradient kernel (moe_sft/kernels/wgrad.py) over tile configurations at
 the Qwen3-30B-A3B expert shapes of one 4096-token micro-batch, against the memory floor (read and
 write the fp32 main grad once, read the inputs once) and against what it replaces (grouped_mm's
 bf16 weight gradient + the fp32 add of DDP's hook). Usage: python benchmarks/gpu/wgrad_sweep.py"""
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import ceilings  # noqa: E402
-from moe_sft.layers import wgrad  # noqa: E402
+from moe_sft.kernels import wgrad  # noqa: E402
 
 
 def _time(fn) -> float:
@@ -36,6 +36,7 @@ def main():
         def old():  # bf16 weight gradient per expert, then the fp32 add
             w = F.grouped_mm(x.t(), dy, offs=ends)
             out.add_(w)
+
         try:
             old_ms = _time(old)
         except Exception as exc:  # grouped_mm's 2d x 2d (offsets on the shared dim) mode missing

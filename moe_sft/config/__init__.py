@@ -1,9 +1,9 @@
 """Typed configuration for moe-sft: dataclass schema, Hydra-edge loader, pre-flight validation.
 
-    cfg = load_config(sys.argv[1:])          # --config-path DIR --config-name NAME key=value ...
-    validate_config(cfg, world_size)          # before any process group exists
-    validate_against_model(cfg, num_layers=..., num_experts=..., num_attention_heads=...,
-                           num_query_groups=..., vocab_size=...)
+cfg = load_config(sys.argv[1:])          # --config-path DIR --config-name NAME key=value ...
+validate_config(cfg, world_size)          # before any process group exists
+validate_against_model(cfg, num_layers=..., num_experts=..., num_attention_heads=...,
+                       num_query_groups=..., vocab_size=...)
 """
 
 from moe_sft.config.load import (
@@ -19,6 +19,7 @@ from moe_sft.config.schema import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    KernelsConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -31,7 +32,6 @@ from moe_sft.config.validate import (
     CHECKS,
     data_parallel_size,
     expert_data_parallel_size,
-    expert_tensor_parallel_size,
     validate_against_model,
     validate_config,
 )
@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "KernelsConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
@@ -52,7 +53,6 @@ __all__ = [
     "config_to_dict",
     "data_parallel_size",
     "expert_data_parallel_size",
-    "expert_tensor_parallel_size",
     "field_help",
     "format_errors",
     "load_config",

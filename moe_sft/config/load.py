@@ -19,8 +19,9 @@ import dataclasses
 import difflib
 import os
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -31,8 +32,7 @@ from moe_sft.config.schema import SECTIONS, ConfigError, TrainConfig, field_help
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 _YAML_SUFFIXES = (".yaml", ".yml")
-_FLAGS = {"--config-path": "config_path", "-cp": "config_path",
-          "--config-name": "config_name", "-cn": "config_name"}
+_FLAGS = {"--config-path": "config_path", "-cp": "config_path", "--config-name": "config_name", "-cn": "config_name"}
 # torch.distributed.launch (legacy) may append this; torchrun uses the LOCAL_RANK env var instead.
 _IGNORED_FLAGS = ("--local-rank", "--local_rank")
 
@@ -64,7 +64,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Train
     return load_config(["--config-name", str(path), *overrides])
 
 
-def config_from_dict(data: Mapping[str, Any], cli_keys: Optional[set[str]] = None) -> TrainConfig:
+def config_from_dict(data: Mapping[str, Any], cli_keys: set[str] | None = None) -> TrainConfig:
     """Type a plain nested dict (sections -> fields) into a TrainConfig, with the loader's checks."""
     errors: list[str] = []
     bad_keys: set[str] = set()  # keys already reported (wrong type), not to be re-reported as missing
@@ -73,8 +73,10 @@ def config_from_dict(data: Mapping[str, Any], cli_keys: Optional[set[str]] = Non
         if section not in SECTIONS:
             errors.append(_unknown_section_msg(str(section)))
         elif not isinstance(body, Mapping):
-            errors.append(f"section '{section}' must be a mapping of its fields, got {body!r}; "
-                          f"valid keys: {', '.join(_field_names(section))}")
+            errors.append(
+                f"section '{section}' must be a mapping of its fields, got {body!r}; "
+                f"valid keys: {', '.join(_field_names(section))}"
+            )
         else:
             bad_keys |= _assign_section(base, section, body, errors, cli_keys or set())
     for section, cls in SECTIONS.items():
@@ -99,9 +101,11 @@ def save_resolved_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically); `load_config` reads it back unchanged."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = ("# moe-sft resolved config (all defaults and overrides applied).\n"
-            f"# Re-run with: --config-path {path.parent} --config-name {path.stem}\n"
-            + OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg))))
+    text = (
+        "# moe-sft resolved config (all defaults and overrides applied).\n"
+        f"# Re-run with: --config-path {path.parent} --config-name {path.stem}\n"
+        + OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg)))
+    )
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -129,8 +133,10 @@ def _parse_argv(argv: list[str]) -> _Argv:
         elif flag in _IGNORED_FLAGS:
             i += 0 if eq else 1
         elif arg.startswith("-"):
-            raise ConfigError(f"unknown option '{arg}'; expected --config-path DIR --config-name NAME "
-                              "followed by key=value overrides (e.g. trainer.max_steps=20)")
+            raise ConfigError(
+                f"unknown option '{arg}'; expected --config-path DIR --config-name NAME "
+                "followed by key=value overrides (e.g. trainer.max_steps=20)"
+            )
         else:
             overrides.append(arg)
         i += 1
@@ -138,7 +144,7 @@ def _parse_argv(argv: list[str]) -> _Argv:
     return _Argv(config_dir, config_name, overrides)
 
 
-def _normalize_name(config_path: Optional[str], config_name: Optional[str]) -> tuple[Path, str]:
+def _normalize_name(config_path: str | None, config_name: str | None) -> tuple[Path, str]:
     config_dir = Path(os.path.abspath(config_path or os.getcwd()))
     if not config_dir.is_dir():
         raise ConfigError(f"--config-path {config_path!r}: directory {config_dir} does not exist")
@@ -156,8 +162,10 @@ def _normalize_name(config_path: Optional[str], config_name: Optional[str]) -> t
         raise ConfigError(f"--config-name {config_name!r}: directory {config_dir} does not exist")
     matches = [config_dir / (name + s) for s in _YAML_SUFFIXES if (config_dir / (name + s)).is_file()]
     if not matches:
-        raise ConfigError(f"config file not found: {config_dir / (name + '.yaml')} (from --config-name "
-                          f"{config_name!r}); YAML files in {config_dir}: {_yaml_listing(config_dir)}")
+        raise ConfigError(
+            f"config file not found: {config_dir / (name + '.yaml')} (from --config-name "
+            f"{config_name!r}); YAML files in {config_dir}: {_yaml_listing(config_dir)}"
+        )
     if matches[0].suffix == ".yml":
         raise ConfigError(f"{matches[0]}: Hydra only reads '.yaml' files; rename it to {name}.yaml")
     return config_dir, name
@@ -207,9 +215,11 @@ def _rewrite_overrides(overrides: list[str], groups: set[str]) -> list[str]:
 def _unknown_override_msg(key: str, groups: set[str]) -> str:
     options = sorted(set(SECTIONS) | groups)
     hint = _suggest(key, options)
-    return (f"unknown override key '{key}' (set on the command line).{hint} "
-            f"Use section.field=value (sections: {', '.join(SECTIONS)}) "
-            f"or group=option (groups: {', '.join(sorted(groups)) or 'none'})")
+    return (
+        f"unknown override key '{key}' (set on the command line).{hint} "
+        f"Use section.field=value (sections: {', '.join(SECTIONS)}) "
+        f"or group=option (groups: {', '.join(sorted(groups)) or 'none'})"
+    )
 
 
 # ----------------------------------------------------------------------------- compose
@@ -217,9 +227,9 @@ def _unknown_override_msg(key: str, groups: set[str]) -> str:
 
 def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> dict[str, Any]:
     # Imported here so that `moe_sft.config` (schema/validate) does not pay for Hydra.
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
-    import yaml
 
     search = [f"file://{CONFIGS_DIR}"] if CONFIGS_DIR.is_dir() else []
     hydra_overrides = [f"hydra.searchpath=[{','.join(search)}]"] if search else []
@@ -238,8 +248,9 @@ def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> dict[s
 # ----------------------------------------------------------------------------- typing
 
 
-def _assign_section(base: Any, section: str, body: Mapping[str, Any], errors: list[str],
-                    cli_keys: set[str]) -> set[str]:
+def _assign_section(
+    base: Any, section: str, body: Mapping[str, Any], errors: list[str], cli_keys: set[str]
+) -> set[str]:
     """Assign each field (OmegaConf type-checks it); return the keys that failed."""
     bad: set[str] = set()
     if OmegaConf.is_missing(base, section):
@@ -258,15 +269,21 @@ def _assign_section(base: Any, section: str, body: Mapping[str, Any], errors: li
             bad.add(full)
             expected = _type_name(section, key)
             fix = "write a list, e.g. [a, b]" if expected.startswith("list") else "fix the value"
-            errors.append(f"wrong type for {full}{origin}: got {value!r} ({type(value).__name__}), "
-                          f"expected {expected} ({field_help(section, key)}); {fix}")
+            errors.append(
+                f"wrong type for {full}{origin}: got {value!r} ({type(value).__name__}), "
+                f"expected {expected} ({field_help(section, key)}); {fix}"
+            )
     return bad
 
 
 def _missing_keys(base: Any) -> list[str]:
     """Required fields still '???' (checked per field: OmegaConf.missing_keys would resolve interpolations)."""
-    return [f"{section}.{key}" for section in SECTIONS for key in _field_names(section)
-            if OmegaConf.is_missing(base[section], key)]
+    return [
+        f"{section}.{key}"
+        for section in SECTIONS
+        for key in _field_names(section)
+        if OmegaConf.is_missing(base[section], key)
+    ]
 
 
 def _unknown_key_msg(section: str, key: str, origin: str) -> str:
@@ -275,8 +292,10 @@ def _unknown_key_msg(section: str, key: str, origin: str) -> str:
     elsewhere = [s for s in SECTIONS if s != section and key in _field_names(s)]
     if elsewhere:
         hint += f" '{key}' is a key of section '{elsewhere[0]}': use {elsewhere[0]}.{key}."
-    return (f"unknown key '{section}.{key}'{origin} in section '{section}'.{hint} "
-            f"Valid keys of '{section}': {', '.join(valid)}")
+    return (
+        f"unknown key '{section}.{key}'{origin} in section '{section}'.{hint} "
+        f"Valid keys of '{section}': {', '.join(valid)}"
+    )
 
 
 def _unknown_section_msg(section: str) -> str:
@@ -288,8 +307,10 @@ def _missing_msg(full_key: str) -> str:
     section, _, key = full_key.partition(".")
     if not key:  # a whole section is missing (cannot happen after filling, kept for safety)
         return f"missing required section '{section}'"
-    return (f"missing required field '{full_key}' ({_type_name(section, key)}: {field_help(section, key)}); "
-            f"set it under '{section}:' in the recipe or pass {full_key}=<value>")
+    return (
+        f"missing required field '{full_key}' ({_type_name(section, key)}: {field_help(section, key)}); "
+        f"set it under '{section}:' in the recipe or pass {full_key}=<value>"
+    )
 
 
 def _suggest(word: str, options: Sequence[str], prefix: str = "") -> str:

@@ -11,11 +11,12 @@ which `validate.py` checks generically. Fields without a default are required.
 """
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 
-def _f(default: Any, doc: str, choices: Optional[Sequence[Any]] = None) -> Any:
+def _f(default: Any, doc: str, choices: Sequence[Any] | None = None) -> Any:
     """A schema field with a default, its one-line doc and (optionally) its allowed values."""
     meta: dict[str, Any] = {"help": doc}
     if choices is not None:
@@ -52,60 +53,69 @@ LOAD_BALANCING_TYPES = (None, "aux_loss", "seq_aux_loss", "global_aux_loss", "si
 class ModelConfig:
     """Which checkpoint to train and the model-side knobs that are not in the HF config."""
 
-    hf_path: Optional[str] = _f(None, "HF checkpoint dir (the source; used for export and tiny-model creation)")
-    mcore_path: Optional[str] = _f(None, "converted megatron dist-checkpoint dir; the trainer loads this")
-    hf_config: Optional[str] = _f(
-        None, "the model's HF config: a name under recipes/models/ (e.g. qwen3_235b_a22b) or a config.json "
-        "path; the planner uses it when no checkpoint is at hand, and the checkpoint must match it"
+    hf_path: str | None = _f(None, "HF checkpoint dir (the source; used for export and tiny-model creation)")
+    mcore_path: str | None = _f(None, "converted megatron dist-checkpoint dir; the trainer loads this")
+    hf_config: str | None = _f(
+        None,
+        "the model's HF config: a name under recipes/models/ (e.g. qwen3_235b_a22b) or a config.json "
+        "path; the planner uses it when no checkpoint is at hand, and the checkpoint must match it",
     )
     create_tiny_if_missing: bool = _f(
         False, "quickstart only: make a tiny random HF model at hf_path and convert it to mcore_path when absent"
     )
     backend: str = _f(
-        "auto", "layer spec: auto = torch (the torch-native spec, the tested one) | torch | te (Transformer "
-        "Engine spec, explicit opt-in, needs CUDA; not validated by moe-sft's tests)", ("auto", "te", "torch"),
+        "auto",
+        "layer spec: auto = torch (the torch-native spec, the tested one) | torch | te (Transformer "
+        "Engine spec, explicit opt-in, needs CUDA; not validated by moe-sft's tests)",
+        ("auto", "te", "torch"),
     )
-    moe_router_load_balancing_type: Optional[str] = _f(
-        None, "router balancing loss: aux_loss | seq_aux_loss | none | ...; null = family default",
+    moe_router_load_balancing_type: str | None = _f(
+        None,
+        "router balancing loss: aux_loss | seq_aux_loss | none | ...; null = family default",
         LOAD_BALANCING_TYPES,
     )
-    moe_aux_loss_coeff: Optional[float] = _f(None, "aux loss coefficient; null = from the HF config")
-    moe_router_enable_expert_bias: Optional[bool] = _f(
+    moe_aux_loss_coeff: float | None = _f(None, "aux loss coefficient; null = from the HF config")
+    moe_router_enable_expert_bias: bool | None = _f(
         None, "aux-loss-free expert bias (DeepSeek-V3 style); null = family default"
     )
-    moe_router_bias_update_rate: Optional[float] = _f(
+    moe_router_bias_update_rate: float | None = _f(
         None, "expert-bias update rate when the expert bias is enabled; null = family default"
     )
     moe_token_dispatcher_type: str = _f(
-        "auto", "token dispatcher: auto (alltoall on CUDA, allgather on CPU) | alltoall | allgather",
+        "auto",
+        "token dispatcher: auto (alltoall on CUDA, allgather on CPU) | alltoall | allgather",
         ("auto", "alltoall", "allgather"),
     )
-    moe_router_dtype: Optional[str] = _f("fp32", "router logits/softmax dtype: fp32 | fp64 | null (model dtype)",
-                                         (None, "fp32", "fp64"))
-    moe_expert_capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless")
-    recompute_granularity: Optional[str] = _f(
+    moe_router_dtype: str | None = _f(
+        "fp32", "router logits/softmax dtype: fp32 | fp64 | null (model dtype)", (None, "fp32", "fp64")
+    )
+    moe_expert_capacity_factor: float | None = _f(None, "expert capacity factor; null = dropless")
+    recompute_granularity: str | None = _f(
         None, "activation recomputation: null (off) | full | selective", (None, "full", "selective")
     )
-    recompute_method: Optional[str] = _f(
+    recompute_method: str | None = _f(
         None, "with full recompute: uniform | block (required then)", (None, "uniform", "block")
     )
-    recompute_num_layers: Optional[int] = _f(
+    recompute_num_layers: int | None = _f(
         None, "with full recompute: layers per recompute unit (uniform) or recomputed per stage (block)"
     )
-    recompute_modules: Optional[list[str]] = _f(
-        None, "with selective recompute: core_attn | mlp | moe | moe_act | layernorm | mla_up_proj | "
-        "shared_experts; null = megatron's default [core_attn]"
+    recompute_modules: list[str] | None = _f(
+        None,
+        "with selective recompute: core_attn | mlp | moe | moe_act | layernorm | mla_up_proj | "
+        "shared_experts; null = megatron's default [core_attn]",
     )
     activation_offload_modules: list[str] = _f(
-        [], "inputs of these modules go to CPU memory until backward (megatron fine-grained activation "
-        "offload; CUDA): attn_norm | qkv_linear | core_attn | attn_proj | mlp_norm | expert_fc1 | moe_act"
+        [],
+        "inputs of these modules go to CPU memory until backward (megatron fine-grained activation "
+        "offload; CUDA): attn_norm | qkv_linear | core_attn | attn_proj | mlp_norm | expert_fc1 | moe_act",
     )
     mtp_loss_weight: float = _f(
         0.1, "multi-token-prediction loss weight (DeepSeek-V3: 0.3 early, 0.1 late); 0 = MTP layers not run"
     )
     freeze_patterns: list[str] = _f(
-        [], "megatron parameter names to freeze (fnmatch, e.g. 'embedding.*', '*.mlp.router.weight'); "
-        "each must match something"
+        [],
+        "megatron parameter names to freeze (fnmatch, e.g. 'embedding.*', '*.mlp.router.weight'); "
+        "each must match something",
     )
     freeze_router: bool = _f(False, "freeze every MoE router's weights (and its expert bias)")
     freeze_expert_bias: bool = _f(False, "keep the aux-loss-free expert bias (DeepSeek-V3) as loaded")
@@ -119,33 +129,49 @@ class DataConfig:
     """Where the conversations come from and how they are tokenized and packed."""
 
     train_files: list[str] = _required(
-        "training data: .jsonl / .json / .parquet files or HF save_to_disk dirs (relative to the cwd)")
+        "training data: .jsonl / .json / .parquet files or HF save_to_disk dirs (relative to the cwd)"
+    )
     train_weights: list[float] = _f(
-        [], "mixture weight per train file = passes per epoch (2 = twice, 0.5 = a random half); [] = 1 each")
+        [], "mixture weight per train file = passes per epoch (2 = twice, 0.5 = a random half); [] = 1 each"
+    )
     eval_files: list[str] = _f([], "evaluation data files (same kinds as train_files); empty = none")
     eval_fraction: float = _f(0.0, "fraction of each train file held out for evaluation (e.g. 0.01); 0 = none")
-    tokenizer_path: Optional[str] = _f(None, "tokenizer dir; null = the tokenizer saved with the converted checkpoint")
-    chat_template: Optional[str] = _f(None, "chat template file (.jinja) used instead of the tokenizer's; null = it")
-    format: str = _f("auto", "row format: auto (per row, from its keys) | messages | sharegpt | alpaca | "
-                     "prompt_completion", ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"))
+    tokenizer_path: str | None = _f(None, "tokenizer dir; null = the tokenizer saved with the converted checkpoint")
+    chat_template: str | None = _f(None, "chat template file (.jinja) used instead of the tokenizer's; null = it")
+    format: str = _f(
+        "auto",
+        "row format: auto (per row, from its keys) | messages | sharegpt | alpaca | prompt_completion",
+        ("auto", "messages", "sharegpt", "alpaca", "prompt_completion"),
+    )
     fields: dict[str, str] = _f({}, "renamed row fields, canonical name: yours (e.g. {messages: chat, role: speaker})")
-    loss_on: str = _f("all_assistant", "trained turns: all_assistant | last_assistant; a message's numeric "
-                      "'weight' overrides", ("all_assistant", "last_assistant"))
-    end_of_turn: Optional[str] = _f(None, "string closing an assistant turn; null = eos token, <|im_end|> or <|eot_id|>")
+    loss_on: str = _f(
+        "all_assistant",
+        "trained turns: all_assistant | last_assistant; a message's numeric 'weight' overrides",
+        ("all_assistant", "last_assistant"),
+    )
+    end_of_turn: str | None = _f(None, "string closing an assistant turn; null = eos token, <|im_end|> or <|eot_id|>")
     max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
     pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
-    pad_documents_to: Optional[int] = _f(
-        None, "pad each document to a multiple of this; null = what the layout needs (2*CP, times TP with SP). "
-        "Set it (a multiple of every layout's need) to resume across CP/TP layouts with the same batches")
+    pad_documents_to: int | None = _f(
+        None,
+        "pad each document to a multiple of this; null = what the layout needs (2*CP, times TP with SP). "
+        "Set it (a multiple of every layout's need) to resume across CP/TP layouts with the same batches",
+    )
     pack_window: int = _f(8192, "samples packed together best-fit decreasing; larger = fuller micro-batches")
-    overlong: str = _f("truncate", "what to do with conversations longer than max_seq_len: truncate | drop",
-                       ("truncate", "drop"))
-    on_error: str = _f("fail", "bad rows (invalid JSON or UTF-8, wrong shape, unknown role, empty answer, ...): "
-                       "fail = stop at the first, naming file:line | skip = count and report each", ("fail", "skip"))
+    overlong: str = _f(
+        "truncate", "what to do with conversations longer than max_seq_len: truncate | drop", ("truncate", "drop")
+    )
+    on_error: str = _f(
+        "fail",
+        "bad rows (invalid JSON or UTF-8, wrong shape, unknown role, empty answer, ...): "
+        "fail = stop at the first, naming file:line | skip = count and report each",
+        ("fail", "skip"),
+    )
     shuffle: bool = _f(True, "shuffle conversations each epoch")
     seed: int = _f(1234, "data shuffling seed")
-    cache_dir: Optional[str] = _f(None, "pre-tokenized cache dir (shared FS for multi-node); null = "
-                                  "$MOE_SFT_DATA_CACHE or ~/.cache/moe_sft/data")
+    cache_dir: str | None = _f(
+        None, "pre-tokenized cache dir (shared FS for multi-node); null = $MOE_SFT_DATA_CACHE or ~/.cache/moe_sft/data"
+    )
     num_workers: int = _f(2, "processes that tokenize while the cache is built; 0 = in the training process")
     prefetch: bool = _f(True, "build the next step's micro-batches in a background thread")
 
@@ -156,25 +182,33 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = _f(1, "tensor parallel size (TP)")
     pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)")
-    virtual_pipeline_model_parallel_size: Optional[int] = _f(
+    virtual_pipeline_model_parallel_size: int | None = _f(
         None, "virtual pipeline stages per PP rank (interleaved schedule); null = off"
     )
-    num_layers_in_first_pipeline_stage: Optional[int] = _f(
+    num_layers_in_first_pipeline_stage: int | None = _f(
         None, "uneven PP: transformer layers on the first stage; null = even split"
     )
-    num_layers_in_last_pipeline_stage: Optional[int] = _f(
+    num_layers_in_last_pipeline_stage: int | None = _f(
         None, "uneven PP: transformer layers on the last stage; null = even split"
     )
     expert_model_parallel_size: int = _f(1, "expert parallel size (EP)")
-    expert_tensor_parallel_size: Optional[int] = _f(None, "tensor parallel size inside experts (ETP); null = TP")
+    expert_tensor_parallel_size: int | None = _f(None, "tensor parallel size inside experts (ETP); null = TP")
     context_parallel_size: int = _f(1, "context parallel size (CP)")
     sequence_parallel: bool = _f(False, "sequence parallelism; must be true when TP>1 with MoE")
     use_distributed_optimizer: bool = _f(True, "shard optimizer state across data-parallel ranks")
     overlap_grad_reduce: bool = _f(False, "reduce(-scatter) gradient buckets during backward")
     overlap_param_gather: bool = _f(
-        False, "all-gather updated parameters during the next forward (needs the distributed optimizer "
-        "and overlap_grad_reduce)"
+        False,
+        "all-gather updated parameters during the next forward (needs the distributed optimizer "
+        "and overlap_grad_reduce)",
     )
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect: expert_tensor_parallel_size, null meaning TP."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
 
 
 @dataclass(kw_only=True)
@@ -185,21 +219,25 @@ class OptimizerConfig:
     min_lr: float = _f(0.0, "learning rate at the end of decay")
     weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay")
     no_weight_decay_patterns: list[str] = _f(
-        [], "parameters without weight decay besides megatron's default (biases and 1-D parameters such as "
-        "norms): fnmatch patterns on names with global layer numbers, e.g. ['*word_embeddings*', '*.router.*']")
+        [],
+        "parameters without weight decay besides megatron's default (biases and 1-D parameters such as "
+        "norms): fnmatch patterns on names with global layer numbers, e.g. ['*word_embeddings*', '*.router.*']",
+    )
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
     clip_grad: float = _f(1.0, "global gradient-norm clip; 0 = off")
     lr_warmup_steps: int = _f(0, "linear warmup steps from 0 to lr")
-    lr_decay_style: str = _f("cosine", "decay after warmup until max_steps: cosine | linear | constant",
-                             ("cosine", "linear", "constant"))
+    lr_decay_style: str = _f(
+        "cosine", "decay after warmup until max_steps: cosine | linear | constant", ("cosine", "linear", "constant")
+    )
     optimizer_cpu_offload: bool = _f(
         False, "keep optimizer state and step on the CPU (needs the distributed optimizer)"
     )
     optimizer_offload_fraction: float = _f(
-        1.0, "with optimizer_cpu_offload: fraction of the parameters whose optimizer state and step "
-        "live on the CPU (the rest stays on the GPU)"
+        1.0,
+        "with optimizer_cpu_offload: fraction of the parameters whose optimizer state and step "
+        "live on the CPU (the rest stays on the GPU)",
     )
 
 
@@ -210,38 +248,48 @@ class TrainerConfig:
     output_dir: str = _required("run directory: checkpoints/, logs, resolved config, exported HF model")
     max_steps: int = _required("number of optimizer steps (> 0)")
     global_batch_size: int = _f(8, "packed micro-batches per optimizer step across all data-parallel ranks")
-    global_batch_tokens: Optional[int] = _f(
-        None, "the global batch in tokens instead: global_batch_size = ceil(tokens / data.pack_length), rounded "
-        "up to what the layout needs (a multiple of DP, times PP with VPP); null = use global_batch_size")
+    global_batch_tokens: int | None = _f(
+        None,
+        "the global batch in tokens instead: global_batch_size = ceil(tokens / data.pack_length), rounded "
+        "up to what the layout needs (a multiple of DP, times PP with VPP); null = use global_batch_size",
+    )
     seed: int = _f(42, "model/dropout RNG seed")
     device: str = _f("auto", "auto (cuda when available) | cuda | cpu", ("auto", "cuda", "cpu"))
     precision: str = _f("auto", "auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32", ("auto", "bf16", "fp32"))
     log_interval: int = _f(1, "log metrics every N steps")
     peak_tflops: float = _f(
-        0.0, "peak TFLOP/s per GPU for MFU; 0 = from the GPU name with bf16 (H100/H200 SXM: 989 dense), "
-        "none on CPU or fp32 (then MFU is not reported)"
+        0.0,
+        "peak TFLOP/s per GPU for MFU; 0 = from the GPU name with bf16 (H100/H200 SXM: 989 dense), "
+        "none on CPU or fp32 (then MFU is not reported)",
     )
     export_hf_at_end: bool = _f(
         True, "export an HF checkpoint (safetensors + config + tokenizer) at the end of training"
     )
     gc_interval: int = _f(
-        0, "N > 0: on CUDA, Python's automatic garbage collection is off during training and a full "
+        0,
+        "N > 0: on CUDA, Python's automatic garbage collection is off during training and a full "
         "collection runs every N steps, the same step on every rank (Megatron-LM's --manual-gc); 0 = "
-        "Python's automatic collection"
+        "Python's automatic collection",
     )
     cuda_graphs: bool = _f(
-        False, "capture the MoE half of every MoE layer (pre-MLP norm, router, dispatch, experts, combine) as "
+        False,
+        "capture the MoE half of every MoE layer (pre-MLP norm, router, dispatch, experts, combine) as "
         "CUDA graphs, forward and backward: the host stops bounding short micro-batches (docs/benchmarks.md). "
         "Needs CUDA and TP = EP = ETP = CP = PP = 1, no recompute or activation offload, no "
-        "overlap_grad_reduce / overlap_param_gather; micro-batches are padded to data.pack_length"
+        "overlap_grad_reduce / overlap_param_gather; micro-batches are padded to data.pack_length",
     )
     max_skipped_steps_in_a_row: int = _f(
-        3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after "
-        "this many in a row"
+        3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after this many in a row"
     )
     offload_between_steps: bool = _f(
-        False, "move parameters, gradients and optimizer state to CPU memory after every step and back "
-        "before the next: the GPU is free between steps for a co-located job (CUDA; costs the copies)"
+        False,
+        "move parameters, gradients and optimizer state to CPU memory after every step and back "
+        "before the next: the GPU is free between steps for a co-located job (CUDA; costs the copies)",
+    )
+    cuda_graphs_replay: bool = _f(
+        True,
+        "with trainer.cuda_graphs: replay the captured graphs; false = capture them but run every "
+        "forward eager (measures what the capture itself costs)",
     )
     eval_interval: int = _f(0, "evaluate every N steps; 0 = never (needs data.eval_files)")
     dry_run: bool = _f(
@@ -255,12 +303,34 @@ class CheckpointConfig:
 
     save_interval: int = _f(0, "save every N steps; 0 = only at the end")
     save_at_end: bool = _f(True, "save a checkpoint after the last step (benchmarks may turn it off)")
-    async_save: bool = _f(False, "write checkpoints in a background process while training goes on (needs host "
-                          "memory for a copy of this rank's model + optimizer shard); committed when written")
+    async_save: bool = _f(
+        False,
+        "write checkpoints in a background process while training goes on (needs host "
+        "memory for a copy of this rank's model + optimizer shard); committed when written",
+    )
     keep_last: int = _f(2, "number of most recent checkpoints to keep (>= 1)")
-    resume: str = _f("auto", "auto = resume from the latest checkpoint in output_dir/checkpoints if any | never",
-                     ("auto", "never"))
+    resume: str = _f(
+        "auto", "auto = resume from the latest checkpoint in output_dir/checkpoints if any | never", ("auto", "never")
+    )
     load_optimizer: bool = _f(True, "on resume, also load optimizer/scheduler state")
+
+
+@dataclass(kw_only=True)
+class KernelsConfig:
+    """moe-sft's Triton kernels and fused replacements of megatron-core functions (moe_sft/kernels/)."""
+
+    fused: bool = _f(
+        True,
+        "install moe-sft's kernels: router GEMM and top-k, token permutation, packed RoPE and MTP roll, "
+        "one-rank collectives, foreach grad norm, Triton RMSNorm and cross entropy, expert and dense weight-gradient "
+        "fusion, fused/Triton Adam. false = megatron-core's own functions and torch ops (same math; for "
+        "A/B checks and debugging)",
+    )
+    wgrad_overlap: bool = _f(
+        True,
+        "CUDA: add the experts' weight gradients into the fp32 main grads on a side stream, overlapped "
+        "with the rest of the backward; false = on the compute stream",
+    )
 
 
 @dataclass(kw_only=True)
@@ -290,6 +360,9 @@ class TrainConfig:
     trainer: TrainerConfig = _required("trainer section")
     checkpoint: CheckpointConfig = dataclasses.field(
         default_factory=CheckpointConfig, metadata={"help": "checkpoint section"}
+    )
+    kernels: KernelsConfig = dataclasses.field(
+        default_factory=KernelsConfig, metadata={"help": "kernels section (moe_sft/kernels/)"}
     )
     hardware: HardwareConfig = dataclasses.field(
         default_factory=HardwareConfig, metadata={"help": "planned hardware (planner / dry run only)"}

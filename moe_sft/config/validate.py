@@ -12,7 +12,7 @@ repeated here so they fail in seconds with a fix instead of minutes later with a
 import dataclasses
 import math
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from moe_sft.config.schema import SECTIONS, ConfigError, ParallelConfig, TrainConfig, format_errors
 
@@ -22,23 +22,15 @@ Check = Callable[[TrainConfig, int], list[str]]
 # ----------------------------------------------------------------------------- derived sizes
 
 
-def data_parallel_size(parallel: ParallelConfig, world_size: int) -> Optional[int]:
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int | None:
     """dp = world / (tp*pp*cp); None when that is not an integer."""
-    model = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
-             * parallel.context_parallel_size)
+    model = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * parallel.context_parallel_size
     return world_size // model if model > 0 and world_size % model == 0 else None
 
 
-def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
-    """ETP; megatron-core uses TP when it is unset."""
-    etp = parallel.expert_tensor_parallel_size
-    return parallel.tensor_model_parallel_size if etp is None else etp
-
-
-def expert_data_parallel_size(parallel: ParallelConfig, world_size: int) -> Optional[int]:
+def expert_data_parallel_size(parallel: ParallelConfig, world_size: int) -> int | None:
     """Expert dp = world / (etp*ep*pp); None when that is not an integer."""
-    size = (expert_tensor_parallel_size(parallel) * parallel.expert_model_parallel_size
-            * parallel.pipeline_model_parallel_size)
+    size = parallel.expert_tp * parallel.expert_model_parallel_size * parallel.pipeline_model_parallel_size
     return world_size // size if size > 0 and world_size % size == 0 else None
 
 
@@ -71,12 +63,20 @@ def check_choices(cfg: TrainConfig, world_size: int) -> list[str]:
 def check_parallel_sizes_positive(cfg: TrainConfig, world_size: int) -> list[str]:
     p = cfg.parallel
     errors = [] if world_size >= 1 else [f"world_size={world_size} must be >= 1 (torchrun --nproc_per_node)"]
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "expert_model_parallel_size", "context_parallel_size"):
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "context_parallel_size",
+    ):
         if getattr(p, name) < 1:
             errors.append(f"parallel.{name}={getattr(p, name)} must be >= 1; use 1 to disable it")
-    for name in ("virtual_pipeline_model_parallel_size", "expert_tensor_parallel_size",
-                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+    for name in (
+        "virtual_pipeline_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "num_layers_in_first_pipeline_stage",
+        "num_layers_in_last_pipeline_stage",
+    ):
         value = getattr(p, name)
         if value is not None and value < 1:
             errors.append(f"parallel.{name}={value} must be >= 1 or null")
@@ -88,10 +88,12 @@ def check_model_parallel_divides_world(cfg: TrainConfig, world_size: int) -> lis
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if min(tp, pp, cp, world_size) < 1 or data_parallel_size(p, world_size) is not None:
         return []
-    return [f"parallel.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "
-            f"context_parallel_size={cp} = {tp * pp * cp} does not divide world_size={world_size}; "
-            f"choose sizes whose product is one of {_fmt(_divisors(world_size))} "
-            f"or change --nproc_per_node"]
+    return [
+        f"parallel.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "
+        f"context_parallel_size={cp} = {tp * pp * cp} does not divide world_size={world_size}; "
+        f"choose sizes whose product is one of {_fmt(_divisors(world_size))} "
+        f"or change --nproc_per_node"
+    ]
 
 
 def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -102,17 +104,19 @@ def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
     world/pp = tp*cp*dp (with CP, expert DP = tp*cp*dp / (etp*ep)).
     """
     p = cfg.parallel
-    etp, ep, pp = expert_tensor_parallel_size(p), p.expert_model_parallel_size, p.pipeline_model_parallel_size
+    etp, ep, pp = p.expert_tp, p.expert_model_parallel_size, p.pipeline_model_parallel_size
     if min(etp, ep, pp, world_size) < 1 or expert_data_parallel_size(p, world_size) is not None:
         return []
     per_stage = world_size // pp if world_size % pp == 0 else None
     fit = f"; etp*ep must divide world_size/pp={per_stage}" if per_stage else ""
     if per_stage and p.context_parallel_size > 1:
         fit += f" (= tensor x context_parallel_size={p.context_parallel_size} x data parallel)"
-    return [f"parallel.expert_tensor_parallel_size={etp} (null = TP) x expert_model_parallel_size={ep} x "
-            f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide world_size={world_size}, "
-            f"so the expert data-parallel size {world_size}/{etp * ep * pp} is not an integer{fit}; "
-            f"lower expert_model_parallel_size or expert_tensor_parallel_size"]
+    return [
+        f"parallel.expert_tensor_parallel_size={etp} (null = TP) x expert_model_parallel_size={ep} x "
+        f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide world_size={world_size}, "
+        f"so the expert data-parallel size {world_size}/{etp * ep * pp} is not an integer{fit}; "
+        f"lower expert_model_parallel_size or expert_tensor_parallel_size"
+    ]
 
 
 def check_global_batch_size(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -123,17 +127,21 @@ def check_global_batch_size(cfg: TrainConfig, world_size: int) -> list[str]:
     if dp is None or gbs % dp == 0:
         return []
     lower, upper = max(dp, gbs // dp * dp), (gbs // dp + 1) * dp
-    return [f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size {dp} "
-            f"(world_size={world_size} / (tp*pp*cp)); use a multiple of {dp}, e.g. {lower} or {upper}"]
+    return [
+        f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size {dp} "
+        f"(world_size={world_size} / (tp*pp*cp)); use a multiple of {dp}, e.g. {lower} or {upper}"
+    ]
 
 
 def check_sequence_parallel(cfg: TrainConfig, world_size: int) -> list[str]:
     """MoE with TP>1 needs sequence parallelism (megatron-core ModelParallelConfig warns; we require)."""
     p = cfg.parallel
     if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        return [f"parallel.sequence_parallel=False with tensor_model_parallel_size="
-                f"{p.tensor_model_parallel_size}: MoE with TP>1 requires sequence parallelism; "
-                f"set parallel.sequence_parallel=true"]
+        return [
+            f"parallel.sequence_parallel=False with tensor_model_parallel_size="
+            f"{p.tensor_model_parallel_size}: MoE with TP>1 requires sequence parallelism; "
+            f"set parallel.sequence_parallel=true"
+        ]
     return []
 
 
@@ -142,21 +150,26 @@ def check_pipeline_options(cfg: TrainConfig, world_size: int) -> list[str]:
     p, errors = cfg.parallel, []
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     if vpp is not None and pp <= 1:
-        errors.append(f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
-                      f"pipeline_model_parallel_size>1 (it is {pp}); set it to null or raise PP")
+        errors.append(
+            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
+            f"pipeline_model_parallel_size>1 (it is {pp}); set it to null or raise PP"
+        )
     for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
         if getattr(p, name) is not None and pp <= 1:
-            errors.append(f"parallel.{name}={getattr(p, name)} needs pipeline_model_parallel_size>1 "
-                          f"(it is {pp}); set it to null")
+            errors.append(
+                f"parallel.{name}={getattr(p, name)} needs pipeline_model_parallel_size>1 (it is {pp}); set it to null"
+            )
     dp = data_parallel_size(p, world_size)
     if vpp is not None and pp > 1 and dp:
         # Interleaved schedule: micro-batch groups of size pp (microbatch_group_size_per_vp_stage).
         micro = cfg.trainer.global_batch_size // dp
         if micro < pp or micro % pp:
-            errors.append(f"trainer.global_batch_size={cfg.trainer.global_batch_size} gives {micro} "
-                          f"micro-batches per data-parallel rank; the interleaved (VPP) schedule needs "
-                          f"a multiple of pipeline_model_parallel_size={pp}; use global_batch_size="
-                          f"{dp * pp * max(1, math.ceil(micro / pp))}")
+            errors.append(
+                f"trainer.global_batch_size={cfg.trainer.global_batch_size} gives {micro} "
+                f"micro-batches per data-parallel rank; the interleaved (VPP) schedule needs "
+                f"a multiple of pipeline_model_parallel_size={pp}; use global_batch_size="
+                f"{dp * pp * max(1, math.ceil(micro / pp))}"
+            )
     return errors
 
 
@@ -173,19 +186,25 @@ def check_sequence_lengths(cfg: TrainConfig, world_size: int) -> list[str]:
         if getattr(d, name) < 1:
             errors.append(f"data.{name}={getattr(d, name)} must be >= 1")
     if d.max_seq_len > d.pack_length:
-        errors.append(f"data.max_seq_len={d.max_seq_len} > data.pack_length={d.pack_length}: a conversation "
-                      f"must fit in one packed micro-batch; lower max_seq_len or raise pack_length")
+        errors.append(
+            f"data.max_seq_len={d.max_seq_len} > data.pack_length={d.pack_length}: a conversation "
+            f"must fit in one packed micro-batch; lower max_seq_len or raise pack_length"
+        )
     need = doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel)
     if d.pad_documents_to is not None and (d.pad_documents_to < 1 or d.pad_documents_to % need):
-        errors.append(f"data.pad_documents_to={d.pad_documents_to} must be a positive multiple of {need}, what "
-                      f"context_parallel_size={p.context_parallel_size} (x TP under sequence parallel) needs; "
-                      f"use {math.ceil(max(d.pad_documents_to, 1) / need) * need} or null")
+        errors.append(
+            f"data.pad_documents_to={d.pad_documents_to} must be a positive multiple of {need}, what "
+            f"context_parallel_size={p.context_parallel_size} (x TP under sequence parallel) needs; "
+            f"use {math.ceil(max(d.pad_documents_to, 1) / need) * need} or null"
+        )
     # SP splits tokens over TP ranks. (CP's chunks: the loader pads each document, see above.)
     multiple = p.tensor_model_parallel_size if p.sequence_parallel else 1
     if multiple > 1 and d.pack_length >= 1 and d.pack_length % multiple:
-        errors.append(f"data.pack_length={d.pack_length} must be a multiple of {multiple} "
-                      f"(tensor_model_parallel_size (sequence_parallel)); "
-                      f"use {math.ceil(d.pack_length / multiple) * multiple}")
+        errors.append(
+            f"data.pack_length={d.pack_length} must be a multiple of {multiple} "
+            f"(tensor_model_parallel_size (sequence_parallel)); "
+            f"use {math.ceil(d.pack_length / multiple) * multiple}"
+        )
     return errors
 
 
@@ -196,14 +215,19 @@ def check_data_files(cfg: TrainConfig, world_size: int) -> list[str]:
     for name in ("train_files", "eval_files"):
         for path in getattr(d, name):
             if not os.path.exists(path):
-                errors.append(f"data.{name} entry {path!r} does not exist (cwd: {os.getcwd()}); "
-                              f"fix the path or remove it")
+                errors.append(
+                    f"data.{name} entry {path!r} does not exist (cwd: {os.getcwd()}); fix the path or remove it"
+                )
     if d.tokenizer_path is not None and not os.path.isdir(d.tokenizer_path):
-        errors.append(f"data.tokenizer_path={d.tokenizer_path!r} is not a directory; "
-                      f"fix it or use null (the tokenizer saved with the converted checkpoint)")
+        errors.append(
+            f"data.tokenizer_path={d.tokenizer_path!r} is not a directory; "
+            f"fix it or use null (the tokenizer saved with the converted checkpoint)"
+        )
     if cfg.trainer.eval_interval > 0 and not d.eval_files and not d.eval_fraction > 0:
-        errors.append(f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty and "
-                      f"data.eval_fraction=0; list eval files, hold out a fraction or set trainer.eval_interval=0")
+        errors.append(
+            f"trainer.eval_interval={cfg.trainer.eval_interval} but data.eval_files is empty and "
+            f"data.eval_fraction=0; list eval files, hold out a fraction or set trainer.eval_interval=0"
+        )
     return errors
 
 
@@ -215,11 +239,15 @@ def check_data_options(cfg: TrainConfig, world_size: int) -> list[str]:
     for name in ("train_files", "eval_files"):
         for path in getattr(d, name):
             if not os.path.isdir(path) and os.path.splitext(path)[1] not in SUPPORTED_SUFFIXES:
-                errors.append(f"data.{name} entry {path!r} is not a {' / '.join(SUPPORTED_SUFFIXES)} file or an HF "
-                              f"save_to_disk directory; convert it or remove it")
+                errors.append(
+                    f"data.{name} entry {path!r} is not a {' / '.join(SUPPORTED_SUFFIXES)} file or an HF "
+                    f"save_to_disk directory; convert it or remove it"
+                )
     if d.train_weights and len(d.train_weights) != len(d.train_files):
-        errors.append(f"data.train_weights has {len(d.train_weights)} entries for {len(d.train_files)} "
-                      f"data.train_files; give one weight per file or [] (1 each)")
+        errors.append(
+            f"data.train_weights has {len(d.train_weights)} entries for {len(d.train_files)} "
+            f"data.train_files; give one weight per file or [] (1 each)"
+        )
     if any(w < 0 for w in d.train_weights) or (d.train_weights and not any(w > 0 for w in d.train_weights)):
         errors.append(f"data.train_weights={list(d.train_weights)} must be >= 0 with at least one > 0")
     if not 0 <= d.eval_fraction < 1:
@@ -253,22 +281,73 @@ def check_optimizer(cfg: TrainConfig, world_size: int) -> list[str]:
     if o.lr_warmup_steps < 0:  # warmup longer than a (short, overridden) run is allowed
         errors.append(f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be >= 0; use 0 for no warmup")
     if o.optimizer_cpu_offload and not cfg.parallel.use_distributed_optimizer:
-        errors.append("optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
-                      "enable it or turn the offload off")
+        errors.append(
+            "optimizer.optimizer_cpu_offload=True needs parallel.use_distributed_optimizer=true; "
+            "enable it or turn the offload off"
+        )
     if o.optimizer_cpu_offload:
         errors.extend(optimizer_offload_errors(cfg.trainer.device, cfg.trainer.precision))
     if cfg.trainer.offload_between_steps and not cfg.parallel.use_distributed_optimizer:
-        errors.append("trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true "
-                      "(megatron keeps the parameters in its offloadable buffers only then)")
+        errors.append(
+            "trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true "
+            "(megatron keeps the parameters in its offloadable buffers only then)"
+        )
     if not 0 < o.optimizer_offload_fraction <= 1:
-        errors.append(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} must be in "
-                      "(0, 1]; turn the offload off with optimizer.optimizer_cpu_offload=false")
+        errors.append(
+            f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} must be in "
+            "(0, 1]; turn the offload off with optimizer.optimizer_cpu_offload=false"
+        )
     p = cfg.parallel
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
-        errors.append("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
-                      f"and parallel.overlap_grad_reduce=true (got {p.use_distributed_optimizer}, "
-                      f"{p.overlap_grad_reduce}); set both or turn the param-gather overlap off")
+        errors.append(
+            "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
+            f"and parallel.overlap_grad_reduce=true (got {p.use_distributed_optimizer}, "
+            f"{p.overlap_grad_reduce}); set both or turn the param-gather overlap off"
+        )
     return errors
+
+
+def cuda_graphs_ineligible(device: str, cfg: TrainConfig) -> list[str]:
+    """Why `trainer.cuda_graphs` cannot be used with this run's layout (empty: it can)."""
+    parallel, model, reasons = cfg.parallel, cfg.model, []
+    if device != "cuda":
+        reasons.append(f"trainer.device={device}: CUDA graphs need CUDA")
+    for name in (
+        "tensor_model_parallel_size",
+        "expert_model_parallel_size",
+        "context_parallel_size",
+        "pipeline_model_parallel_size",
+    ):
+        if getattr(parallel, name) != 1:
+            reasons.append(
+                f"parallel.{name}={getattr(parallel, name)}: the graphed MoE half needs 1 (its "
+                "dispatch then has fixed sizes and no host sync; PP > 1 keeps several micro-batches "
+                "in flight, whose activations would share the graph's buffers)"
+            )
+    if parallel.expert_tp != 1:
+        reasons.append(
+            f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} (null = TP): needs 1"
+        )
+    if parallel.overlap_grad_reduce or parallel.overlap_param_gather:
+        # The graphed weights whose gradient goes into main_grad inside the graph never reach
+        # autograd's accumulator, so DDP's hook never marks their bucket ready; without overlap
+        # the buckets are reduced after the backward regardless.
+        reasons.append(
+            "parallel.overlap_grad_reduce / overlap_param_gather=true: DDP's per-parameter hooks do "
+            "not run for the weights inside a graph"
+        )
+    if model.recompute_granularity:
+        reasons.append(
+            f"model.recompute_granularity={model.recompute_granularity}: recompute re-runs the "
+            "forward inside the backward; use one or the other"
+        )
+    if model.activation_offload_modules:
+        reasons.append("model.activation_offload_modules is set: offload moves activations the graph owns")
+    if cfg.trainer.offload_between_steps:
+        reasons.append(
+            "trainer.offload_between_steps=true: moving the weights and grads moves what the graphs read and write"
+        )
+    return reasons
 
 
 def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -292,11 +371,11 @@ def check_trainer(cfg: TrainConfig, world_size: int) -> list[str]:
     if not t.output_dir:
         errors.append("trainer.output_dir is empty; set a run directory")
     if t.cuda_graphs:
-        from moe_sft.trainer.cuda_graphs import ineligible
-
         device = "cpu" if t.device == "cpu" else "cuda"  # auto: checked again once the device is known
-        errors += [f"trainer.cuda_graphs=true: {why}; or set trainer.cuda_graphs=false"
-                   for why in ineligible(device, cfg)]
+        errors += [
+            f"trainer.cuda_graphs=true: {why}; or set trainer.cuda_graphs=false"
+            for why in cuda_graphs_ineligible(device, cfg)
+        ]
     return errors
 
 
@@ -307,6 +386,11 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0 <= getattr(m, name) < 1:
             errors.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    if m.attention_dropout > 0 and m.backend != "te":
+        errors.append(
+            f"model.attention_dropout={m.attention_dropout}: the torch-native attention has no dropout; "
+            "set model.attention_dropout=0.0 (the SFT default) or model.backend=te"
+        )
     if m.moe_aux_loss_coeff is not None and m.moe_aux_loss_coeff < 0:
         errors.append(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 or null")
     if m.moe_router_bias_update_rate is not None and m.moe_router_bias_update_rate < 0:
@@ -315,12 +399,15 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
         errors.append(f"model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0 (0 = MTP layers not run)")
     if m.moe_expert_capacity_factor is not None:
         if m.moe_expert_capacity_factor <= 0:
-            errors.append(f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0, "
-                          f"or null for dropless")
+            errors.append(
+                f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be > 0, or null for dropless"
+            )
         if m.moe_router_load_balancing_type == "sinkhorn":
-            errors.append("model.moe_expert_capacity_factor is set with moe_router_load_balancing_type="
-                          "'sinkhorn'; megatron-core allows capacity only with aux_loss, seq_aux_loss, "
-                          "global_aux_loss or none")
+            errors.append(
+                "model.moe_expert_capacity_factor is set with moe_router_load_balancing_type="
+                "'sinkhorn'; megatron-core allows capacity only with aux_loss, seq_aux_loss, "
+                "global_aux_loss or none"
+            )
     errors.extend(_recompute_errors(cfg))
     errors.extend(_activation_offload_errors(cfg))
     return errors
@@ -336,12 +423,16 @@ def optimizer_offload_errors(device: str, precision: str) -> list[str]:
     fp32 main-param shards, which exist as separate tensors only for bf16 weights."""
     errors = []
     if device == "cpu":
-        errors.append("optimizer.optimizer_cpu_offload moves optimizer state from the GPU to the CPU; "
-                      "with trainer.device=cpu turn it off")
+        errors.append(
+            "optimizer.optimizer_cpu_offload moves optimizer state from the GPU to the CPU; "
+            "with trainer.device=cpu turn it off"
+        )
     if precision == "fp32":
-        errors.append("optimizer.optimizer_cpu_offload needs trainer.precision=bf16 (with fp32 weights "
-                      "megatron's distributed optimizer hands the hybrid optimizer views of the model "
-                      "parameters, which torch optimizers refuse); use bf16 or turn the offload off")
+        errors.append(
+            "optimizer.optimizer_cpu_offload needs trainer.precision=bf16 (with fp32 weights "
+            "megatron's distributed optimizer hands the hybrid optimizer views of the model "
+            "parameters, which torch optimizers refuse); use bf16 or turn the offload off"
+        )
     return errors
 
 
@@ -355,18 +446,27 @@ def _activation_offload_errors(cfg: TrainConfig) -> list[str]:
     if unknown:
         errors.append(f"model.activation_offload_modules has {unknown}; choose from {list(OFFLOAD_MODULES)}")
     if m.activation_offload_modules and not _te_backend(m.backend):
-        errors.append(f"model.activation_offload_modules={list(m.activation_offload_modules)} needs Transformer "
-                      f"Engine (megatron-core 0.16.1 offloads through TE's CPU offload; measured: 'TE CPU "
-                      f"offload is not available' with model.backend={m.backend!r}); use recompute "
-                      "instead (model.recompute_granularity) or install TE")
+        errors.append(
+            f"model.activation_offload_modules={list(m.activation_offload_modules)} needs Transformer "
+            f"Engine (megatron-core 0.16.1 offloads through TE's CPU offload; measured: 'TE CPU "
+            f"offload is not available' with model.backend={m.backend!r}); use recompute "
+            "instead (model.recompute_granularity) or install TE"
+        )
     if m.activation_offload_modules and cfg.trainer.device == "cpu":
-        errors.append("model.activation_offload_modules moves activations from the GPU to the CPU; with "
-                      "trainer.device=cpu set it to []")
+        errors.append(
+            "model.activation_offload_modules moves activations from the GPU to the CPU; with "
+            "trainer.device=cpu set it to []"
+        )
     if "attn_proj" in m.activation_offload_modules and "core_attn" not in m.activation_offload_modules:
-        errors.append("model.activation_offload_modules: attn_proj needs core_attn too (attn_proj's input "
-                      "is core_attn's output, which core_attn's backward needs)")
-    if "moe_act" in m.activation_offload_modules and m.recompute_granularity == "selective" \
-            and "moe_act" in (m.recompute_modules or []):
+        errors.append(
+            "model.activation_offload_modules: attn_proj needs core_attn too (attn_proj's input "
+            "is core_attn's output, which core_attn's backward needs)"
+        )
+    if (
+        "moe_act" in m.activation_offload_modules
+        and m.recompute_granularity == "selective"
+        and "moe_act" in (m.recompute_modules or [])
+    ):
         errors.append("model: moe_act is both recomputed and offloaded; choose one")
     return errors
 
@@ -375,18 +475,23 @@ def _recompute_errors(cfg: TrainConfig) -> list[str]:
     """megatron-core: full needs recompute_method and recompute_num_layers; selective forbids the count."""
     m = cfg.model
     if m.recompute_granularity == "full" and (m.recompute_method is None or m.recompute_num_layers is None):
-        return [f"model.recompute_granularity='full' needs recompute_method (uniform|block) and "
-                f"recompute_num_layers (got {m.recompute_method!r}, {m.recompute_num_layers!r}); "
-                f"e.g. model.recompute_method=uniform model.recompute_num_layers=1"]
+        return [
+            f"model.recompute_granularity='full' needs recompute_method (uniform|block) and "
+            f"recompute_num_layers (got {m.recompute_method!r}, {m.recompute_num_layers!r}); "
+            f"e.g. model.recompute_method=uniform model.recompute_num_layers=1"
+        ]
     if m.recompute_granularity == "selective" and m.recompute_num_layers is not None:
-        return [f"model.recompute_num_layers={m.recompute_num_layers} must be null with "
-                f"recompute_granularity='selective'"]
+        return [
+            f"model.recompute_num_layers={m.recompute_num_layers} must be null with recompute_granularity='selective'"
+        ]
     if m.recompute_num_layers is not None and m.recompute_num_layers < 1:
         return [f"model.recompute_num_layers={m.recompute_num_layers} must be >= 1"]
     if m.recompute_modules is not None:
         if m.recompute_granularity != "selective":
-            return [f"model.recompute_modules={m.recompute_modules} needs "
-                    f"model.recompute_granularity=selective (got {m.recompute_granularity!r})"]
+            return [
+                f"model.recompute_modules={m.recompute_modules} needs "
+                f"model.recompute_granularity=selective (got {m.recompute_granularity!r})"
+            ]
         unknown = sorted(set(m.recompute_modules) - set(RECOMPUTE_MODULES))
         if unknown:
             return [f"model.recompute_modules has {unknown}; choose from {list(RECOMPUTE_MODULES)}"]
@@ -397,14 +502,17 @@ def check_model_paths(cfg: TrainConfig, world_size: int) -> list[str]:
     m = cfg.model
     if m.create_tiny_if_missing:
         missing = [n for n in ("hf_path", "mcore_path") if getattr(m, n) is None]
-        return [f"model.create_tiny_if_missing=True needs model.{n} (where the tiny model is written)"
-                for n in missing]
+        return [f"model.create_tiny_if_missing=True needs model.{n} (where the tiny model is written)" for n in missing]
     if m.mcore_path is None:
-        return ["model.mcore_path is null; set it to a checkpoint converted with "
-                "tools/convert_hf_to_mcore.py (or model.create_tiny_if_missing=true for the quickstart)"]
+        return [
+            "model.mcore_path is null; set it to a checkpoint converted with "
+            "tools/convert_hf_to_mcore.py (or model.create_tiny_if_missing=true for the quickstart)"
+        ]
     if not os.path.isdir(m.mcore_path):
-        return [f"model.mcore_path={m.mcore_path!r} does not exist; convert the HF checkpoint "
-                f"(model.hf_path={m.hf_path!r}) with tools/convert_hf_to_mcore.py first, or fix the path"]
+        return [
+            f"model.mcore_path={m.mcore_path!r} does not exist; convert the HF checkpoint "
+            f"(model.hf_path={m.hf_path!r}) with tools/convert_hf_to_mcore.py first, or fix the path"
+        ]
     return []
 
 
@@ -426,7 +534,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
 )
 
 
-def resolve_global_batch(cfg: TrainConfig, world_size: int) -> Optional[str]:
+def resolve_global_batch(cfg: TrainConfig, world_size: int) -> str | None:
     """trainer.global_batch_tokens -> trainer.global_batch_size (in place); a line saying how."""
     t, p = cfg.trainer, cfg.parallel
     dp = data_parallel_size(p, world_size)
@@ -436,9 +544,11 @@ def resolve_global_batch(cfg: TrainConfig, world_size: int) -> Optional[str]:
         raise ConfigError(f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1 (or null)")
     unit = dp * (p.pipeline_model_parallel_size if p.virtual_pipeline_model_parallel_size else 1)
     t.global_batch_size = math.ceil(t.global_batch_tokens / cfg.data.pack_length / unit) * unit
-    return (f"global batch: {t.global_batch_tokens:,} tokens -> global_batch_size={t.global_batch_size} micro-batches "
-            f"of data.pack_length={cfg.data.pack_length} (a multiple of {unit}) = "
-            f"{t.global_batch_size * cfg.data.pack_length:,} token slots per step")
+    return (
+        f"global batch: {t.global_batch_tokens:,} tokens -> global_batch_size={t.global_batch_size} micro-batches "
+        f"of data.pack_length={cfg.data.pack_length} (a multiple of {unit}) = "
+        f"{t.global_batch_size * cfg.data.pack_length:,} token slots per step"
+    )
 
 
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
@@ -453,9 +563,14 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
 # ----------------------------------------------------------------------------- checks (need the model)
 
 
-def validate_against_model(cfg: TrainConfig, num_layers: int, num_experts: Optional[int],
-                           num_attention_heads: int, num_query_groups: Optional[int],
-                           vocab_size: int) -> None:
+def validate_against_model(
+    cfg: TrainConfig,
+    num_layers: int,
+    num_experts: int | None,
+    num_attention_heads: int,
+    num_query_groups: int | None,
+    vocab_size: int,
+) -> None:
     """Checks that need the HF config's sizes; raise one ConfigError listing all failures.
 
     num_query_groups=None means plain multi-head attention (= num_attention_heads);
@@ -466,16 +581,22 @@ def validate_against_model(cfg: TrainConfig, num_layers: int, num_experts: Optio
     groups = num_attention_heads if num_query_groups is None else num_query_groups
     errors = [f"[pipeline_layers] {m}" for m in _pipeline_layer_errors(p, num_layers)]
     if num_experts is not None and num_experts % ep:
-        errors.append(f"[experts] parallel.expert_model_parallel_size={ep} does not divide "
-                      f"num_experts={num_experts}; use one of {_fmt(_divisors(num_experts, 256))}")
+        errors.append(
+            f"[experts] parallel.expert_model_parallel_size={ep} does not divide "
+            f"num_experts={num_experts}; use one of {_fmt(_divisors(num_experts, 256))}"
+        )
     for name, count in (("num_attention_heads", num_attention_heads), ("num_query_groups", groups)):
         if count % tp:
-            errors.append(f"[attention_heads] parallel.tensor_model_parallel_size={tp} does not divide "
-                          f"{name}={count}; use one of {_fmt(_divisors(math.gcd(num_attention_heads, groups)))}")
+            errors.append(
+                f"[attention_heads] parallel.tensor_model_parallel_size={tp} does not divide "
+                f"{name}={count}; use one of {_fmt(_divisors(math.gcd(num_attention_heads, groups)))}"
+            )
     if vocab_size % tp:
-        errors.append(f"[vocab] parallel.tensor_model_parallel_size={tp} does not divide vocab_size="
-                      f"{vocab_size} (the embedding is split evenly over TP); use one of "
-                      f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}")
+        errors.append(
+            f"[vocab] parallel.tensor_model_parallel_size={tp} does not divide vocab_size="
+            f"{vocab_size} (the embedding is split evenly over TP); use one of "
+            f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}"
+        )
     if errors:
         raise ConfigError(format_errors(errors))
 
@@ -488,13 +609,17 @@ def _pipeline_layer_errors(p: ParallelConfig, num_layers: int) -> list[str]:
         return [] if num_layers >= 1 else [f"num_layers={num_layers} must be >= 1"]
     if first is None and last is None:
         if num_layers % pp:
-            return [f"parallel.pipeline_model_parallel_size={pp} does not divide num_layers={num_layers}; "
-                    f"use one of {_fmt(_divisors(num_layers, 64))}, or set an uneven split"
-                    f"{_uneven_suggestion(num_layers, pp, vpp)}"]
+            return [
+                f"parallel.pipeline_model_parallel_size={pp} does not divide num_layers={num_layers}; "
+                f"use one of {_fmt(_divisors(num_layers, 64))}, or set an uneven split"
+                f"{_uneven_suggestion(num_layers, pp, vpp)}"
+            ]
         if (num_layers // pp) % vpp:
-            return [f"parallel.virtual_pipeline_model_parallel_size={vpp} does not divide the "
-                    f"{num_layers // pp} layers per pipeline stage (num_layers={num_layers} / pp={pp}); "
-                    f"use one of {_fmt(_divisors(num_layers // pp))} or null"]
+            return [
+                f"parallel.virtual_pipeline_model_parallel_size={vpp} does not divide the "
+                f"{num_layers // pp} layers per pipeline stage (num_layers={num_layers} / pp={pp}); "
+                f"use one of {_fmt(_divisors(num_layers // pp))} or null"
+            ]
         return []
     errors = []
     for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
@@ -502,12 +627,17 @@ def _pipeline_layer_errors(p: ParallelConfig, num_layers: int) -> list[str]:
             errors.append(f"parallel.{name}={value} is not divisible by virtual_pipeline_model_parallel_size={vpp}")
     middle_layers = num_layers - (first or 0) - (last or 0)
     middle_stages = pp - (first is not None) - (last is not None)
-    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
-            middle_stages and middle_layers % (middle_stages * vpp)):
-        errors.append(f"parallel.num_layers_in_first_pipeline_stage={first} / num_layers_in_last_pipeline_stage="
-                      f"{last} leave {middle_layers} of num_layers={num_layers} for {middle_stages} middle "
-                      f"stage(s) (pipeline_model_parallel_size={pp}), which must split evenly"
-                      f"{' (and by VPP)' if vpp > 1 else ''}{_uneven_suggestion(num_layers, pp, vpp)}")
+    if (
+        middle_layers < 0
+        or bool(middle_layers) != bool(middle_stages)
+        or (middle_stages and middle_layers % (middle_stages * vpp))
+    ):
+        errors.append(
+            f"parallel.num_layers_in_first_pipeline_stage={first} / num_layers_in_last_pipeline_stage="
+            f"{last} leave {middle_layers} of num_layers={num_layers} for {middle_stages} middle "
+            f"stage(s) (pipeline_model_parallel_size={pp}), which must split evenly"
+            f"{' (and by VPP)' if vpp > 1 else ''}{_uneven_suggestion(num_layers, pp, vpp)}"
+        )
     return errors
 
 
@@ -516,8 +646,7 @@ def _uneven_suggestion(num_layers: int, pp: int, vpp: int) -> str:
     if pp < 2:
         return ""
     target = num_layers / pp
-    candidates = [last for last in range(vpp, num_layers, vpp)
-                  if (num_layers - last) % ((pp - 1) * vpp) == 0]
+    candidates = [last for last in range(vpp, num_layers, vpp) if (num_layers - last) % ((pp - 1) * vpp) == 0]
     if not candidates:
         return ""
     best = min(candidates, key=lambda last: abs(last - target))

@@ -21,8 +21,9 @@ from moe_sft.conversion.mapping import Entry, MappingError
 from moe_sft.models.family import Family
 
 
-def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str], hf_cfg=None,
-                      empty: set[str] = frozenset()) -> None:
+def check_hf_coverage(
+    family: Family, entries: list[Entry], hf_names: set[str], hf_cfg=None, empty: set[str] = frozenset()
+) -> None:
     """Every HF tensor is consumed exactly once or deliberately dropped, and none is missing.
 
     With tied embeddings an HF file may still carry `lm_head.weight`: it is the embedding, so it
@@ -38,17 +39,23 @@ def check_hf_coverage(family: Family, entries: list[Entry], hf_names: set[str], 
     if missing:
         hint = ""
         if any(n.startswith("lm_head") for n in missing):
-            hint = (" The checkpoint has no lm_head.weight but config.json says "
-                    "tie_word_embeddings=false: re-save it with lm_head, or set tie_word_embeddings=true.")
-        raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) the {family.name} mapping "
-                           f"needs: {mapping._list(missing)}.{hint}")
+            hint = (
+                " The checkpoint has no lm_head.weight but config.json says "
+                "tie_word_embeddings=false: re-save it with lm_head, or set tie_word_embeddings=true."
+            )
+        raise MappingError(
+            f"HF checkpoint lacks {len(missing)} tensor(s) the {family.name} mapping "
+            f"needs: {mapping._list(missing)}.{hint}"
+        )
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     dropped = [re.compile(p) for p in family.dropped + ((r"lm_head\.weight",) if tied else ())]
     unconsumed = {n for n in hf_names - set(wanted) - set(empty) if not any(p.fullmatch(n) for p in dropped)}
     if unconsumed:
-        raise MappingError(f"HF checkpoint has {len(unconsumed)} tensor(s) the {family.name} mapping "
-                           f"neither loads nor lists as dropped: {mapping._list(unconsumed)}. "
-                           "Refusing to convert silently incomplete weights.")
+        raise MappingError(
+            f"HF checkpoint has {len(unconsumed)} tensor(s) the {family.name} mapping "
+            f"neither loads nor lists as dropped: {mapping._list(unconsumed)}. "
+            "Refusing to convert silently incomplete weights."
+        )
 
 
 def check_produced(entries: list[Entry], state: dict) -> None:
@@ -58,8 +65,7 @@ def check_produced(entries: list[Entry], state: dict) -> None:
             raise MappingError(f"mapping produces {entry.mcore!r}, which the megatron model lacks")
     unproduced = mapping.model_parameter_names(state) - {e.mcore for e in entries}
     if unproduced:
-        raise MappingError("no HF tensor produces these megatron parameters: "
-                           f"{mapping._list(unproduced)}")
+        raise MappingError(f"no HF tensor produces these megatron parameters: {mapping._list(unproduced)}")
 
 
 def hf_expected(family, hf_cfg) -> dict[str, tuple[int, ...]]:
@@ -69,12 +75,12 @@ def hf_expected(family, hf_cfg) -> dict[str, tuple[int, ...]]:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    from moe_sft.runtime import compat
+    from moe_sft.runtime import cpu_compat
 
     cfg = copy.deepcopy(hf_cfg)  # building a model writes into its config
     if hasattr(cfg, "quantization_config"):  # exported dequantised
         del cfg.quantization_config
-    with compat.suspended(), torch.device("meta"):
+    with cpu_compat.suspended(), torch.device("meta"):
         model = family.hf_model_class(cfg)
         state = remove_tied_weights_from_state_dict(model.state_dict(), model)
         state = revert_weight_conversion(model, state)
@@ -92,8 +98,10 @@ def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -
         raise MappingError(f"{family.name} export writes these HF tensors twice: {mapping._list(twice)}")
     missing = set(expected) - set(written)
     if missing:
-        raise MappingError(f"the {family.name} export would not write {len(missing)} tensor(s) "
-                           f"transformers' model has: {mapping._list(missing)}")
+        raise MappingError(
+            f"the {family.name} export would not write {len(missing)} tensor(s) "
+            f"transformers' model has: {mapping._list(missing)}"
+        )
     shapes = [f"{n} {written[n]} (transformers: {s})" for n, s in expected.items() if written[n] != s]
     if shapes:
         raise MappingError(f"{family.name} export shapes differ from transformers': {'; '.join(shapes[:10])}")
@@ -101,5 +109,7 @@ def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -
     mtp = tuple(f"model.layers.{n + k}." for k in range(family.num_mtp_layers(hf_cfg)))
     extra = {name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",))}
     if extra:
-        raise MappingError(f"the {family.name} export would write {len(extra)} tensor(s) "
-                           f"transformers' model does not have: {mapping._list(extra)}")
+        raise MappingError(
+            f"the {family.name} export would write {len(extra)} tensor(s) "
+            f"transformers' model does not have: {mapping._list(extra)}"
+        )

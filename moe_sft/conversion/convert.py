@@ -8,7 +8,6 @@ disjoint shares (`workers`). docs/conversion_at_scale.md has the measurements.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -16,14 +15,23 @@ from moe_sft.conversion import completeness, mcore_io, streaming
 from moe_sft.conversion import workers as conversion_workers
 from moe_sft.conversion.hf_source import load_hf_config, prepare
 from moe_sft.conversion.meta_model import meta_model
+from moe_sft.runtime.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
-def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
-            max_chunk_bytes: int = streaming.DEFAULT_MAX_CHUNK_BYTES, progress=None,
-            nodes: int = 1, node_rank: int = 0, run_id: str = "local",
-            node_timeout_s: float = 24 * 3600, overwrite: bool = False) -> dict:
+def convert(
+    hf_path: str | Path,
+    out_path: str | Path,
+    workers: int = 1,
+    max_chunk_bytes: int = streaming.DEFAULT_MAX_CHUNK_BYTES,
+    progress=None,
+    nodes: int = 1,
+    node_rank: int = 0,
+    run_id: str = "local",
+    node_timeout_s: float = 24 * 3600,
+    overwrite: bool = False,
+) -> dict:
     """Write the dist checkpoint + meta + HF side files; returns the meta dict (plus the bytes
     written and the seconds taken, which are not stored).
 
@@ -38,11 +46,18 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
     """
     hf_path, out_path = Path(hf_path), Path(out_path)
     if workers < 1 or not 0 <= node_rank < nodes:
-        raise ValueError(f"workers={workers}, node_rank={node_rank}, nodes={nodes}: use 1 or more "
-                         "workers and a node rank in [0, nodes)")
-    spec = conversion_workers.WorkerSpec(count=workers * nodes, index=node_rank * workers,
-                                         hf_path=str(hf_path), nodes=nodes, run_id=run_id,
-                                         node_timeout_s=node_timeout_s)
+        raise ValueError(
+            f"workers={workers}, node_rank={node_rank}, nodes={nodes}: use 1 or more "
+            "workers and a node rank in [0, nodes)"
+        )
+    spec = conversion_workers.WorkerSpec(
+        count=workers * nodes,
+        index=node_rank * workers,
+        hf_path=str(hf_path),
+        nodes=nodes,
+        run_id=run_id,
+        node_timeout_s=node_timeout_s,
+    )
     started = time.time()
     tmp = out_path.with_name(out_path.name + ".tmp")
     if spec.index == 0:  # node 0 publishes: it alone decides what may be replaced
@@ -54,21 +69,30 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
         job = prepare(hf_path)
         if job.mtp_dropped and spec.index == 0:
             for field, count in job.mtp_dropped.items():
-                log.warning("config.json declares %s=%d but the checkpoint holds no MTP tensors (saved "
-                            "by transformers, which has no MTP module): converting without MTP",
-                            field, count)
+                log.warning(
+                    "config.json declares %s=%d but the checkpoint holds no MTP tensors (saved "
+                    "by transformers, which has no MTP module): converting without MTP",
+                    field,
+                    count,
+                )
         model = meta_model(job.family, job.hf_cfg, job.precision)
         completeness.check_produced(job.entries, model.state_dict(keep_vars=True))  # before any write
-        written = streaming.save_streaming(model, job.entries, job.reader, job.ctx, tmp, spec,
-                                           max_chunk_bytes, progress)
+        written = streaming.save_streaming(
+            model, job.entries, job.reader, job.ctx, tmp, spec, max_chunk_bytes, progress
+        )
         if spec.index > 0:  # another node's part: node 0 publishes
             return dict(written_bytes=written, seconds=time.time() - started, node_rank=node_rank)
-        mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR,
-                                    {field: 0 for field in job.mtp_dropped or {}})
-        meta = dict(family=job.family.name, model_type=job.hf_cfg.model_type,
-                    vocab_size=job.hf_cfg.vocab_size, padded_vocab_size=job.ctx["padded_vocab_size"],
-                    source=str(hf_path.resolve()), step=0, params_dtype=job.precision,
-                    hf_tensors=len(job.reader.names()))
+        mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR, {field: 0 for field in job.mtp_dropped or {}})
+        meta = dict(
+            family=job.family.name,
+            model_type=job.hf_cfg.model_type,
+            vocab_size=job.hf_cfg.vocab_size,
+            padded_vocab_size=job.ctx["padded_vocab_size"],
+            source=str(hf_path.resolve()),
+            step=0,
+            params_dtype=job.precision,
+            hf_tensors=len(job.reader.names()),
+        )
         if job.mtp_dropped:
             meta["mtp_dropped_from_config"] = job.mtp_dropped
         mcore_io.write_meta(tmp, meta)
@@ -84,8 +108,13 @@ def convert(hf_path: str | Path, out_path: str | Path, workers: int = 1,
         if job is not None:
             job.reader.close()
     seconds = time.time() - started
-    log.info("converted %d HF tensors into %d megatron tensors: %.2f GB in %.1fs (%.0f MB/s)",
-             len(job.reader.names()), len(job.entries), written / 1e9, seconds,
-             written / 1e6 / max(seconds, 1e-9))
+    log.info(
+        "converted %d HF tensors into %d megatron tensors: %.2f GB in %.1fs (%.0f MB/s)",
+        len(job.reader.names()),
+        len(job.entries),
+        written / 1e9,
+        seconds,
+        written / 1e6 / max(seconds, 1e-9),
+    )
     meta["written_bytes"], meta["seconds"] = written, seconds
     return meta

@@ -34,8 +34,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     try:
         job = prepare(args.hf_path)
         model = meta_model(job.family, job.hf_cfg, job.precision)
-        written = save_streaming(model, job.entries, job.reader, job.ctx, args.staging, spec,
-                                 args.max_chunk_bytes)
+        written = save_streaming(model, job.entries, job.reader, job.ctx, args.staging, spec, args.max_chunk_bytes)
     except BaseException:
         report_failure(args.staging, spec)
         raise

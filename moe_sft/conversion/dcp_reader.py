@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -29,13 +27,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from moe_sft.conversion.file_io import OpenFiles
 from moe_sft.conversion.hf_reader import CheckpointError
+from moe_sft.runtime.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 _MAX_READ = 1 << 30  # one preadv call reads at most ~2 GiB on Linux; stay well below
 _MAX_BUFFERS = 1024  # IOV_MAX
 
 
-def _contiguous_blocks(target: torch.Tensor) -> Optional[list[torch.Tensor]]:
+def _contiguous_blocks(target: torch.Tensor) -> list[torch.Tensor] | None:
     """`target` as contiguous blocks in row-major order (target[i, j, ...] for its leading
     indices), when the blocks are at most 4096 and not smaller than 64 elements; else None."""
     lead = 0
@@ -114,20 +113,20 @@ class DistCheckpointReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
-            raise IncompleteCheckpointError(f"{self.path}: no .metadata; not a complete torch_dist "
-                                            "checkpoint (an interrupted save leaves none)")
+            raise IncompleteCheckpointError(
+                f"{self.path}: no .metadata; not a complete torch_dist checkpoint (an interrupted save leaves none)"
+            )
         self._storage = FileSystemReader(str(self.path))
         self.metadata = self._storage.read_metadata()
         self._storage.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._stored: dict = {}
         self._files = OpenFiles()
         self.tensor_bytes = 0  # bytes placed into destinations
-        self.file_bytes = 0    # bytes read from the files to do it
+        self.file_bytes = 0  # bytes read from the files to do it
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
         """Every tensor key with its global size, dtype and stored chunks (byte objects left out)."""
-        return {k: v for k, v in self.metadata.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata)}
+        return {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def read_into(self, key: str, offsets, dest: torch.Tensor) -> None:
         """Fill `dest` (any strided tensor) with the box of global tensor `key` at `offsets`."""
@@ -136,9 +135,11 @@ class DistCheckpointReader:
             raise IncompleteCheckpointError(f"{self.path}: checkpoint has no tensor {key!r}")
         box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(dest.shape))
         if len(box.offsets) != len(md.size) or any(o + s > n for o, s, n in zip(box.offsets, box.sizes, md.size)):
-            raise IncompleteCheckpointError(f"{self.path}: {key!r} has shape {tuple(md.size)}; the "
-                                            f"model needs the box at {tuple(box.offsets)} of size "
-                                            f"{tuple(box.sizes)}")
+            raise IncompleteCheckpointError(
+                f"{self.path}: {key!r} has shape {tuple(md.size)}; the "
+                f"model needs the box at {tuple(box.offsets)} of size "
+                f"{tuple(box.sizes)}"
+            )
         if md.properties.dtype != dest.dtype:
             raise TypeError(f"{key!r} is stored as {md.properties.dtype}, destination is {dest.dtype}")
         items = create_read_items_for_chunk_list(key, md, [box])
@@ -147,13 +148,15 @@ class DistCheckpointReader:
             raise IncompleteCheckpointError(
                 f"{self.path}: the stored chunks of {key!r} cover {covered} of the {dest.numel()} "
                 f"elements of the box at {tuple(box.offsets)} of size {tuple(box.sizes)}; the "
-                "checkpoint is incomplete (a rank's files missing from .metadata?)")
+                "checkpoint is incomplete (a rank's files missing from .metadata?)"
+            )
         planner = _IntoView(dest)
         slow = [item for item in items if not self._read_item(item, planner.resolve_tensor(item))]
         if slow:
             self._storage.read_data(LoadPlan(slow), planner).wait()
-            self.file_bytes += sum(md.chunks[item.storage_index.index].sizes.numel()
-                                     for item in slow) * dest.element_size()
+            self.file_bytes += (
+                sum(md.chunks[item.storage_index.index].sizes.numel() for item in slow) * dest.element_size()
+            )
         self.tensor_bytes += dest.numel() * dest.element_size()
 
     def _read_item(self, item: ReadItem, target: torch.Tensor) -> bool:
@@ -175,7 +178,7 @@ class DistCheckpointReader:
         self.file_bytes += span * size
         return True
 
-    def _stored_tensor(self, item: ReadItem) -> Optional[_Stored]:
+    def _stored_tensor(self, item: ReadItem) -> _Stored | None:
         info = self.metadata.storage_data[item.storage_index]
         where = (info.relative_path, info.offset)
         if where not in self._stored:
@@ -187,15 +190,14 @@ class DistCheckpointReader:
                     log.debug("%s: reading %s through DCP (%s)", self.path, where, err)
         return self._stored[where]
 
-    def _locate(self, info) -> Optional[_Stored]:
+    def _locate(self, info) -> _Stored | None:
         file = self.path / info.relative_path
         with open(file, "rb") as stream:
             view = self._storage._slice_file(stream, info)
             tensor = torch.load(view, map_location="meta", weights_only=True)
             view.seek(0)
             archive = torch._C.PyTorchFileReader(view)  # torch.save records the saver's byte order
-            if archive.has_record("byteorder") and \
-                    bytes(archive.get_record("byteorder")).decode() != sys.byteorder:
+            if archive.has_record("byteorder") and bytes(archive.get_record("byteorder")).decode() != sys.byteorder:
                 return None
         if not isinstance(tensor, torch.Tensor):
             return None
@@ -210,17 +212,18 @@ class DistCheckpointReader:
         while views:
             batch, size = [], 0
             while views and len(batch) < _MAX_BUFFERS and size < _MAX_READ:
-                take = views[0][:_MAX_READ - size]
+                take = views[0][: _MAX_READ - size]
                 batch.append(take)
                 size += len(take)
-                views[0] = views[0][len(take):]
+                views[0] = views[0][len(take) :]
                 if not len(views[0]):
                     views.pop(0)
             done = os.preadv(self._files.fd(file), batch, offset)
             if done < size:
                 if done <= 0:
-                    raise IncompleteCheckpointError(f"{file}: ends at byte {offset}, {size} bytes "
-                                                    "short; the file is truncated")
+                    raise IncompleteCheckpointError(
+                        f"{file}: ends at byte {offset}, {size} bytes short; the file is truncated"
+                    )
                 views = _skip(batch, done) + views  # a short read: go on from where it stopped
             offset += done
 

@@ -16,10 +16,9 @@ checkpoint is chunked. docs/conversion_at_scale.md
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from transformers import GenerationConfig
@@ -31,8 +30,9 @@ from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
 from moe_sft.conversion.meta_model import View
 from moe_sft.conversion.single_rank import single_rank_model
+from moe_sft.runtime.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -47,8 +47,7 @@ def load_model_from_checkpoint(ckpt_dir: str | Path, precision: str = "fp32"):
     mcore_io.read_meta(ckpt_dir)
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
     model = single_rank_model(family, hf_cfg, precision)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir),
-                                    strict="assume_ok_unexpected")
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir), strict="assume_ok_unexpected")
     model.load_state_dict(state["model"])
     model.moe_sft_family, model.moe_sft_hf_config = family, hf_cfg
     return model
@@ -66,14 +65,18 @@ def _box_axes(view: View, offset: int, shape: tuple[int, ...]):
         axes.append(match[0] if n > 1 else None)
     coords = [(offset // st) % n for st, n in zip(strides, shape)]
     walked = [a for a in axes if a is not None]
-    if len(set(walked)) != len(walked) or sum(c * st for c, st in zip(coords, strides)) != offset \
-            or any(coords[a] + n > shape[a] for a, n in zip(axes, view.shape) if a is not None):
+    if (
+        len(set(walked)) != len(walked)
+        or sum(c * st for c, st in zip(coords, strides)) != offset
+        or any(coords[a] + n > shape[a] for a, n in zip(axes, view.shape) if a is not None)
+    ):
         return None
     return axes, coords
 
 
-def _read_unit(reader: DistCheckpointReader, param: ParamPlan, first: int, stop: int,
-               buffer: torch.Tensor) -> torch.Tensor:
+def _read_unit(
+    reader: DistCheckpointReader, param: ParamPlan, first: int, stop: int, buffer: torch.Tensor
+) -> torch.Tensor:
     """Slices [first, stop) of the parameter (shape `param.unit_shape`), read box by box into the
     start of `buffer` (bytes; reused for every unit, so the result is valid until the next read).
 
@@ -82,8 +85,7 @@ def _read_unit(reader: DistCheckpointReader, param: ParamPlan, first: int, stop:
     coordinates: reading is a plain copy and the transform back to HF's layout copies nothing.
     """
     lo, shape = first * param.slice_elems, param.unit_shape(first, stop)
-    parts = [(piece.key,) + part for piece in param.pieces
-             if (part := piece.restrict(first, stop)) is not None]
+    parts = [(piece.key,) + part for piece in param.pieces if (part := piece.restrict(first, stop)) is not None]
     boxes = [_box_axes(view, view.offset - lo, shape) for _, _, view in parts]
     order = list(range(len(shape)))
     if parts and all(b is not None for b in boxes):
@@ -91,8 +93,7 @@ def _read_unit(reader: DistCheckpointReader, param: ParamPlan, first: int, stop:
         inner = [a for a in boxes[largest][0] if a is not None]
         order = [a for a in order if a not in inner] + inner
     # Storage offset 0 of the buffer: the as_strided offsets below are relative to the unit.
-    temp = buffer[:torch.Size(shape).numel() * param.dtype.itemsize].view(param.dtype).view(
-        [shape[a] for a in order])
+    temp = buffer[: torch.Size(shape).numel() * param.dtype.itemsize].view(param.dtype).view([shape[a] for a in order])
     unit = temp.permute([order.index(a) for a in range(len(shape))])
     filled = 0
     for (key, offsets, view), box in zip(parts, boxes):
@@ -100,18 +101,24 @@ def _read_unit(reader: DistCheckpointReader, param: ParamPlan, first: int, stop:
             dest = temp.view(-1).as_strided(view.shape, view.stride, view.offset - lo)
         else:
             axes, coords = box
-            dest = temp.as_strided(view.shape, [unit.stride(a) if a is not None else 0 for a in axes],
-                                   sum(c * unit.stride(a) for a, c in enumerate(coords)))
+            dest = temp.as_strided(
+                view.shape,
+                [unit.stride(a) if a is not None else 0 for a in axes],
+                sum(c * unit.stride(a) for a, c in enumerate(coords)),
+            )
         reader.read_into(key, offsets, dest)
         filled += dest.numel()
     if filled != unit.numel():  # the boxes of one parameter never overlap (megatron validates them)
-        raise RuntimeError(f"{param.entry.mcore}: the checkpoint boxes fill {filled} of the "
-                           f"{unit.numel()} elements of slices {first}:{stop}")
+        raise RuntimeError(
+            f"{param.entry.mcore}: the checkpoint boxes fill {filled} of the "
+            f"{unit.numel()} elements of slices {first}:{stop}"
+        )
     return unit
 
 
-def _write_unit(writer: StreamingSafetensorsWriter, param: ParamPlan, first: int, stop: int,
-                unit: torch.Tensor, ctx: dict) -> None:
+def _write_unit(
+    writer: StreamingSafetensorsWriter, param: ParamPlan, first: int, stop: int, unit: torch.Tensor, ctx: dict
+) -> None:
     """The HF tensors (or rows of them) that slices [first, stop) of the parameter give."""
     entry = param.entry
     if param.kind == "whole":
@@ -122,7 +129,7 @@ def _write_unit(writer: StreamingSafetensorsWriter, param: ParamPlan, first: int
         one = dict(ctx, num_experts=1)
         for e in range(first, stop):
             tensors = entry.transform.to_hf(unit[e - first], one)
-            for name, tensor in zip(entry.hf[e * per:(e + 1) * per], tensors):
+            for name, tensor in zip(entry.hf[e * per : (e + 1) * per], tensors):
                 writer.write(name, tensor)
     else:  # rows: HF row r is megatron row r (rows past the HF tensor's are vocab padding)
         casts: dict[int, torch.Tensor] = {}
@@ -130,23 +137,29 @@ def _write_unit(writer: StreamingSafetensorsWriter, param: ParamPlan, first: int
             end = min(stop, shape[0])
             if first < end:
                 if end not in casts:
-                    casts[end] = unit[:end - first].to(writer.dtype)
+                    casts[end] = unit[: end - first].to(writer.dtype)
                 writer.write_rows(name, first, casts[end])
 
 
 @dataclasses.dataclass
 class ExportStats:
     hf_tensors: int
-    written_bytes: int   # HF tensor data written
+    written_bytes: int  # HF tensor data written
     megatron_bytes: int  # megatron tensor data read from the checkpoint
-    file_bytes: int      # bytes read from the checkpoint's files to do it
+    file_bytes: int  # bytes read from the checkpoint's files to do it
     units: int
     seconds: float
 
 
-def export(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3,
-           dtype: str = "bf16", read_bytes: int = export_plan.DEFAULT_READ_BYTES,
-           progress: Optional[Callable[[int, int], None]] = None, overwrite: bool = False) -> Path:
+def export(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    max_shard_bytes: int = 5 * 1024**3,
+    dtype: str = "bf16",
+    read_bytes: int = export_plan.DEFAULT_READ_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write the HF directory atomically, streaming; every megatron parameter is read and every
     HF tensor written exactly once (the gates in export_plan.py run before anything is read).
 
@@ -162,14 +175,23 @@ def _own_export_dir(ckpt_dir: Path, out_dir: Path) -> bool:
     `<output_dir>/checkpoints/step_N` into `<output_dir>/hf` at the end of every run, a resumed
     one too, and replaces its own earlier export (moe_sft/trainer/checkpoint.py's layout)."""
     ckpt, out = ckpt_dir.resolve(), out_dir.resolve()
-    return (ckpt.parent.name == "checkpoints" and mcore_io.STEP_DIR.fullmatch(ckpt.name) is not None
-            and out == ckpt.parent.parent / "hf" and (out / "config.json").is_file())
+    return (
+        ckpt.parent.name == "checkpoints"
+        and mcore_io.STEP_DIR.fullmatch(ckpt.name) is not None
+        and out == ckpt.parent.parent / "hf"
+        and (out / "config.json").is_file()
+    )
 
 
-def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3,
-                      dtype: str = "bf16", read_bytes: int = export_plan.DEFAULT_READ_BYTES,
-                      progress: Optional[Callable[[int, int], None]] = None,
-                      overwrite: bool = False) -> tuple[Path, ExportStats]:
+def export_with_stats(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    max_shard_bytes: int = 5 * 1024**3,
+    dtype: str = "bf16",
+    read_bytes: int = export_plan.DEFAULT_READ_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+    overwrite: bool = False,
+) -> tuple[Path, ExportStats]:
     """`export`, also returning what it read and wrote."""
     started = time.time()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -181,12 +203,12 @@ def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes
     torch_dtype = DTYPES[dtype]
     reader = DistCheckpointReader(ckpt_dir)
     plan = export_plan.build(family, hf_cfg, reader, read_bytes)
-    writer = StreamingSafetensorsWriter(out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes,
-                                        source=str(ckpt_dir.resolve()))
+    writer = StreamingSafetensorsWriter(
+        out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes, source=str(ckpt_dir.resolve())
+    )
     # One allocation for every unit, not one per unit: a fresh 16-256 MiB tensor per unit let
     # glibc's heap keep freed units resident now and then (+11 units of RSS in 1 run of ~6).
-    buffer = torch.empty(max((p.largest_unit_bytes() for p in plan.params), default=0),
-                         dtype=torch.uint8)
+    buffer = torch.empty(max((p.largest_unit_bytes() for p in plan.params), default=0), dtype=torch.uint8)
     try:
         for param in plan.params:
             for first, stop in param.units:
@@ -208,11 +230,23 @@ def export_with_stats(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes
     except BaseException:
         writer.discard()
         raise
-    stats = ExportStats(len(plan.hf_specs()), writer.total_bytes, reader.tensor_bytes,
-                        reader.file_bytes, sum(len(p.units) for p in plan.params),
-                        time.time() - started)
-    log.info("exported %d HF tensors: %.2f GB written in %.1fs (%.0f MB/s); read %.2f GB in %d "
-             "units, %.2f GB from the files", stats.hf_tensors, stats.written_bytes / 1e9,
-             stats.seconds, stats.written_bytes / 1e6 / max(stats.seconds, 1e-9),
-             stats.megatron_bytes / 1e9, stats.units, stats.file_bytes / 1e9)
+    stats = ExportStats(
+        len(plan.hf_specs()),
+        writer.total_bytes,
+        reader.tensor_bytes,
+        reader.file_bytes,
+        sum(len(p.units) for p in plan.params),
+        time.time() - started,
+    )
+    log.info(
+        "exported %d HF tensors: %.2f GB written in %.1fs (%.0f MB/s); read %.2f GB in %d "
+        "units, %.2f GB from the files",
+        stats.hf_tensors,
+        stats.written_bytes / 1e9,
+        stats.seconds,
+        stats.written_bytes / 1e6 / max(stats.seconds, 1e-9),
+        stats.megatron_bytes / 1e9,
+        stats.units,
+        stats.file_bytes / 1e9,
+    )
     return out, stats

@@ -26,10 +26,8 @@ MTP layers, which transformers' model does not hold).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from collections import defaultdict
-from typing import Optional
 
 import torch
 
@@ -37,8 +35,9 @@ from moe_sft.conversion import completeness, mapping
 from moe_sft.conversion.dcp_reader import DistCheckpointReader, IncompleteCheckpointError
 from moe_sft.conversion.mapping import Entry, MappingError
 from moe_sft.conversion.meta_model import MetaViewsStayViews, View, meta_model, view_of
+from moe_sft.runtime.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_READ_BYTES = 256 * 2**20
 # Checkpoint tensors that are not model weights: the distributed optimizer's state
@@ -53,10 +52,10 @@ class Piece:
     key: str
     offsets: tuple[int, ...]
     view: View
-    axis: int                       # the view's outermost axis: boxes are cut along it
-    slices: Optional[torch.Tensor]  # slice of the parameter each index along `axis` falls in
+    axis: int  # the view's outermost axis: boxes are cut along it
+    slices: torch.Tensor | None  # slice of the parameter each index along `axis` falls in
 
-    def restrict(self, first: int, stop: int) -> Optional[tuple[tuple[int, ...], View]]:
+    def restrict(self, first: int, stop: int) -> tuple[tuple[int, ...], View] | None:
         """(offsets, view) of the part of this box in slices [first, stop), or None."""
         if self.slices is None:  # read whole
             return self.offsets, self.view
@@ -75,12 +74,12 @@ class ParamPlan:
 
     entry: Entry
     shape: tuple[int, ...]
-    dtype: torch.dtype               # as stored in the checkpoint
-    kind: str                        # experts | rows | whole
-    slice_shape: tuple[int, ...]     # one expert's block, one row, or the whole parameter
+    dtype: torch.dtype  # as stored in the checkpoint
+    kind: str  # experts | rows | whole
+    slice_shape: tuple[int, ...]  # one expert's block, one row, or the whole parameter
     slice_elems: int
     pieces: list[Piece]
-    units: list[tuple[int, int]]     # slice ranges [first, stop)
+    units: list[tuple[int, int]]  # slice ranges [first, stop)
     hf: list[tuple[str, tuple[int, ...]]]
 
     def unit_shape(self, first: int, stop: int) -> tuple[int, ...]:
@@ -108,12 +107,13 @@ class ExportPlan:
 # Cutting a parameter into slices and a box into the part each unit needs
 # ------------------------------------------------------------------------------------------------
 
+
 def _outer_axis(view: View) -> int:
     sized = [a for a, n in enumerate(view.shape) if n > 1]
     return max(sized, key=lambda a: view.stride[a]) if sized else 0
 
 
-def _index_slices(view: View, axis: int, slice_elems: int) -> Optional[torch.Tensor]:
+def _index_slices(view: View, axis: int, slice_elems: int) -> torch.Tensor | None:
     """Slice of each index along `axis`, or None when an index's elements straddle two slices."""
     inner = sum((n - 1) * s for a, (n, s) in enumerate(zip(view.shape, view.stride)) if a != axis)
     starts = view.offset + torch.arange(view.shape[axis], dtype=torch.int64) * view.stride[axis]
@@ -127,8 +127,11 @@ def _kind(entry: Entry, shape: tuple[int, ...], hf_shapes: list, experts: int) -
     """(kind, number of slices) for a parameter of `shape`."""
     if entry.transform.expert_separable and experts > 0 and len(entry.hf) % experts == 0:
         return "experts", experts
-    if entry.transform.row_separable and len(shape) >= 2 and all(
-            tuple(s[1:]) == tuple(shape[1:]) and s[0] <= shape[0] for s in hf_shapes):
+    if (
+        entry.transform.row_separable
+        and len(shape) >= 2
+        and all(tuple(s[1:]) == tuple(shape[1:]) and s[0] <= shape[0] for s in hf_shapes)
+    ):
         return "rows", shape[0]
     return "whole", 1
 
@@ -142,6 +145,7 @@ def _units(count: int, slice_bytes: int, budget: int) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------
 # The plan and its gates
 # ------------------------------------------------------------------------------------------------
+
 
 def _pieces_by_param(model) -> tuple[dict, dict]:
     """{parameter: [(ShardedTensor, View)]} and {parameter: tensor} of the meta model."""
@@ -162,8 +166,10 @@ def _pieces_by_param(model) -> tuple[dict, dict]:
             raise RuntimeError(f"{sh.key}: flattened sharded tensors are not supported")
         view = view_of(sh, ids)
         if view.param is None:
-            raise RuntimeError(f"megatron's sharded state has {sh.key!r}, which is no view of a "
-                               "model parameter; the exporter does not know which HF tensor it is")
+            raise RuntimeError(
+                f"megatron's sharded state has {sh.key!r}, which is no view of a "
+                "model parameter; the exporter does not know which HF tensor it is"
+            )
         if (sh.key, tuple(sh.global_offset)) not in seen:
             seen.add((sh.key, tuple(sh.global_offset)))
             found[view.param].append((sh, view))
@@ -175,26 +181,34 @@ def _check_checkpoint_keys(found: dict, stored: dict, path) -> None:
     needed = {sh.key: tuple(sh.global_shape) for pairs in found.values() for sh, _ in pairs}
     missing = sorted(k for k in needed if k not in stored)
     if missing:
-        raise IncompleteCheckpointError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) the "
-                                        f"model needs: {mapping._list(missing)}")
-    shapes = [f"{k} {tuple(stored[k].size)} (model: {s})" for k, s in needed.items()
-              if tuple(stored[k].size) != s]
+        raise IncompleteCheckpointError(
+            f"{path}: the checkpoint lacks {len(missing)} tensor(s) the model needs: {mapping._list(missing)}"
+        )
+    shapes = [f"{k} {tuple(stored[k].size)} (model: {s})" for k, s in needed.items() if tuple(stored[k].size) != s]
     if shapes:
-        raise IncompleteCheckpointError(f"{path}: tensors of another shape than the model's: "
-                                        f"{'; '.join(shapes[:10])}; is config.json the one it was "
-                                        "trained with?")
-    holes = [f"{k} ({sum(c.sizes.numel() for c in stored[k].chunks)} of {stored[k].size.numel()} "
-             "elements)" for k in needed
-             if sum(c.sizes.numel() for c in stored[k].chunks) != stored[k].size.numel()]
+        raise IncompleteCheckpointError(
+            f"{path}: tensors of another shape than the model's: "
+            f"{'; '.join(shapes[:10])}; is config.json the one it was "
+            "trained with?"
+        )
+    holes = [
+        f"{k} ({sum(c.sizes.numel() for c in stored[k].chunks)} of {stored[k].size.numel()} elements)"
+        for k in needed
+        if sum(c.sizes.numel() for c in stored[k].chunks) != stored[k].size.numel()
+    ]
     if holes:  # DCP's chunks never overlap, so a shortfall is a hole
-        raise IncompleteCheckpointError(f"{path}: the stored chunks do not cover {len(holes)} "
-                                        f"tensor(s): {'; '.join(holes[:10])}; a rank's files are "
-                                        "missing from .metadata, re-save the checkpoint")
+        raise IncompleteCheckpointError(
+            f"{path}: the stored chunks do not cover {len(holes)} "
+            f"tensor(s): {'; '.join(holes[:10])}; a rank's files are "
+            "missing from .metadata, re-save the checkpoint"
+        )
     unconsumed = [k for k in stored if k not in needed and not NOT_MODEL_STATE.fullmatch(k)]
     if unconsumed:
-        raise MappingError(f"{path}: the checkpoint holds {len(unconsumed)} model tensor(s) the "
-                           f"export would not write: {mapping._list(unconsumed)}. Refusing to "
-                           "export silently incomplete weights.")
+        raise MappingError(
+            f"{path}: the checkpoint holds {len(unconsumed)} model tensor(s) the "
+            f"export would not write: {mapping._list(unconsumed)}. Refusing to "
+            "export silently incomplete weights."
+        )
 
 
 def _param_plan(entry: Entry, tensor, pairs, stored: dict, ctx: dict, budget: int) -> ParamPlan:
@@ -205,12 +219,12 @@ def _param_plan(entry: Entry, tensor, pairs, stored: dict, ctx: dict, budget: in
     dtype = dtypes.pop()
     hf_shapes = [tuple(t.shape) for t in entry.transform.to_hf(torch.empty(shape, device="meta"), ctx)]
     if len(hf_shapes) != len(entry.hf):
-        raise MappingError(f"{entry.transform.name} gives {len(hf_shapes)} tensors for "
-                           f"{len(entry.hf)} HF names ({entry.mcore})")
+        raise MappingError(
+            f"{entry.transform.name} gives {len(hf_shapes)} tensors for {len(entry.hf)} HF names ({entry.mcore})"
+        )
     covered = sum(torch.Size(view.shape).numel() for _, view in pairs)
     if covered != tensor.numel():
-        raise MappingError(f"{entry.mcore}: megatron's sharded state covers {covered} of its "
-                           f"{tensor.numel()} elements")
+        raise MappingError(f"{entry.mcore}: megatron's sharded state covers {covered} of its {tensor.numel()} elements")
     kind, count = _kind(entry, shape, hf_shapes, ctx["num_experts"])
     slice_elems = tensor.numel() // count
     pieces = []
@@ -222,20 +236,20 @@ def _param_plan(entry: Entry, tensor, pairs, stored: dict, ctx: dict, budget: in
             return _param_plan_whole(entry, shape, dtype, pairs, hf_shapes)
         pieces.append(Piece(sh.key, tuple(sh.global_offset), view, axis, slices))
     units = _units(count, slice_elems * dtype.itemsize, budget)
-    slice_shape = (entry.transform.expert_block(shape, count) if kind == "experts"
-                   else shape[1:] if kind == "rows" else shape)
-    return ParamPlan(entry, shape, dtype, kind, slice_shape, slice_elems, pieces, units,
-                     list(zip(entry.hf, hf_shapes)))
+    slice_shape = (
+        entry.transform.expert_block(shape, count) if kind == "experts" else shape[1:] if kind == "rows" else shape
+    )
+    return ParamPlan(entry, shape, dtype, kind, slice_shape, slice_elems, pieces, units, list(zip(entry.hf, hf_shapes)))
 
 
 def _param_plan_whole(entry, shape, dtype, pairs, hf_shapes) -> ParamPlan:
     pieces = [Piece(sh.key, tuple(sh.global_offset), view, 0, None) for sh, view in pairs]
-    return ParamPlan(entry, shape, dtype, "whole", shape, torch.Size(shape).numel(), pieces,
-                     [(0, 1)], list(zip(entry.hf, hf_shapes)))
+    return ParamPlan(
+        entry, shape, dtype, "whole", shape, torch.Size(shape).numel(), pieces, [(0, 1)], list(zip(entry.hf, hf_shapes))
+    )
 
 
-def build(family, hf_cfg, reader: DistCheckpointReader,
-          read_bytes: int = DEFAULT_READ_BYTES) -> ExportPlan:
+def build(family, hf_cfg, reader: DistCheckpointReader, read_bytes: int = DEFAULT_READ_BYTES) -> ExportPlan:
     """Plan the export of the checkpoint `reader` reads; every gate runs here, before any read."""
     model = meta_model(family, hf_cfg, "fp32")
     entries = mapping.expand(family, hf_cfg)
@@ -247,11 +261,13 @@ def build(family, hf_cfg, reader: DistCheckpointReader,
     unexported = set(found) - {e.mcore for e in entries}
     if unexported:
         raise MappingError(f"checkpoint tensors of no mapped parameter: {mapping._list(unexported)}")
-    params = [_param_plan(e, tensors[e.mcore], found[e.mcore], stored, ctx, read_bytes)
-              for e in entries]
+    params = [_param_plan(e, tensors[e.mcore], found[e.mcore], stored, ctx, read_bytes) for e in entries]
     mapped = {name for p in params for name, _ in p.hf}
-    empty = [(name, shape) for name, shape in completeness.hf_expected(family, hf_cfg).items()
-             if 0 in shape and name not in mapped]
+    empty = [
+        (name, shape)
+        for name, shape in completeness.hf_expected(family, hf_cfg).items()
+        if 0 in shape and name not in mapped
+    ]
     plan = ExportPlan(params, ctx, empty)
     completeness.check_hf_names(family, hf_cfg, plan.hf_specs())
     return plan

@@ -44,5 +44,9 @@ class Progress:
         if now - self.last >= self.every_s:
             self.last = now
             rate = done / 1e6 / max(now - self.started, 1e-9)
-            print(f"  {done / 1e9:.1f}/{total / 1e9:.1f} GB {self.what} ({100 * done / max(total, 1):.0f}%), "
-                  f"{rate:.0f} MB/s", file=sys.stderr, flush=True)
+            print(
+                f"  {done / 1e9:.1f}/{total / 1e9:.1f} GB {self.what} ({100 * done / max(total, 1):.0f}%), "
+                f"{rate:.0f} MB/s",
+                file=sys.stderr,
+                flush=True,
+            )

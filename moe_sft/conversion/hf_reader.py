@@ -31,8 +31,9 @@ class HFCheckpointReader(ABC):
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: HF checkpoint directory does not exist")
         if not (self.path / "config.json").is_file():
-            raise CheckpointError(f"{self.path}: no config.json; point --hf-path at the directory "
-                                  "holding config.json and *.safetensors")
+            raise CheckpointError(
+                f"{self.path}: no config.json; point --hf-path at the directory holding config.json and *.safetensors"
+            )
         self._handles: dict[str, object] = {}
         self._name_to_file = self._index()
 
@@ -46,13 +47,16 @@ class HFCheckpointReader(ABC):
             files = {f: self.path / f for f in set(weight_map.values())}
             for name, file in sorted(files.items()):
                 if not file.is_file():
-                    raise CheckpointError(f"{index} names shard {name}, which is missing from "
-                                          f"{self.path}; re-download the checkpoint")
+                    raise CheckpointError(
+                        f"{index} names shard {name}, which is missing from {self.path}; re-download the checkpoint"
+                    )
             return {t: files[f] for t, f in weight_map.items()}
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
-            raise CheckpointError(f"{self.path}: no *.safetensors files (PyTorch .bin checkpoints "
-                                  "are not supported; re-save with safe_serialization=True)")
+            raise CheckpointError(
+                f"{self.path}: no *.safetensors files (PyTorch .bin checkpoints "
+                "are not supported; re-save with safe_serialization=True)"
+            )
         mapping = {}
         for shard in shards:
             for name in self._open(shard).keys():
@@ -65,8 +69,9 @@ class HFCheckpointReader(ABC):
             try:
                 self._handles[key] = safe_open(key, framework="pt")
             except Exception as err:  # safetensors raises its own error types
-                raise CheckpointError(f"{file}: cannot read safetensors header ({err}); the file "
-                                      "is truncated or corrupt, re-download it") from err
+                raise CheckpointError(
+                    f"{file}: cannot read safetensors header ({err}); the file is truncated or corrupt, re-download it"
+                ) from err
         return self._handles[key]
 
     def names(self) -> set[str]:
@@ -88,8 +93,10 @@ class HFCheckpointReader(ABC):
             return tensor
         scale = fp8.scale_name(name)
         if scale not in self._name_to_file:
-            raise CheckpointError(f"{self._name_to_file[name]}: FP8 tensor {name!r} has no {scale!r}; "
-                                  "the checkpoint is incomplete (re-download the shard that holds the scales)")
+            raise CheckpointError(
+                f"{self._name_to_file[name]}: FP8 tensor {name!r} has no {scale!r}; "
+                "the checkpoint is incomplete (re-download the shard that holds the scales)"
+            )
         try:
             return fp8.dequantize_blocks(tensor, self._read(scale), self.fp8_block)
         except ValueError as err:

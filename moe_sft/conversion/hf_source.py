@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from transformers import AutoConfig
 
@@ -22,8 +21,9 @@ def load_hf_config(path: Path, check_supported: bool = True):
     lacks, mapping.drop_absent_mtp)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"{path}: no config.json; point the path at the directory holding "
-                              "config.json and *.safetensors")
+        raise CheckpointError(
+            f"{path}: no config.json; point the path at the directory holding config.json and *.safetensors"
+        )
     # Check model_type before AutoConfig: a type transformers does not know (a newer family) must
     # still get the registry's error listing the supported types, not transformers' upgrade hint.
     try:
@@ -53,8 +53,9 @@ def check_dtypes(reader: HFCheckpointReader) -> str:
     floats = {d for ds in per_file.values() for d in ds if d in ("F32", "BF16", "F16")}
     if len(floats) > 1:
         detail = "; ".join(f"{f}: {sorted(d)}" for f, d in sorted(per_file.items()))
-        raise CheckpointError(f"{reader.path}: shards mix floating dtypes ({detail}); re-save the "
-                              "checkpoint in one dtype")
+        raise CheckpointError(
+            f"{reader.path}: shards mix floating dtypes ({detail}); re-save the checkpoint in one dtype"
+        )
     return "bf16" if floats == {"BF16"} else "fp32"
 
 
@@ -68,7 +69,7 @@ class Job:
     precision: str
     entries: list
     ctx: dict
-    mtp_dropped: Optional[dict] = None  # {config field: MTP layers declared} when the checkpoint has none
+    mtp_dropped: dict | None = None  # {config field: MTP layers declared} when the checkpoint has none
 
 
 def prepare(hf_path: str | Path) -> Job:
@@ -86,5 +87,4 @@ def prepare(hf_path: str | Path) -> Job:
     precision = check_dtypes(reader)
     entries = mapping.expand(family, hf_cfg)
     completeness.check_hf_coverage(family, entries, reader.names(), hf_cfg, reader.empty_names())
-    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg),
-               mtp_dropped)
+    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg), mtp_dropped)

@@ -65,8 +65,11 @@ def _layout(slots: list[_Slot]) -> bytes:
     ordered = sorted(slots, key=lambda s: s.name)
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for slot in ordered:
-        header[slot.name] = {"dtype": DTYPE_NAMES[slot.dtype], "shape": list(slot.shape),
-                             "data_offsets": [offset, offset + slot.nbytes]}
+        header[slot.name] = {
+            "dtype": DTYPE_NAMES[slot.dtype],
+            "shape": list(slot.shape),
+            "data_offsets": [offset, offset + slot.nbytes],
+        }
         slot.offset = offset
         offset += slot.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
@@ -90,8 +93,14 @@ def shard_of(sizes: list[int], max_shard_bytes: int) -> list[int]:
 class StreamingSafetensorsWriter:
     """Write the planned tensors (name, shape) in `dtype` into `<out>.tmp`, published on close()."""
 
-    def __init__(self, out_dir: str | Path, specs: list[tuple[str, tuple[int, ...]]],
-                 dtype: torch.dtype, max_shard_bytes: int = 5 * 1024**3, source: str = ""):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        specs: list[tuple[str, tuple[int, ...]]],
+        dtype: torch.dtype,
+        max_shard_bytes: int = 5 * 1024**3,
+        source: str = "",
+    ):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {dtype}: the writer handles {sorted(map(str, DTYPE_NAMES))}")
         self.out_dir = Path(out_dir)
@@ -148,7 +157,7 @@ class StreamingSafetensorsWriter:
         data = tensor.detach().to(self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
         buffer, fd, done = memoryview(data), self._fds[slot.file], 0
         while done < len(buffer):
-            done += os.pwrite(fd, buffer[done:done + _MAX_IO], slot.offset + at + done)
+            done += os.pwrite(fd, buffer[done : done + _MAX_IO], slot.offset + at + done)
         self.written_bytes += len(buffer)
 
     def missing(self) -> list[str]:
@@ -159,8 +168,9 @@ class StreamingSafetensorsWriter:
         missing = self.missing()
         if missing:
             self.discard()
-            raise WriteError(f"{len(missing)} planned tensor(s) were not (completely) written: "
-                             f"{', '.join(missing[:20])}")
+            raise WriteError(
+                f"{len(missing)} planned tensor(s) were not (completely) written: {', '.join(missing[:20])}"
+            )
         for fd in self._fds.values():
             os.fsync(fd)
             os.close(fd)

@@ -9,15 +9,15 @@ the family's DROPPED list, and that every megatron parameter is produced: a miss
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
 
 import torch
 
-from moe_sft.conversion.transforms import CopiesDifferError, Transform
 from moe_sft.models.builder import padded_vocab_size
 from moe_sft.models.family import Family, Rule
 from moe_sft.models.hf_config import num_experts
+from moe_sft.models.transforms import CopiesDifferError, Transform
 
 
 class MappingError(ValueError):
@@ -33,10 +33,14 @@ class Entry:
 
 def transform_context(family: Family, hf_cfg) -> dict:
     kw = family.transformer_config_kwargs(hf_cfg)
-    ctx = dict(num_query_groups=kw["num_query_groups"], head_dim=kw["kv_channels"],
-               num_experts=num_experts(hf_cfg), vocab_size=hf_cfg.vocab_size,
-               padded_vocab_size=padded_vocab_size(hf_cfg.vocab_size),
-               num_mtp_layers=family.num_mtp_layers(hf_cfg))
+    ctx = dict(
+        num_query_groups=kw["num_query_groups"],
+        head_dim=kw["kv_channels"],
+        num_experts=num_experts(hf_cfg),
+        vocab_size=hf_cfg.vocab_size,
+        padded_vocab_size=padded_vocab_size(hf_cfg.vocab_size),
+        num_mtp_layers=family.num_mtp_layers(hf_cfg),
+    )
     if family.transform_context is not None:
         ctx.update(family.transform_context(hf_cfg))
     return ctx
@@ -59,8 +63,7 @@ def _layer_ids(family: Family, hf_cfg, rule: Rule) -> list[dict]:
     if rule.layers == "mtp":
         return [{"mtp": k, "layer": n + k} for k in mtp]
     wanted = lambda i: rule.layers == "all" or family.is_moe_layer(hf_cfg, i) == (rule.layers == "moe")  # noqa: E731
-    return ([{"layer": i} for i in range(n) if wanted(i)]
-            + [{"mtp": k, "layer": n + k} for k in mtp if wanted(n + k)])
+    return [{"layer": i} for i in range(n) if wanted(i)] + [{"mtp": k, "layer": n + k} for k in mtp if wanted(n + k)]
 
 
 def expand(family: Family, hf_cfg) -> list[Entry]:
@@ -81,7 +84,7 @@ def expand(family: Family, hf_cfg) -> list[Entry]:
     return entries
 
 
-def drop_absent_mtp(family: Family, hf_cfg, hf_names: set[str]) -> Optional[dict]:
+def drop_absent_mtp(family: Family, hf_cfg, hf_names: set[str]) -> dict | None:
     """Set the config's MTP layer count to 0 when the checkpoint holds none of those layers' tensors;
     returns {config field: the count it declared}, or None when nothing changed.
 
@@ -111,8 +114,7 @@ def model_parameter_names(state_dict: dict) -> set[str]:
     return {k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
 
 
-def load_hf_into_state(entries: list[Entry], get_hf: Callable[[str], torch.Tensor], ctx: dict,
-                       target: dict) -> None:
+def load_hf_into_state(entries: list[Entry], get_hf: Callable[[str], torch.Tensor], ctx: dict, target: dict) -> None:
     """Fill `target` (name → tensor, a module's state_dict) from HF tensors fetched one at a time."""
     produced = set()
     for entry in entries:
@@ -121,14 +123,18 @@ def load_hf_into_state(entries: list[Entry], get_hf: Callable[[str], torch.Tenso
         try:
             value = entry.transform.from_hf([get_hf(n) for n in entry.hf], ctx)
         except CopiesDifferError as err:
-            raise MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)} should be copies of one "
-                               f"tensor but are not ({err}); moe-sft keeps one, so converting would "
-                               "lose the others") from err
+            raise MappingError(
+                f"{entry.mcore}: HF tensors {list(entry.hf)} should be copies of one "
+                f"tensor but are not ({err}); moe-sft keeps one, so converting would "
+                "lose the others"
+            ) from err
         dest = target[entry.mcore]
         if tuple(value.shape) != tuple(dest.shape):
-            raise MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)[:3]} give shape "
-                               f"{tuple(value.shape)} via {entry.transform.name}, model expects "
-                               f"{tuple(dest.shape)}")
+            raise MappingError(
+                f"{entry.mcore}: HF tensors {list(entry.hf)[:3]} give shape "
+                f"{tuple(value.shape)} via {entry.transform.name}, model expects "
+                f"{tuple(dest.shape)}"
+            )
         with torch.no_grad():
             dest.copy_(value)
         produced.add(entry.mcore)
@@ -145,6 +151,7 @@ def state_to_hf(entries: list[Entry], state: dict, ctx: dict) -> Iterator[tuple[
     for entry in entries:
         tensors = entry.transform.to_hf(state[entry.mcore], ctx)
         if len(tensors) != len(entry.hf):
-            raise MappingError(f"{entry.transform.name} gave {len(tensors)} tensors for "
-                               f"{len(entry.hf)} HF names ({entry.mcore})")
+            raise MappingError(
+                f"{entry.transform.name} gave {len(tensors)} tensors for {len(entry.hf)} HF names ({entry.mcore})"
+            )
         yield from zip(entry.hf, tensors)

@@ -26,9 +26,19 @@ from moe_sft.conversion.hf_reader import CheckpointError
 META_FILE = "moe_sft_meta.json"
 HF_SUBDIR = "hf"
 FORMAT_VERSION = 1
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-                 "chat_template.jinja", "chat_template.json", "added_tokens.json")
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+)
 # Stamps in a staging dir `<out>.tmp` (removed before it is renamed): an interrupted conversion's
 # (first line: its run id, second: the HF source) and an interrupted export's (the checkpoint).
 CONVERT_STAMP = ".moe_sft_run"
@@ -54,8 +64,15 @@ def read_meta(ckpt_dir: str | Path) -> dict:
 
 def latest_complete_step(root: Path) -> Path | None:
     """The `step_N` dir in `root` with the largest N that was committed (holds the meta)."""
-    steps = [(int(m[1]), p) for p in Path(root).iterdir() if (m := STEP_DIR.fullmatch(p.name))
-             and (p / META_FILE).is_file()] if Path(root).is_dir() else []
+    steps = (
+        [
+            (int(m[1]), p)
+            for p in Path(root).iterdir()
+            if (m := STEP_DIR.fullmatch(p.name)) and (p / META_FILE).is_file()
+        ]
+        if Path(root).is_dir()
+        else []
+    )
     return max(steps)[1] if steps else None
 
 
@@ -63,19 +80,23 @@ def _not_a_checkpoint(ckpt: Path) -> str:
     """Why `ckpt` (no meta) cannot be read, and what to read instead: an interrupted save's
     `step_N.tmp` names the latest complete step next to it."""
     if not ckpt.name.endswith(".tmp"):
-        return (f"{ckpt}: no {META_FILE}; this is not a moe-sft checkpoint. "
-                "Make one with tools/convert_hf_to_mcore.py.")
-    final = ckpt.with_name(ckpt.name[:-len(".tmp")])
+        return f"{ckpt}: no {META_FILE}; this is not a moe-sft checkpoint. Make one with tools/convert_hf_to_mcore.py."
+    final = ckpt.with_name(ckpt.name[: -len(".tmp")])
     step = STEP_DIR.fullmatch(final.name)
     if step:
         latest = latest_complete_step(ckpt.parent)
-        done = (f"export {latest} (the latest complete step)" if latest else
-                f"no complete step_N checkpoint is next to it in {ckpt.parent}; resume the training to save one")
+        done = (
+            f"export {latest} (the latest complete step)"
+            if latest
+            else f"no complete step_N checkpoint is next to it in {ckpt.parent}; resume the training to save one"
+        )
         return f"{ckpt}: an interrupted save (step {int(step[1])} was not committed); {done}"
     if (final / META_FILE).is_file():
         return f"{ckpt}: an interrupted write into {final} (not committed); use {final}, the complete checkpoint"
-    return (f"{ckpt}: an interrupted conversion or save (never committed); rerun "
-            f"tools/convert_hf_to_mcore.py --output {final}")
+    return (
+        f"{ckpt}: an interrupted conversion or save (never committed); rerun "
+        f"tools/convert_hf_to_mcore.py --output {final}"
+    )
 
 
 def copy_hf_side_files(src: Path, dst: Path, config_changes: dict | None = None) -> list[str]:
@@ -173,8 +194,7 @@ def _non_empty(path: Path) -> bool:
     return path.is_dir() and next(path.iterdir(), None) is not None
 
 
-def check_output(out: str | Path, overwrite: bool = False,
-                 accept: Callable[[Path], bool] | None = None) -> str | None:
+def check_output(out: str | Path, overwrite: bool = False, accept: Callable[[Path], bool] | None = None) -> str | None:
     """Refuse (OutputDirError) an output this run would destroy without having written it: a
     non-empty `out` (unless `overwrite`, or `accept(out)` says it is this job's own), a file, or a
     non-empty `<out>.tmp` without a moe-sft staging stamp. Cheap (listing, small JSON): call it
@@ -193,8 +213,9 @@ def check_output(out: str | Path, overwrite: bool = False,
         return None
     stamp = staging_stamp(tmp)
     if stamp is None and not overwrite:
-        raise OutputDirError(f"{tmp} (where --output {out} is staged) holds {describe_dir(tmp)}, not an "
-                             f"interrupted moe-sft write; {fix}")
+        raise OutputDirError(
+            f"{tmp} (where --output {out} is staged) holds {describe_dir(tmp)}, not an interrupted moe-sft write; {fix}"
+        )
     return stamp or "a directory that --overwrite replaces"
 
 
@@ -211,8 +232,10 @@ def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -
     staging = path.with_name(path.name + ".tmp")
     if not path.is_dir():
         if staging.is_dir():
-            return [f"{where} does not exist but {staging} does: a conversion or save into it was "
-                    f"interrupted; rerun tools/convert_hf_to_mcore.py (it replaces the .tmp dir)"]
+            return [
+                f"{where} does not exist but {staging} does: a conversion or save into it was "
+                f"interrupted; rerun tools/convert_hf_to_mcore.py (it replaces the .tmp dir)"
+            ]
         return []  # a missing path is reported by the config validation, with its fix
     problems = []
     missing = [n for n in (".metadata", "metadata.json") if not (path / n).is_file()]
@@ -220,19 +243,26 @@ def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -
         missing.append("*.distcp")
     meta_file = path / META_FILE
     if not meta_file.is_file():
-        what = ("a megatron checkpoint without moe-sft's meta (not written by moe-sft, or its write was "
-                "interrupted)" if not missing else "not a moe-sft checkpoint")
+        what = (
+            "a megatron checkpoint without moe-sft's meta (not written by moe-sft, or its write was interrupted)"
+            if not missing
+            else "not a moe-sft checkpoint"
+        )
         return [f"{where} is {what}: no {META_FILE}; convert with tools/convert_hf_to_mcore.py"]
     if missing:
-        problems.append(f"{where} is partial or corrupt: {', '.join(missing)} missing (megatron dist-checkpoint "
-                        f"files); reconvert, or resume from an older checkpoint")
+        problems.append(
+            f"{where} is partial or corrupt: {', '.join(missing)} missing (megatron dist-checkpoint "
+            f"files); reconvert, or resume from an older checkpoint"
+        )
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         return problems + [f"{where}: {META_FILE} is not valid JSON ({err}); the checkpoint is corrupt, reconvert it"]
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        problems.append(f"{where} was written by a newer moe-sft (format_version={meta.get('format_version')}, "
-                        f"this one reads {FORMAT_VERSION}); update moe-sft")
+        problems.append(
+            f"{where} was written by a newer moe-sft (format_version={meta.get('format_version')}, "
+            f"this one reads {FORMAT_VERSION}); update moe-sft"
+        )
     hf_config = path / HF_SUBDIR / "config.json"
     if not hf_config.is_file():
         return problems + [f"{where}: {HF_SUBDIR}/config.json is missing (training and export read it); reconvert"]
@@ -242,6 +272,8 @@ def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -
         return problems + [f"{where}: {HF_SUBDIR}/config.json is not valid JSON ({err}); reconvert"]
     for key, hf_key in (("model_type", "model_type"), ("vocab_size", "vocab_size")):
         if key in meta and meta[key] != hf.get(hf_key):
-            problems.append(f"{where}: {META_FILE} says {key}={meta[key]!r} but {HF_SUBDIR}/config.json says "
-                            f"{hf.get(hf_key)!r}; the directory mixes two models, reconvert it")
+            problems.append(
+                f"{where}: {META_FILE} says {key}={meta[key]!r} but {HF_SUBDIR}/config.json says "
+                f"{hf.get(hf_key)!r}; the directory mixes two models, reconvert it"
+            )
     return problems

@@ -10,20 +10,20 @@ the parameter's contiguous storage), provided megatron's factories ran under `Me
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from moe_sft.conversion.single_rank import build_single_rank_model, init_single_rank
+from moe_sft.runtime.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------
 # The model on the meta device
 # ------------------------------------------------------------------------------------------------
+
 
 def meta_model(family, hf_cfg, precision: str):
     """The converter's single-rank GPTModel with every parameter on the meta device (no memory)."""
@@ -33,12 +33,10 @@ def meta_model(family, hf_cfg, precision: str):
     # the context works under its wrappers).
     with torch.device("meta"):
         model = build_single_rank_model(family, hf_cfg, precision)
-    real = {n: t for n, t in model.state_dict(keep_vars=True).items()
-            if isinstance(t, torch.Tensor) and not t.is_meta}
+    real = {n: t for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor) and not t.is_meta}
     real_bytes = sum(t.nbytes for t in real.values())
     if real_bytes > 64 * 2**20:
-        log.warning("meta model still allocates %.1f MB on the CPU: %s", real_bytes / 2**20,
-                    sorted(real)[:10])
+        log.warning("meta model still allocates %.1f MB on the CPU: %s", real_bytes / 2**20, sorted(real)[:10])
     return model
 
 
@@ -47,8 +45,7 @@ class MetaViewsStayViews(TorchFunctionMode):
     factories produce views of the parameter (whose strides say which elements they show)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.contiguous and args and isinstance(args[0], torch.Tensor) \
-                and args[0].is_meta:
+        if func is torch.Tensor.contiguous and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             return args[0]
         return func(*args, **(kwargs or {}))
 
@@ -57,18 +54,19 @@ class MetaViewsStayViews(TorchFunctionMode):
 # Which elements of which parameter each checkpoint item holds
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class View:
     """`param.view(-1).as_strided(shape, stride, offset)` is the item's data (or `literal`)."""
 
-    param: Optional[str]
+    param: str | None
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    literal: Optional[torch.Tensor] = None
+    literal: torch.Tensor | None = None
 
-    def rows(self, axis: int, start: int, stop: int) -> "View":
-        shape = self.shape[:axis] + (stop - start,) + self.shape[axis + 1:]
+    def rows(self, axis: int, start: int, stop: int) -> View:
+        shape = self.shape[:axis] + (stop - start,) + self.shape[axis + 1 :]
         return dataclasses.replace(self, shape=shape, offset=self.offset + start * self.stride[axis])
 
     def span(self) -> tuple[int, int]:
@@ -94,8 +92,10 @@ def _unprepended_view_of(sh_ten, params: dict[int, str]) -> View:
     name = params.get(id(root)) if root is not None else None
     if name is None:
         if data.is_meta:
-            raise RuntimeError(f"megatron's sharded state has {sh_ten.key!r}, which is no view of a "
-                               "model parameter; the streaming converter cannot produce it")
+            raise RuntimeError(
+                f"megatron's sharded state has {sh_ten.key!r}, which is no view of a "
+                "model parameter; the streaming converter cannot produce it"
+            )
         literal = data.detach().contiguous().clone()
         return View(None, tuple(literal.shape), tuple(literal.stride()), 0, literal=literal.view(-1))
     if root.storage_offset() != 0 or not root.is_contiguous():

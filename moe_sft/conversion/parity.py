@@ -27,8 +27,7 @@ from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.conversion.verify import LOGIT_TOLERANCE, VERIFY_LENGTHS
 from moe_sft.models.forward import packed_logits
-from moe_sft.runtime import compat
-
+from moe_sft.runtime import cpu_compat
 
 
 @dataclass
@@ -44,8 +43,7 @@ class ParityResult:
 
     @property
     def passed(self) -> bool:
-        return (not self.error and self.max_logit_diff <= LOGIT_TOLERANCE and self.round_trip_exact
-                and self.export_loads)
+        return not self.error and self.max_logit_diff <= LOGIT_TOLERANCE and self.round_trip_exact and self.export_loads
 
 
 def sample_vocab(rng: random.Random) -> int:
@@ -58,7 +56,7 @@ def sample_vocab(rng: random.Random) -> int:
 def perturbed_hf_model(family, cfg, seed: int):
     """transformers' model with every parameter and persistent buffer moved off its init value."""
     g = torch.Generator().manual_seed(seed)
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(seed)
         model = family.hf_model_class(cfg).eval()
     persistent = {name for name, _ in model.named_buffers() if _is_persistent(model, name)}
@@ -106,30 +104,30 @@ def check_config(family, cfg, seed: int, work_dir: Path) -> ParityResult:
 def _run_checks(family, cfg, seed: int, work: Path, result: ParityResult) -> None:
     hf_dir, mcore_dir, out_dir = work / "hf", work / "mcore", work / "export"
     model = perturbed_hf_model(family, cfg, seed).to(torch.bfloat16)
-    with compat.suspended():
+    with cpu_compat.suspended():
         model.save_pretrained(str(hf_dir))
     del model
     convert(hf_dir, mcore_dir)
     docs = _documents(cfg.vocab_size, seed)
-    with compat.suspended(), torch.no_grad():
+    with cpu_compat.suspended(), torch.no_grad():
         reference = family.hf_model_class.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         refs = [reference(torch.tensor([d])).logits[0].float() for d in docs]
     del reference
-    ours = packed_logits(load_model_from_checkpoint(mcore_dir, precision="fp32").eval(), docs,
-                         cfg.vocab_size)
+    ours = packed_logits(load_model_from_checkpoint(mcore_dir, precision="fp32").eval(), docs, cfg.vocab_size)
     result.max_logit_diff = max((r - o).abs().max().item() for r, o in zip(refs, ours))
     result.details["logit_scale"] = max(r.abs().max().item() for r in refs)
     export(mcore_dir, out_dir, dtype="bf16")
     before, after = _tensors(hf_dir), _tensors(out_dir)
-    result.round_trip_exact = set(before) == set(after) and all(torch.equal(before[k], after[k])
-                                                                for k in before)
+    result.round_trip_exact = set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
     if not result.round_trip_exact:
-        result.details["round_trip"] = sorted(set(before) ^ set(after)) or sorted(
-            k for k in before if not torch.equal(before[k], after[k]))[:10]
-    with compat.suspended():
+        result.details["round_trip"] = (
+            sorted(set(before) ^ set(after)) or sorted(k for k in before if not torch.equal(before[k], after[k]))[:10]
+        )
+    with cpu_compat.suspended():
         _, info = family.hf_model_class.from_pretrained(str(out_dir), output_loading_info=True)
-    problems = {k: sorted(v) for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys",
-                                                                      "mismatched_keys")}
+    problems = {
+        k: sorted(v) for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
     result.export_loads = not problems
     if problems:
         result.details["export_loading"] = problems

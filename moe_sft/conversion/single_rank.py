@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from moe_sft.kernels import install as kernels_install
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
-from moe_sft.runtime import device as rdevice, distributed
+from moe_sft.runtime import device as rdevice
+from moe_sft.runtime import distributed
 
 
 def init_single_rank(precision: str = "fp32") -> None:
-    """Runtime patches, a process group of one and megatron's parallel state (TP=PP=EP=1)."""
+    """megatron's fixes (+ the CPU emulation), the default kernels, a process group of one and
+    megatron's parallel state (TP=PP=EP=1)."""
     choice = rdevice.RuntimeChoice("cpu", precision, "torch", ("offline tool",))
     if not torch.cuda.is_available():
         rdevice.prepare_runtime(choice)
     else:
         rdevice.prepare_runtime(rdevice.RuntimeChoice("cuda", precision, "torch", ()))
+    kernels_install.install()
     distributed.init_process_group("cpu" if not torch.cuda.is_available() else "cuda")
     distributed.init_model_parallel()
 

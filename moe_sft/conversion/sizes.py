@@ -8,8 +8,18 @@ from __future__ import annotations
 import argparse
 import re
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class SizeError(argparse.ArgumentTypeError, ValueError):
@@ -22,6 +32,7 @@ def parse_size(text: str) -> int:
     unit = match.group(2).upper() if match else None
     size = int(float(match.group(1)) * UNITS[unit]) if unit in UNITS else 0
     if size <= 0:
-        raise SizeError(f"{text!r}: expected a positive number with an optional unit "
-                        "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise SizeError(
+            f"{text!r}: expected a positive number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
     return size

@@ -27,26 +27,25 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from moe_sft.conversion import completeness, workers
 from moe_sft.conversion.meta_model import MetaViewsStayViews, View, view_of
 from moe_sft.conversion.tensor_source import TensorSource
 from moe_sft.conversion.workers import WorkerSpec
+from moe_sft.runtime.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
 MAX_FILE_BYTES = 16 * 2**30  # a worker starts a new .distcp file past this size
@@ -55,6 +54,7 @@ MAX_FILE_BYTES = 16 * 2**30  # a worker starts a new .distcp file past this size
 # ------------------------------------------------------------------------------------------------
 # DCP planner and writer
 # ------------------------------------------------------------------------------------------------
+
 
 def _split(item: WriteItem, view: View, max_bytes: int) -> tuple[int, list[WriteItem]]:
     """(axis, chunks): the item cut along its first axis longer than 1 into chunks whose source
@@ -65,7 +65,7 @@ def _split(item: WriteItem, view: View, max_bytes: int) -> tuple[int, list[Write
     itemsize = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
     if axis is None:
         return 0, [item]
-    slice_bytes = itemsize * max(torch.Size(sizes[axis + 1:]).numel(), view.stride[axis])
+    slice_bytes = itemsize * max(torch.Size(sizes[axis + 1 :]).numel(), view.stride[axis])
     if sizes[axis] * slice_bytes <= max_bytes:
         return 0, [item]
     step = max(1, max_bytes // slice_bytes)
@@ -77,9 +77,15 @@ def _split(item: WriteItem, view: View, max_bytes: int) -> tuple[int, list[Write
         sub_sizes = list(sizes)
         sub_sizes[axis] = stop - start
         sub = ChunkStorageMetadata(offsets=torch.Size(sub_offsets), sizes=torch.Size(sub_sizes))
-        out.append(WriteItem(index=MetadataIndex(item.index.fqn, sub.offsets), type=item.type,
-                             tensor_data=TensorWriteData(chunk=sub, properties=item.tensor_data.properties,
-                                                         size=item.tensor_data.size)))
+        out.append(
+            WriteItem(
+                index=MetadataIndex(item.index.fqn, sub.offsets),
+                type=item.type,
+                tensor_data=TensorWriteData(
+                    chunk=sub, properties=item.tensor_data.properties, size=item.tensor_data.size
+                ),
+            )
+        )
     return axis, out
 
 
@@ -146,9 +152,8 @@ def _planner_class():
 class _StreamingWriter(FileSystemWriter):
     """DCP's FileSystemWriter writing a given share of the items, one at a time, in order."""
 
-    def __init__(self, path, worker: int = 0, progress: Optional[Callable[[int], None]] = None):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1,
-                         overwrite=True)
+    def __init__(self, path, worker: int = 0, progress: Callable[[int], None] | None = None):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self._worker, self._progress = worker, progress
 
     def write_data(self, plan: SavePlan, planner) -> Future:
@@ -172,8 +177,9 @@ class _StreamingWriter(FileSystemWriter):
                 else:
                     torch.save(data, stream)  # what DCP's FileSystemWriter writes per tensor item
                 length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
                 del data
                 if self._progress is not None:
                     self._progress(length)
@@ -208,8 +214,11 @@ def _digest(items: list[WriteItem]) -> str:
     h = hashlib.sha256()
     for item in items:
         chunk = item.tensor_data.chunk if item.tensor_data else None
-        h.update(repr((item.index.fqn, tuple(chunk.offsets) if chunk else None,
-                       tuple(chunk.sizes) if chunk else None)).encode())
+        h.update(
+            repr(
+                (item.index.fqn, tuple(chunk.offsets) if chunk else None, tuple(chunk.sizes) if chunk else None)
+            ).encode()
+        )
     return h.hexdigest()[:16]
 
 
@@ -217,15 +226,22 @@ def _digest(items: list[WriteItem]) -> str:
 # The save strategy megatron calls
 # ------------------------------------------------------------------------------------------------
 
+
 def _strategy_class():
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 
     class StreamingSaveStrategy(SaveShardedStrategy):
         """torch_dist (version 1) like megatron's TorchDistSaveShardedStrategy, data on demand."""
 
-        def __init__(self, params: dict[int, str], source: TensorSource, order: dict[str, int],
-                     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, workers: WorkerSpec = None,
-                     progress: Optional[Callable[[int, int], None]] = None):
+        def __init__(
+            self,
+            params: dict[int, str],
+            source: TensorSource,
+            order: dict[str, int],
+            max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+            workers: WorkerSpec = None,
+            progress: Callable[[int, int], None] | None = None,
+        ):
             super().__init__("torch_dist", 1)
             self._params, self._source, self._order = params, source, order
             self._max, self._workers = max_chunk_bytes, workers or WorkerSpec()
@@ -243,8 +259,10 @@ def _strategy_class():
             planner, writer, plan, metadata = self._plan(sharded_state_dict, checkpoint_dir)
             digest = _digest(plan.items)
             if spec.digest is not None and digest != spec.digest:
-                raise RuntimeError(f"worker {spec.index} planned {digest}, the process that started "
-                                   f"it {spec.digest}: different code or input")
+                raise RuntimeError(
+                    f"worker {spec.index} planned {digest}, the process that started "
+                    f"it {spec.digest}: different code or input"
+                )
             shares = _shares(plan.items, lambda i: self._sort_key(planner.view(i)), spec.count)
             self._share_bytes = sum(_item_bytes(i) for i in shares[spec.index])
             threads = workers.threads_per_worker(spec) if spec.leads_node else None
@@ -269,7 +287,9 @@ def _strategy_class():
             """megatron's translation to DCP and DCP's planning, with our chunks and views."""
             from megatron.core.dist_checkpointing.mapping import ShardedTensor
             from megatron.core.dist_checkpointing.strategies.torch import (
-                _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+                _replace_state_dict_keys_with_sharded_keys,
+                mcore_to_pyt_state_dict,
+            )
 
             by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             views = {}
@@ -277,8 +297,10 @@ def _strategy_class():
                 for sh in shards:
                     if isinstance(sh, ShardedTensor):
                         if sh.flattened_range is not None:
-                            raise RuntimeError(f"{key}: flattened sharded tensors (optimizer "
-                                               "state) are not supported by the streaming converter")
+                            raise RuntimeError(
+                                f"{key}: flattened sharded tensors (optimizer "
+                                "state) are not supported by the streaming converter"
+                            )
                         views[(key, tuple(sh.global_offset))] = view_of(sh, self._params)
             pyt_state = mcore_to_pyt_state_dict(by_key, False)
             planner = _planner_class()(views, self._source, self._max)
@@ -288,8 +310,11 @@ def _strategy_class():
             local = writer.prepare_local_plan(planner.create_local_plan())
             plans, metadata = planner.create_global_plan([local])
             for key, md in metadata.state_dict_metadata.items():  # DCP checks overlaps; we, the fill
-                if getattr(md, "chunks", None) and len(md.size) and \
-                        sum(c.sizes.numel() for c in md.chunks) != md.size.numel():
+                if (
+                    getattr(md, "chunks", None)
+                    and len(md.size)
+                    and sum(c.sizes.numel() for c in md.chunks) != md.size.numel()
+                ):
                     raise RuntimeError(f"{key}: chunks {md.chunks} do not tile shape {tuple(md.size)}")
             return planner, writer, planner.finish_plan(writer.prepare_global_plan(plans)[0]), metadata
 
@@ -309,9 +334,17 @@ def _strategy_class():
 # Entry points
 # ------------------------------------------------------------------------------------------------
 
-def save_streaming(model, entries, reader, ctx: dict, out_dir,
-                   workers: WorkerSpec = None, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                   progress: Optional[Callable[[int, int], None]] = None) -> int:
+
+def save_streaming(
+    model,
+    entries,
+    reader,
+    ctx: dict,
+    out_dir,
+    workers: WorkerSpec = None,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Write `model`'s (meta) sharded state as megatron's torch_dist checkpoint; returns the bytes
     of tensor files written (all workers). `progress(done, total)` follows this process's share.
 
@@ -326,9 +359,14 @@ def save_streaming(model, entries, reader, ctx: dict, out_dir,
     tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
     shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
     source = TensorSource(entries, reader, ctx, shapes)
-    strategy = _strategy_class()({id(t): n for n, t in tensors.items()}, source,
-                                 {n: i for i, n in enumerate(tensors)}, max_chunk_bytes, workers,
-                                 progress)
+    strategy = _strategy_class()(
+        {id(t): n for n, t in tensors.items()},
+        source,
+        {n: i for i, n in enumerate(tensors)},
+        max_chunk_bytes,
+        workers,
+        progress,
+    )
     with MetaViewsStayViews():  # factories applied here, so their outputs are parameter views
         sharded = {"model": model.sharded_state_dict()}
         apply_factories(sharded)

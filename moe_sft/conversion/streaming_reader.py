@@ -25,9 +25,18 @@ from moe_sft.conversion.file_io import OpenFiles
 from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_READ = 1 << 30  # one preadv call reads at most ~2 GiB on Linux; stay well below
 
@@ -61,21 +70,24 @@ class StreamingHFReader(HFCheckpointReader):
         except CheckpointError:
             raise
         except Exception as err:
-            raise CheckpointError(f"{file}: reading tensor {name!r} failed ({err}); the file is "
-                                  "truncated or corrupt") from err
+            raise CheckpointError(
+                f"{file}: reading tensor {name!r} failed ({err}); the file is truncated or corrupt"
+            ) from err
 
     def empty_names(self) -> set[str]:
         """Tensors with no elements (e.g. DeepSeek-V3's shared experts when n_shared_experts=0)."""
-        return {n for n in self.names()
-                if 0 in self._header(self._name_to_file[n])[1][n]["shape"]}
+        return {n for n in self.names() if 0 in self._header(self._name_to_file[n])[1][n]["shape"]}
 
     def row_shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape when `get_rows` can read it (stored unquantised, at least 1-D)."""
         if name not in self._name_to_file:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         info = self._header(self._name_to_file[name])[1][name]
-        if info["dtype"] not in DTYPES or DTYPES[info["dtype"]] in (torch.float8_e4m3fn, torch.float8_e5m2) \
-                or not info["shape"]:
+        if (
+            info["dtype"] not in DTYPES
+            or DTYPES[info["dtype"]] in (torch.float8_e4m3fn, torch.float8_e5m2)
+            or not info["shape"]
+        ):
             return None
         return tuple(info["shape"])
 
@@ -92,18 +104,21 @@ class StreamingHFReader(HFCheckpointReader):
         except CheckpointError:
             raise
         except Exception as err:
-            raise CheckpointError(f"{file}: reading rows {start}:{stop} of {name!r} failed ({err}); "
-                                  "the file is truncated or corrupt") from err
+            raise CheckpointError(
+                f"{file}: reading rows {start}:{stop} of {name!r} failed ({err}); the file is truncated or corrupt"
+            ) from err
         return raw.view(dtype).reshape([stop - start] + list(shape[1:]))
 
     def _read_into(self, file: Path, raw: torch.Tensor, offset: int) -> None:
         buffer = memoryview(raw.numpy()).cast("B")
         done = 0
         while done < len(buffer):
-            got = os.preadv(self._files.fd(file), [buffer[done:done + _MAX_READ]], offset + done)
+            got = os.preadv(self._files.fd(file), [buffer[done : done + _MAX_READ]], offset + done)
             if got <= 0:
-                raise CheckpointError(f"{file}: ends at byte {offset + done}, {len(buffer) - done} "
-                                      "bytes short of a tensor; the file is truncated, re-download it")
+                raise CheckpointError(
+                    f"{file}: ends at byte {offset + done}, {len(buffer) - done} "
+                    "bytes short of a tensor; the file is truncated, re-download it"
+                )
             done += got
 
     def close(self) -> None:

@@ -37,14 +37,12 @@ def hf_tensor_specs(family, hf_cfg, precision: str = "bf16") -> list[tuple[str, 
     return specs
 
 
-def _write_shard(file: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                 block: bytes) -> int:
+def _write_shard(file: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, block: bytes) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in specs:
         size = itemsize * torch.Size(shape).numel()
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -60,8 +58,14 @@ def _write_shard(file: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: to
     return offset
 
 
-def write_synthetic_checkpoint(path: str | Path, hf_cfg, family=None, dtype: torch.dtype = torch.bfloat16,
-                               shard_bytes: int = 4 * 2**30, seed: int = 0) -> int:
+def write_synthetic_checkpoint(
+    path: str | Path,
+    hf_cfg,
+    family=None,
+    dtype: torch.dtype = torch.bfloat16,
+    shard_bytes: int = 4 * 2**30,
+    seed: int = 0,
+) -> int:
     """config.json + sharded *.safetensors + index; returns the bytes of tensor data."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -85,7 +89,8 @@ def write_synthetic_checkpoint(path: str | Path, hf_cfg, family=None, dtype: tor
         total += _write_shard(path / file, shard, dtype, block)
         weight_map.update({name: file for name, _ in shard})
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     hf_cfg.dtype = dtype
     hf_cfg.save_pretrained(str(path))
     return total

@@ -24,18 +24,23 @@ from __future__ import annotations
 
 import torch
 
-from moe_sft.conversion import transforms as T
 from moe_sft.conversion.mapping import Entry, MappingError
-from moe_sft.conversion.transforms import CopiesDifferError
+from moe_sft.models import transforms as T
+from moe_sft.models.transforms import CopiesDifferError
+
 
 def _copies_differ(entry: Entry, err) -> MappingError:
-    return MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)} should be copies of one tensor "
-                        f"but are not ({err}); moe-sft keeps one, so converting would lose the others")
+    return MappingError(
+        f"{entry.mcore}: HF tensors {list(entry.hf)} should be copies of one tensor "
+        f"but are not ({err}); moe-sft keeps one, so converting would lose the others"
+    )
 
 
 def _wrong_shape(entry: Entry, got, expected, via: str = "") -> MappingError:
-    return MappingError(f"{entry.mcore}: HF tensors {list(entry.hf)[:3]} give shape {tuple(got)}{via} "
-                        f"via {entry.transform.name}, model expects {tuple(expected)}")
+    return MappingError(
+        f"{entry.mcore}: HF tensors {list(entry.hf)[:3]} give shape {tuple(got)}{via} "
+        f"via {entry.transform.name}, model expects {tuple(expected)}"
+    )
 
 
 class TensorSource:
@@ -45,8 +50,7 @@ class TensorSource:
     (StreamingHFReader) row-separable tensors are read a row range at a time.
     """
 
-    def __init__(self, entries: list[Entry], reader, ctx: dict,
-                 shapes: dict[str, tuple[torch.Size, torch.dtype]]):
+    def __init__(self, entries: list[Entry], reader, ctx: dict, shapes: dict[str, tuple[torch.Size, torch.dtype]]):
         self._entries = {e.mcore: e for e in entries}
         self._reader, self._ctx, self._shapes = reader, ctx, shapes
         self._whole: tuple[str, torch.Tensor] | None = None
@@ -91,8 +95,9 @@ class TensorSource:
             if ok:  # the whole path's shape check, on shapes from the file headers
                 first = torch.empty(hf_shapes[0], device="meta")
                 value = T.PAD_VOCAB.from_hf([first], self._ctx) if entry.transform is not T.IDENTITY else first
-                if tuple(value.shape) != tuple(self._shapes[entry.mcore][0]) \
-                        or any(s != hf_shapes[0] for s in hf_shapes[1:]):
+                if tuple(value.shape) != tuple(self._shapes[entry.mcore][0]) or any(
+                    s != hf_shapes[0] for s in hf_shapes[1:]
+                ):
                     raise _wrong_shape(entry, value.shape, self._shapes[entry.mcore][0])
             self._row_checked[entry.mcore] = ok
         return self._row_checked[entry.mcore]
@@ -107,13 +112,16 @@ class TensorSource:
             rows = self._reader.get_rows(entry.hf[0], first, min(last, stored))
             for position, copy in enumerate(entry.hf[1:], 1):  # DeepSeek-V3 MTP copies
                 if not torch.equal(self._reader.get_rows(copy, first, min(last, stored)), rows):
-                    raise _copies_differ(entry, f"copies at positions [{position}] differ from the "
-                                                f"first tensor in rows {first}:{min(last, stored)}")
+                    raise _copies_differ(
+                        entry,
+                        f"copies at positions [{position}] differ from the "
+                        f"first tensor in rows {first}:{min(last, stored)}",
+                    )
             parts.append(rows.to(dtype))
         if last > stored:
             parts.append(torch.zeros((last - max(first, stored),) + tuple(shape[1:]), dtype=dtype))
         flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(-1)
-        return flat[start - first * per_row: stop - first * per_row]
+        return flat[start - first * per_row : stop - first * per_row]
 
     # -- expert blocks ------------------------------------------------------------------------
     def _expert_range(self, entry: Entry, start: int, stop: int) -> torch.Tensor:
@@ -127,19 +135,16 @@ class TensorSource:
             self._experts = None  # free the previous experts first
             buffer = torch.empty((last + 1 - first) * block, dtype=dtype)
             for e in range(first, last + 1):
-                buffer[(e - first) * block:(e + 1 - first) * block] = \
-                    self._expert_block(entry, e, experts, block)
+                buffer[(e - first) * block : (e + 1 - first) * block] = self._expert_block(entry, e, experts, block)
             self._experts = (entry.mcore, first, last, buffer)
-        return self._experts[3][start - first * block: stop - first * block]
+        return self._experts[3][start - first * block : stop - first * block]
 
     def _expert_block(self, entry: Entry, e: int, experts: int, block: int) -> torch.Tensor:
         if len(entry.hf) % experts:
-            raise MappingError(f"{entry.mcore}: {len(entry.hf)} HF tensors do not split into "
-                               f"{experts} experts")
+            raise MappingError(f"{entry.mcore}: {len(entry.hf)} HF tensors do not split into {experts} experts")
         per = len(entry.hf) // experts
-        names = entry.hf[e * per:(e + 1) * per]
+        names = entry.hf[e * per : (e + 1) * per]
         value = entry.transform.from_hf([self._reader.get(n) for n in names], self._ctx)
         if value.numel() != block:
-            raise _wrong_shape(entry, value.shape, self._shapes[entry.mcore][0],
-                               f" for expert {e} of {experts}")
+            raise _wrong_shape(entry, value.shape, self._shapes[entry.mcore][0], f" for expert {e} of {experts}")
         return value.reshape(-1)

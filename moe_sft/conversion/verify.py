@@ -43,17 +43,21 @@ VERIFY_LENGTHS = (160, 61, 7)
 LOGIT_TOLERANCE = 1e-4  # fp32 gives ~1e-6 on these lengths
 
 
-def verify(hf_path: str | Path, mcore_path: str | Path, sequences: list[list[int]] | None = None,
-           tolerance: float = LOGIT_TOLERANCE) -> float:
+def verify(
+    hf_path: str | Path,
+    mcore_path: str | Path,
+    sequences: list[list[int]] | None = None,
+    tolerance: float = LOGIT_TOLERANCE,
+) -> float:
     """Max |logit difference| between HF's model and ours on a few token sequences (fp32, CPU)."""
     from moe_sft.models.forward import packed_logits
-    from moe_sft.runtime import compat
+    from moe_sft.runtime import cpu_compat
 
     family, hf_cfg = load_hf_config(Path(hf_path))
     if sequences is None:
         g = torch.Generator().manual_seed(0)
         sequences = [torch.randint(0, hf_cfg.vocab_size, (n,), generator=g).tolist() for n in VERIFY_LENGTHS]
-    with compat.suspended(), torch.no_grad():
+    with cpu_compat.suspended(), torch.no_grad():
         hf_model = family.hf_model_class.from_pretrained(str(hf_path), dtype=torch.float32).eval()
         refs = [hf_model(torch.tensor([seq])).logits[0].float() for seq in sequences]
     del hf_model
@@ -66,14 +70,15 @@ def verify(hf_path: str | Path, mcore_path: str | Path, sequences: list[list[int
 # Layer by layer
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class LayerParity:
     """One layer's comparison. `scale` is the largest |HF output - input|: what the layer adds to
     the residual stream (the input itself passes through both sides unchanged, so measuring
     against the whole output would hide a wrong layer behind the residual)."""
 
-    layer: int                    # HF index; MTP layer k is num_hidden_layers + k
-    kind: str                     # "dense", "moe", "mtp 0 (moe)"
+    layer: int  # HF index; MTP layer k is num_hidden_layers + k
+    kind: str  # "dense", "moe", "mtp 0 (moe)"
     max_abs_diff: float
     scale: float
     experts_routed: tuple[int, int] | None  # (experts that got a token, experts) in MoE layers
@@ -87,12 +92,13 @@ class LayerParity:
         return self.rel_diff <= tolerance  # False for NaN: a layer that yields NaN has failed
 
     def line(self, tolerance: float) -> str:
-        routed = (f", experts routed {self.experts_routed[0]}/{self.experts_routed[1]}"
-                  if self.experts_routed else "")
+        routed = f", experts routed {self.experts_routed[0]}/{self.experts_routed[1]}" if self.experts_routed else ""
         verdict = "ok" if self.passed(tolerance) else f"FAIL (> {tolerance:g})"
-        return (f"layer {self.layer} ({self.kind}): max abs diff {self.max_abs_diff:.3e} = "
-                f"{self.rel_diff:.3e} of the layer's output scale {self.scale:.3e}{routed} "
-                f"[{self.seconds:.1f}s] {verdict}")
+        return (
+            f"layer {self.layer} ({self.kind}): max abs diff {self.max_abs_diff:.3e} = "
+            f"{self.rel_diff:.3e} of the layer's output scale {self.scale:.3e}{routed} "
+            f"[{self.seconds:.1f}s] {verdict}"
+        )
 
 
 def choose_layers(family, hf_cfg, choice: str) -> list[int]:
@@ -113,8 +119,9 @@ def choose_layers(family, hf_cfg, choice: str) -> list[int]:
         layers = []
     if not layers or any(not 0 <= i < n + mtp for i in layers):
         mtp_note = f" ({n}..{n + mtp - 1} are the MTP layers)" if mtp else ""
-        raise ValueError(f"--verify-layers {choice!r}: use auto, all or comma-separated layer indices in "
-                         f"[0, {n + mtp}){mtp_note}")
+        raise ValueError(
+            f"--verify-layers {choice!r}: use auto, all or comma-separated layer indices in [0, {n + mtp}){mtp_note}"
+        )
     return sorted(set(layers))
 
 
@@ -126,9 +133,14 @@ def document_lengths(tokens: int) -> list[int]:
     return [first, second, tokens - first - second]
 
 
-def verify_layers(hf_path: str | Path, mcore_path: str | Path, layers: str = "auto", tokens: int = 128,
-                  seed: int = 0, on_result: Callable[[LayerParity], None] | None = None
-                  ) -> list[LayerParity]:
+def verify_layers(
+    hf_path: str | Path,
+    mcore_path: str | Path,
+    layers: str = "auto",
+    tokens: int = 128,
+    seed: int = 0,
+    on_result: Callable[[LayerParity], None] | None = None,
+) -> list[LayerParity]:
     """Compare the chosen layers (see `choose_layers`), one at a time; `on_result` sees each.
 
     Each side follows its own config.json: HF's layers the HF checkpoint's, ours the converted
@@ -155,8 +167,14 @@ def verify_layers(hf_path: str | Path, mcore_path: str | Path, layers: str = "au
             names = [n for e in entries if e.mcore.startswith(prefix) for n in e.hf]
             ref = theirs.run(index, names, hidden, lengths)
             out, routed = _run_megatron_layer(ours, prefix, stored, hidden, lengths)
-            result = LayerParity(index, _kind(family, hf_cfg, index), (out - ref).abs().max().item(),
-                                 (ref - hidden).abs().max().item(), routed, time.time() - started)
+            result = LayerParity(
+                index,
+                _kind(family, hf_cfg, index),
+                (out - ref).abs().max().item(),
+                (ref - hidden).abs().max().item(),
+                routed,
+                time.time() - started,
+            )
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -183,23 +201,26 @@ def _megatron_prefix(index: int, num_layers: int) -> str:
 # HF's side
 # ------------------------------------------------------------------------------------------------
 
+
 class _HFLayers:
     """transformers' model of this config on the meta device; `run` materialises one layer."""
 
     def __init__(self, family, hf_cfg, hf_path):
-        from moe_sft.runtime import compat
+        from moe_sft.runtime import cpu_compat
 
         cfg = copy.deepcopy(hf_cfg)
         cfg._attn_implementation = "eager"  # the plain softmax(QK^T)V reference, with our mask
         self.reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
-        with compat.suspended():
+        with cpu_compat.suspended():
             with torch.device("meta"):
                 self.model = family.hf_model_class(cfg)
             self.base = self.model.base_model
             for name in ("layers", "rotary_emb"):
                 if not hasattr(self.base, name):
-                    raise TypeError(f"{type(self.base).__name__} has no `{name}`; layer-wise verify "
-                                    "needs a decoder-only transformers model with shared rotary embeddings")
+                    raise TypeError(
+                        f"{type(self.base).__name__} has no `{name}`; layer-wise verify "
+                        "needs a decoder-only transformers model with shared rotary embeddings"
+                    )
             layers = self.base.layers
             # MTP layers: transformers builds none; its decoder-layer class at index N + k is the
             # reference for their inner layer (DeepSeek-V3's MTP layers are decoder layers).
@@ -211,9 +232,9 @@ class _HFLayers:
     @torch.no_grad()
     def run(self, index: int, names: list[str], hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """HF layer `index` loaded with the checkpoint tensors `names`, each document run alone."""
-        from moe_sft.runtime import compat
+        from moe_sft.runtime import cpu_compat
 
-        with compat.suspended():
+        with cpu_compat.suspended():
             layer = self._load(index, names)
             try:
                 outs = []
@@ -221,8 +242,12 @@ class _HFLayers:
                     x = doc[None]
                     positions = torch.arange(len(doc))[None]
                     causal = torch.full((len(doc), len(doc)), torch.finfo(x.dtype).min).triu(1)
-                    out = layer(x, attention_mask=causal[None, None], position_ids=positions,
-                                position_embeddings=self.rotary(x, positions))
+                    out = layer(
+                        x,
+                        attention_mask=causal[None, None],
+                        position_ids=positions,
+                        position_embeddings=self.rotary(x, positions),
+                    )
                     outs.append((out[0] if isinstance(out, tuple) else out)[0])
                 return torch.cat(outs)
             finally:
@@ -239,8 +264,7 @@ class _HFLayers:
 
         layer = self.base.layers[index]
         tensors = {name: self.reader.get(name) for name in names}  # FP8 sources come dequantised
-        config = LoadStateDictConfig(dtype=torch.float32,
-                                     weight_mapping=get_model_conversion_mapping(self.model))
+        config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(self.model))
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per layer says nothing here
         try:
@@ -256,7 +280,8 @@ class _HFLayers:
             raise RuntimeError(
                 f"HF layer {index} ({type(layer).__name__}): transformers did not load tensors "
                 f"{unused[:5]} / failed on {list(errors)[:5]}; parameters left without a value: "
-                f"{empty[:5]}. The family's mapping names these HF tensors for the layer: {names[:5]}...")
+                f"{empty[:5]}. The family's mapping names these HF tensors for the layer: {names[:5]}..."
+            )
         return layer.float().eval()
 
     def close(self) -> None:
@@ -266,6 +291,7 @@ class _HFLayers:
 # ------------------------------------------------------------------------------------------------
 # Our side
 # ------------------------------------------------------------------------------------------------
+
 
 def _submodule(model, prefix: str):
     module = model
@@ -314,8 +340,10 @@ def _load_megatron_layer(model, prefix: str, reader):
         if isinstance(item, ShardedObject) and item.key.endswith("._extra_state"):
             return None  # what megatron's linears hold there (TE's FP8 metadata: not used here)
         if not isinstance(item, ShardedTensor) or item.flattened_range is not None:
-            raise TypeError(f"{prefix}: {type(item).__name__} {getattr(item, 'key', '')!r} in the "
-                            "layer's sharded state; only whole ShardedTensor boxes are read")
+            raise TypeError(
+                f"{prefix}: {type(item).__name__} {getattr(item, 'key', '')!r} in the "
+                "layer's sharded state; only whole ShardedTensor boxes are read"
+            )
         box = item.data[(None,) * item.prepend_axis_num]  # the layer-stack axes, as stored
         md = stored.get(item.key)
         if md is None or md.properties.dtype == box.dtype:
@@ -329,7 +357,7 @@ def _load_megatron_layer(model, prefix: str, reader):
     dict_list_map_inplace(read, sharded)
     merge(sharded, nonpersistent)
     state = apply_factory_merges(sharded, factories)
-    layer.load_state_dict({k[len(prefix):]: v for k, v in state.items()})
+    layer.load_state_dict({k[len(prefix) :]: v for k, v in state.items()})
     return layer
 
 
@@ -346,11 +374,15 @@ def _run_megatron_layer(model, prefix: str, reader, hidden: torch.Tensor, length
             rotary = model.rotary_pos_emb(max(lengths), packed_seq=True)  # as GPTModel._preprocess
         routed = {}
         router = getattr(layer.mlp, "router", None)
-        hook = router.register_forward_hook(
-            lambda m, a, out: routed.__setitem__("map", out[1])) if router is not None else None
+        hook = (
+            router.register_forward_hook(lambda m, a, out: routed.__setitem__("map", out[1]))
+            if router is not None
+            else None
+        )
         try:
-            out, _ = layer(hidden_states=hidden[:, None], attention_mask=None, rotary_pos_emb=rotary,
-                           packed_seq_params=params)
+            out, _ = layer(
+                hidden_states=hidden[:, None], attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=params
+            )
         finally:
             if hook is not None:
                 hook.remove()

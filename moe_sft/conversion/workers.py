@@ -25,14 +25,21 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
 
 from moe_sft.conversion.mcore_io import CONVERT_STAMP as RUN_STAMP
 from moe_sft.conversion.mcore_io import staging_stamp
 
 POLL_S = 2.0
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                 "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @dataclasses.dataclass
@@ -41,16 +48,18 @@ class WorkerSpec:
 
     count: int = 1
     index: int = 0
-    hf_path: Optional[str] = None  # workers > 0 re-read the same checkpoint
-    digest: Optional[str] = None   # a local helper's leader's plan digest, checked by the helper
+    hf_path: str | None = None  # workers > 0 re-read the same checkpoint
+    digest: str | None = None  # a local helper's leader's plan digest, checked by the helper
     nodes: int = 1
     run_id: str = "local"
     node_timeout_s: float = 24 * 3600
 
     def __post_init__(self):
         if self.count < 1 or self.nodes < 1 or self.count % self.nodes:
-            raise ValueError(f"{self.count} workers over {self.nodes} nodes: use the same number of "
-                             "workers (1 or more) on every node")
+            raise ValueError(
+                f"{self.count} workers over {self.nodes} nodes: use the same number of "
+                "workers (1 or more) on every node"
+            )
 
     @property
     def per_node(self) -> int:
@@ -68,6 +77,7 @@ class WorkerSpec:
 # ------------------------------------------------------------------------------------------------
 # The shared staging directory
 # ------------------------------------------------------------------------------------------------
+
 
 def _stamped_run(stamp: Path) -> str | None:
     """The run id in a staging stamp (its first line; the second names the HF source)."""
@@ -94,9 +104,12 @@ def prepare_staging(staging: Path, spec: WorkerSpec) -> None:
         Path(staging).mkdir(parents=True, exist_ok=True)
         _write_atomic(stamp, f"{spec.run_id}\n{spec.hf_path or ''}".encode())
         return
-    _wait(lambda: _stamped_run(stamp) == spec.run_id, spec.node_timeout_s,
-          f"node 0 to prepare {staging} for run {spec.run_id!r} (is the output on shared storage, "
-          "and was node 0 started with the same --output and --run-id?)")
+    _wait(
+        lambda: _stamped_run(stamp) == spec.run_id,
+        spec.node_timeout_s,
+        f"node 0 to prepare {staging} for run {spec.run_id!r} (is the output on shared storage, "
+        "and was node 0 started with the same --output and --run-id?)",
+    )
 
 
 def _results_file(staging, worker: int) -> Path:
@@ -119,8 +132,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def hand_back(staging, spec: WorkerSpec, digest: str, results: list) -> None:
     """A worker > 0 leaves its write results for the coordinator."""
-    _write_atomic(_results_file(staging, spec.index),
-                  pickle.dumps({"run_id": spec.run_id, "digest": digest, "results": results}))
+    _write_atomic(
+        _results_file(staging, spec.index), pickle.dumps({"run_id": spec.run_id, "digest": digest, "results": results})
+    )
 
 
 def report_failure(staging, spec: WorkerSpec) -> None:
@@ -133,7 +147,8 @@ def report_failure(staging, spec: WorkerSpec) -> None:
 # Local helper processes
 # ------------------------------------------------------------------------------------------------
 
-def threads_per_worker(spec: WorkerSpec) -> Optional[int]:
+
+def threads_per_worker(spec: WorkerSpec) -> int | None:
     """torch threads for each of several workers on a node: the cores shared out, unless
     OMP_NUM_THREADS says otherwise (processes parallelise reading, transposing and writing better
     than torch's intra-op threads: docs/conversion_at_scale.md)."""
@@ -142,8 +157,9 @@ def threads_per_worker(spec: WorkerSpec) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) // spec.per_node)
 
 
-def start_local_helpers(staging, spec: WorkerSpec, digest: str, max_chunk_bytes: int,
-                        threads: Optional[int] = None) -> dict[int, subprocess.Popen]:
+def start_local_helpers(
+    staging, spec: WorkerSpec, digest: str, max_chunk_bytes: int, threads: int | None = None
+) -> dict[int, subprocess.Popen]:
     """This node's other workers, as processes running `moe_sft.conversion.convert_worker`."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     if threads:
@@ -152,10 +168,27 @@ def start_local_helpers(staging, spec: WorkerSpec, digest: str, max_chunk_bytes:
     env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
     procs = {}
     for index in spec.local_helpers():
-        cmd = [sys.executable, "-m", "moe_sft.conversion.convert_worker", "--hf-path", spec.hf_path,
-               "--staging", str(staging), "--worker", str(index), "--workers", str(spec.count),
-               "--nodes", str(spec.nodes), "--run-id", spec.run_id, "--digest", digest,
-               "--max-chunk-bytes", str(max_chunk_bytes)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_sft.conversion.convert_worker",
+            "--hf-path",
+            spec.hf_path,
+            "--staging",
+            str(staging),
+            "--worker",
+            str(index),
+            "--workers",
+            str(spec.count),
+            "--nodes",
+            str(spec.nodes),
+            "--run-id",
+            spec.run_id,
+            "--digest",
+            digest,
+            "--max-chunk-bytes",
+            str(max_chunk_bytes),
+        ]
         with open(_log_file(staging, index), "w") as log_file:
             procs[index] = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     return procs
@@ -196,8 +229,8 @@ def _worker_failed(staging, index: int, how: str) -> RuntimeError:
 # The coordinator collects everyone's results
 # ------------------------------------------------------------------------------------------------
 
-def collect_results(staging, spec: WorkerSpec, digest: str,
-                    procs: dict[int, subprocess.Popen]) -> list[list]:
+
+def collect_results(staging, spec: WorkerSpec, digest: str, procs: dict[int, subprocess.Popen]) -> list[list]:
     """Write results of workers 1..count-1: local ones once their process exits, other nodes' when
     their results file appears (or their .failed file, or the timeout)."""
     wait_local_helpers(staging, procs)
@@ -210,13 +243,14 @@ def collect_results(staging, spec: WorkerSpec, digest: str,
                 raise _worker_failed(staging, index, "on its node")
             return path.is_file()
 
-        _wait(arrived, spec.node_timeout_s, f"worker {index} (node {index // spec.per_node}) of run "
-                                            f"{spec.run_id!r}")
+        _wait(arrived, spec.node_timeout_s, f"worker {index} (node {index // spec.per_node}) of run {spec.run_id!r}")
         handed = pickle.loads(path.read_bytes())
         if handed["run_id"] != spec.run_id or handed["digest"] != digest:
-            raise RuntimeError(f"worker {index} planned {handed['digest']} for run "
-                               f"{handed['run_id']!r}, the coordinator {digest} for {spec.run_id!r}: "
-                               "different code, input or --run-id on that node")
+            raise RuntimeError(
+                f"worker {index} planned {handed['digest']} for run "
+                f"{handed['run_id']!r}, the coordinator {digest} for {spec.run_id!r}: "
+                "different code, input or --run-id on that node"
+            )
         collected.append(handed["results"])
         path.unlink()
     return collected

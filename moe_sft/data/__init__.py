@@ -7,6 +7,7 @@
     packing.py   best-fit-decreasing packing, THD micro-batches with cu_seqlens (pure functions)
     loader.py    step → this DP rank's micro-batches; exact resume (also across DP sizes); prefetch
     pipeline.py  the recipe's data section → train loader + eval batches + start-of-run summary
+    stats.py     counts, skipped rows by category, length histogram; the start-of-run summary text
 
 Names are imported lazily (PEP 562), so the tokenizer worker processes do not import torch.
 """
@@ -14,13 +15,26 @@ Names are imported lazily (PEP 562), so the tokenizer worker processes do not im
 from importlib import import_module
 
 _EXPORTS = {
-    "ALLOWED_ROLES": "formats", "Conversation": "formats", "DataFormatError": "formats", "RowError": "formats",
-    "RowFormat": "formats", "iter_conversations": "formats", "read_conversations": "formats",
-    "ChatOptions": "chat", "TokenizedDoc": "chat", "tokenize_conversation": "chat", "tokenize_files": "chat",
-    "DataStats": "report",
-    "DataPlanError": "loader", "PackedLoader": "loader", "EvalBatches": "loader",
-    "PackedMicroBatch": "packing", "PackingError": "packing", "build_micro_batch": "packing",
-    "pack_documents": "packing", "best_fit_decreasing": "packing",
+    "ALLOWED_ROLES": "formats",
+    "Conversation": "formats",
+    "DataFormatError": "formats",
+    "RowError": "formats",
+    "RowFormat": "formats",
+    "iter_conversations": "formats",
+    "read_conversations": "formats",
+    "ChatOptions": "chat",
+    "TokenizedDoc": "chat",
+    "tokenize_conversation": "chat",
+    "tokenize_files": "chat",
+    "DataStats": "stats",
+    "DataPlanError": "loader",
+    "PackedLoader": "loader",
+    "EvalBatches": "loader",
+    "PackedMicroBatch": "packing",
+    "PackingError": "packing",
+    "build_micro_batch": "packing",
+    "pack_documents": "packing",
+    "best_fit_decreasing": "packing",
 }
 
 __all__ = sorted(_EXPORTS)

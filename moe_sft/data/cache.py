@@ -39,7 +39,7 @@ import numpy as np
 
 from moe_sft.data.chat import ChatOptions, RowTokenizer, TokenizedDoc
 from moe_sft.data.formats import DataFormatError, RowError, RowFormat, iter_records
-from moe_sft.data.report import DataStats
+from moe_sft.data.stats import DataStats
 
 CACHE_VERSION = 1
 CHUNK_ROWS = 256  # rows per worker task
@@ -67,8 +67,9 @@ class CacheSpec:
 
 def _tokenizer_digest(path: Path) -> str:
     h = hashlib.sha256()
-    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_FILES)) \
-        if path.is_dir() else []
+    files = (
+        sorted(p for p in path.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_FILES)) if path.is_dir() else []
+    )
     if not files:
         raise DataFormatError(f"tokenizer directory {path} has no files; set data.tokenizer_path to a tokenizer dir")
     for p in files:
@@ -124,8 +125,9 @@ class FileCache:
 
     def doc(self, i: int) -> TokenizedDoc:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return TokenizedDoc(np.array(self.tokens[a:b]), np.array(self.weights[a:b]), f"{self.source}:{self.lines[i]}",
-                            truncated=False)
+        return TokenizedDoc(
+            np.array(self.tokens[a:b]), np.array(self.weights[a:b]), f"{self.source}:{self.lines[i]}", truncated=False
+        )
 
 
 def _memmap(path: Path, dtype) -> np.ndarray:
@@ -137,9 +139,17 @@ def _memmap(path: Path, dtype) -> np.ndarray:
 # ----------------------------------------------------------------------------- open or build
 
 
-def open_or_build(path: str | Path, spec: CacheSpec, root: str | Path, *, num_workers: int = 2,
-                  on_error: str = "fail", log: Callable[[str], None] = print, stale_after: float = 600.0,
-                  spec_digest: str | None = None) -> FileCache:
+def open_or_build(
+    path: str | Path,
+    spec: CacheSpec,
+    root: str | Path,
+    *,
+    num_workers: int = 2,
+    on_error: str = "fail",
+    log: Callable[[str], None] = print,
+    stale_after: float = 600.0,
+    spec_digest: str | None = None,
+) -> FileCache:
     """The cache of `path`, built here if no other process is building it (see the module doc)."""
     final = cache_dir_for(path, spec, root, spec_digest)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -161,8 +171,10 @@ def open_or_build(path: str | Path, spec: CacheSpec, root: str | Path, *, num_wo
     cache = FileCache(final)
     if on_error == "fail" and cache.stats.n_errors:
         first = next(m for c in cache.stats.examples for m in cache.stats.examples[c])
-        raise DataFormatError(f"{first} ({cache.stats.n_errors} bad rows in {path}, listed in "
-                              f"{final / 'report.jsonl'}; fix them or set data.on_error=skip)")
+        raise DataFormatError(
+            f"{first} ({cache.stats.n_errors} bad rows in {path}, listed in "
+            f"{final / 'report.jsonl'}; fix them or set data.on_error=skip)"
+        )
     return cache
 
 
@@ -196,13 +208,17 @@ def _wait(final: Path, lock: Path, failed: Path, log, stale_after: float) -> Non
             return
         dead = owner["host"] == socket.gethostname() and not _alive(owner["pid"])
         if dead or age > stale_after:
-            log(f"data cache: removing the stale lock {lock} of {owner['host']}:{owner['pid']} "
-                f"({'process gone' if dead else f'no heartbeat for {age:.0f}s'})")
+            log(
+                f"data cache: removing the stale lock {lock} of {owner['host']}:{owner['pid']} "
+                f"({'process gone' if dead else f'no heartbeat for {age:.0f}s'})"
+            )
             lock.unlink(missing_ok=True)
             return
         if time.monotonic() - last_log > 30:
-            log(f"data cache: waiting for {owner['host']}:{owner['pid']} to build {final} "
-                f"({time.monotonic() - start:.0f}s)")
+            log(
+                f"data cache: waiting for {owner['host']}:{owner['pid']} to build {final} "
+                f"({time.monotonic() - start:.0f}s)"
+            )
             last_log = time.monotonic()
         time.sleep(0.5)
 
@@ -217,8 +233,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _build(path: Path, spec: CacheSpec, final: Path, nonce: str, lock: Path, num_workers: int, on_error: str,
-           log) -> None:
+def _build(
+    path: Path, spec: CacheSpec, final: Path, nonce: str, lock: Path, num_workers: int, on_error: str, log
+) -> None:
     tmp = final.with_name(f"{final.name}.tmp-{nonce}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -231,17 +248,26 @@ def _build(path: Path, spec: CacheSpec, final: Path, nonce: str, lock: Path, num
                 writer.add(chunk, str(path), fail_fast=on_error == "fail")
                 os.utime(lock)  # heartbeat for waiting ranks
             stats = writer.stats
-        meta = {"version": CACHE_VERSION, "source": str(path), "stats": stats.as_dict(),
-                "settings": {"tokenizer_path": spec.tokenizer_path, **dataclasses.asdict(spec.options),
-                             "chat_template": "<custom>" if spec.options.chat_template else None,
-                             **dataclasses.asdict(spec.fmt)}}
+        meta = {
+            "version": CACHE_VERSION,
+            "source": str(path),
+            "stats": stats.as_dict(),
+            "settings": {
+                "tokenizer_path": spec.tokenizer_path,
+                **dataclasses.asdict(spec.options),
+                "chat_template": "<custom>" if spec.options.chat_template else None,
+                **dataclasses.asdict(spec.fmt),
+            },
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.monotonic() - started
-    log(f"data cache: {path}: {stats.rows:,} rows, {stats.tokens:,} tokens in {seconds:.1f}s "
-        f"({stats.rows / max(seconds, 1e-9):,.0f} rows/s, {stats.tokens / max(seconds, 1e-9):,.0f} tokens/s)")
+    log(
+        f"data cache: {path}: {stats.rows:,} rows, {stats.tokens:,} tokens in {seconds:.1f}s "
+        f"({stats.rows / max(seconds, 1e-9):,.0f} rows/s, {stats.tokens / max(seconds, 1e-9):,.0f} tokens/s)"
+    )
 
 
 def _data_bytes(path: Path) -> int:
@@ -254,7 +280,7 @@ class _Writer:
     def __init__(self, directory: Path, max_seq_len: int):
         self.dir, self.stats, self.n_tokens = directory, DataStats.empty(max_seq_len), 0
 
-    def __enter__(self) -> "_Writer":
+    def __enter__(self) -> _Writer:
         self.files = {name: (self.dir / f"{name}.{_SUFFIX[dtype]}").open("wb") for name, dtype in _ARRAYS.items()}
         self.files["offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
         self.report = (self.dir / "report.jsonl").open("w", encoding="utf-8")
@@ -268,16 +294,23 @@ class _Writer:
         for line, kind, message in chunk["events"]:
             if kind not in ("truncated", "dropped"):
                 if fail_fast:
-                    raise RowError(kind, f"{message} (data.on_error=fail; set data.on_error=skip to skip and report "
-                                         "bad rows)")
+                    raise RowError(
+                        kind, f"{message} (data.on_error=fail; set data.on_error=skip to skip and report bad rows)"
+                    )
                 self.stats.add_error(kind, message)
-            self.report.write(json.dumps({"where": f"{path}:{line}", "kind": kind, "message": message},
-                                         ensure_ascii=False) + "\n")
+            self.report.write(
+                json.dumps({"where": f"{path}:{line}", "kind": kind, "message": message}, ensure_ascii=False) + "\n"
+            )
         lengths = chunk["lengths"]
         ends = self.n_tokens + np.cumsum(lengths, dtype=np.int64)
         self.n_tokens = int(ends[-1]) if len(ends) else self.n_tokens
-        for name, values in (("tokens", chunk["ids"]), ("weights", chunk["weights"]), ("offsets", ends),
-                             ("lines", chunk["lines"]), ("loss", chunk["loss"])):
+        for name, values in (
+            ("tokens", chunk["ids"]),
+            ("weights", chunk["weights"]),
+            ("offsets", ends),
+            ("lines", chunk["lines"]),
+            ("loss", chunk["loss"]),
+        ):
             self.files[name].write(np.ascontiguousarray(values, dtype=_ARRAYS[name]).tobytes())
         s = self.stats
         s.rows += len(lengths) + chunk["dropped"]
@@ -355,13 +388,17 @@ def _run_chunk(chunk: tuple[str, list]) -> dict:
                 events.append((line, "truncated", f"{where}: truncated to max_seq_len={_ROWS.options.max_seq_len}"))
             kept.append((line, result))
     docs = [d for _, d in kept]
-    return {"ids": _concat([d.input_ids for d in docs], np.uint32),
-            "weights": _concat([d.loss_weights for d in docs], np.float32),
-            "lengths": np.array([len(d) for d in docs], dtype=np.int64),
-            "lines": np.array([line for line, _ in kept], dtype=np.int64),
-            "loss": np.array([d.loss_weight_sum for d in docs], dtype=np.float64),
-            "loss_tokens": sum(d.num_loss_tokens for d in docs), "events": events, "dropped": dropped,
-            "truncated": truncated}
+    return {
+        "ids": _concat([d.input_ids for d in docs], np.uint32),
+        "weights": _concat([d.loss_weights for d in docs], np.float32),
+        "lengths": np.array([len(d) for d in docs], dtype=np.int64),
+        "lines": np.array([line for line, _ in kept], dtype=np.int64),
+        "loss": np.array([d.loss_weight_sum for d in docs], dtype=np.float64),
+        "loss_tokens": sum(d.num_loss_tokens for d in docs),
+        "events": events,
+        "dropped": dropped,
+        "truncated": truncated,
+    }
 
 
 def _dropped_reason(where: str, options: ChatOptions) -> str:
@@ -370,8 +407,10 @@ def _dropped_reason(where: str, options: ChatOptions) -> str:
     n = options.max_seq_len
     if options.overlong == "drop":
         return f"{where}: dropped: longer than max_seq_len={n} (data.overlong=drop)"
-    return (f"{where}: dropped: longer than max_seq_len={n}, and its first {n} tokens hold no trained assistant "
-            "token (data.overlong=truncate); raise data.max_seq_len or shorten the conversation before the answer")
+    return (
+        f"{where}: dropped: longer than max_seq_len={n}, and its first {n} tokens hold no trained assistant "
+        "token (data.overlong=truncate); raise data.max_seq_len or shorten the conversation before the answer"
+    )
 
 
 def _concat(parts: list, dtype) -> np.ndarray:

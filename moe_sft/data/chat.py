@@ -42,9 +42,17 @@ from typing import Literal
 import numpy as np
 from jinja2 import TemplateError
 
-from moe_sft.data.formats import (NO_TRAINABLE_TOKENS, TEMPLATE_ERROR, DataFormatError, RowError, RowFormat,
-                                  decode_payload, iter_records, to_conversation)
-from moe_sft.data.report import DataStats
+from moe_sft.data.formats import (
+    NO_TRAINABLE_TOKENS,
+    TEMPLATE_ERROR,
+    DataFormatError,
+    RowError,
+    RowFormat,
+    decode_payload,
+    iter_records,
+    to_conversation,
+)
+from moe_sft.data.stats import DataStats
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
@@ -100,8 +108,9 @@ class ChatOptions:
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on={self.loss_on!r} is not supported; use one of {', '.join(LOSS_ON)}")
         if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len={self.max_seq_len} leaves nothing to learn; use at least 2 "
-                             "(typically 2048 or more)")
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} leaves nothing to learn; use at least 2 (typically 2048 or more)"
+            )
 
 
 def has_generation_markers(chat_template: str | None) -> bool:
@@ -162,8 +171,10 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
     where = source or "conversation"
     template = options.chat_template or tokenizer.chat_template
     if not template:
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an "
-                         "instruct model's tokenizer (data.tokenizer_path) or name a template file (data.chat_template)")
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an "
+            "instruct model's tokenizer (data.tokenizer_path) or name a template file (data.chat_template)"
+        )
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as apply_chat_template does
     weights = message_weights(messages, options.loss_on)
     plain = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
@@ -176,19 +187,26 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
     except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
         raise RowError(TEMPLATE_ERROR, f"{where}: the chat template rejected this row: {e}") from e
     if not spans:
-        raise RowError(TEMPLATE_ERROR, f"{where}: the chat template marked no assistant token; check that it renders "
-                                       "assistant messages (and, if it uses {% generation %}, that the block wraps "
-                                       "their content)")
+        raise RowError(
+            TEMPLATE_ERROR,
+            f"{where}: the chat template marked no assistant token; check that it renders "
+            "assistant messages (and, if it uses {% generation %}, that the block wraps "
+            "their content)",
+        )
     return Rendered(text, [(s, e, weights[i]) for s, e, i in spans], source)
 
 
-def finish(rendered: Rendered, input_ids: Sequence[int], offsets: Sequence[tuple[int, int]],
-           options: ChatOptions) -> TokenizedDoc | None:
+def finish(
+    rendered: Rendered, input_ids: Sequence[int], offsets: Sequence[tuple[int, int]], options: ChatOptions
+) -> TokenizedDoc | None:
     """Token weights from the spans, then truncation or dropping by max_seq_len (None = dropped)."""
     token_weights = weights_from_spans(offsets, rendered.spans)
     if not any(w > 0 for w in token_weights[1:]):
-        raise RowError(NO_TRAINABLE_TOKENS, f"{rendered.source or 'conversation'}: no assistant token has a loss "
-                                            f"weight > 0 (loss_on={options.loss_on}, message weights); nothing to learn")
+        raise RowError(
+            NO_TRAINABLE_TOKENS,
+            f"{rendered.source or 'conversation'}: no assistant token has a loss "
+            f"weight > 0 (loss_on={options.loss_on}, message weights); nothing to learn",
+        )
     ids, source = list(input_ids), rendered.source
     if len(ids) <= options.max_seq_len:
         return TokenizedDoc(ids, token_weights, source)
@@ -213,33 +231,44 @@ def _default_ends(tokenizer) -> list[str]:
     return list(dict.fromkeys(t for t in (tokenizer.eos_token, *_FALLBACK_END_OF_TURN) if t))
 
 
-def _render(tokenizer, template: str, messages: list[dict], tools, generation_prompt: bool = False,
-            markers: bool = False):
+def _render(
+    tokenizer, template: str, messages: list[dict], tools, generation_prompt: bool = False, markers: bool = False
+):
     """transformers' own renderer (what apply_chat_template calls), without its per-call wrapping."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, indices = render_jinja_template(
-        conversations=[messages], tools=tools, chat_template=template, return_assistant_tokens_mask=markers,
-        add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+        conversations=[messages],
+        tools=tools,
+        chat_template=template,
+        return_assistant_tokens_mask=markers,
+        add_generation_prompt=generation_prompt,
+        **tokenizer.special_tokens_map,
+    )
     return (rendered[0], indices[0]) if markers else rendered[0]
 
 
-def spans_from_markers(tokenizer, template: str, messages: list[dict], tools, weights: Sequence[float],
-                       where: str) -> tuple[str, list[tuple[int, int, int]]]:
+def spans_from_markers(
+    tokenizer, template: str, messages: list[dict], tools, weights: Sequence[float], where: str
+) -> tuple[str, list[tuple[int, int, int]]]:
     """Rendered text and (start, end, message index) of each `{% generation %}` block."""
     text, blocks = _render(tokenizer, template, messages, tools, markers=True)
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if len(blocks) == len(assistants):
         return text, [(s, e, i) for (s, e), i in zip(blocks, assistants)]
     if len({weights[i] for i in assistants}) > 1:
-        raise RowError(TEMPLATE_ERROR, f"{where}: the template has {len(blocks)} {{% generation %}} blocks for "
-                                       f"{len(assistants)} assistant messages, so per-message weights (or "
-                                       "loss_on=last_assistant) cannot be assigned; use equal weights")
+        raise RowError(
+            TEMPLATE_ERROR,
+            f"{where}: the template has {len(blocks)} {{% generation %}} blocks for "
+            f"{len(assistants)} assistant messages, so per-message weights (or "
+            "loss_on=last_assistant) cannot be assigned; use equal weights",
+        )
     return text, [(s, e, assistants[0]) for s, e in blocks]
 
 
-def spans_from_prefixes(tokenizer, template: str, messages: list[dict], tools, ends: list[str],
-                        where: str) -> tuple[str, list[tuple[int, int, int]]]:
+def spans_from_prefixes(
+    tokenizer, template: str, messages: list[dict], tools, ends: list[str], where: str
+) -> tuple[str, list[tuple[int, int, int]]]:
     """Rendered text and (start, end, message index) of each assistant turn (see module doc)."""
     full = _render(tokenizer, template, messages, tools)
     spans, cursor = [], 0
@@ -247,9 +276,12 @@ def spans_from_prefixes(tokenizer, template: str, messages: list[dict], tools, e
         if message["role"] != "assistant":
             continue
         if i == 0:
-            raise RowError(TEMPLATE_ERROR, f"{where}: messages[0] is an assistant message; without {{% generation %}} "
-                                           "markers in the chat template its start cannot be found. Add a system or "
-                                           "user message before it, or add the markers")
+            raise RowError(
+                TEMPLATE_ERROR,
+                f"{where}: messages[0] is an assistant message; without {{% generation %}} "
+                "markers in the chat template its start cannot be found. Add a system or "
+                "user message before it, or add the markers",
+            )
         prefix = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
         if full.startswith(prefix) and len(prefix) >= cursor:
             start = len(prefix)
@@ -261,13 +293,14 @@ def spans_from_prefixes(tokenizer, template: str, messages: list[dict], tools, e
     return full, spans
 
 
-def _start_after_rerendered_history(tokenizer, template: str, messages: list[dict], tools, i: int, full: str,
-                                    cursor: int, where: str) -> int:
+def _start_after_rerendered_history(
+    tokenizer, template: str, messages: list[dict], tools, i: int, full: str, cursor: int, where: str
+) -> int:
     """Where assistant turn `i` starts in `full` when the prefix render is not a prefix of it."""
     bare = _render(tokenizer, template, messages[:i], tools)
     prompt = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
-    header = prompt[len(bare):] if prompt.startswith(bare) else ""
-    probe = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1:]]
+    header = prompt[len(bare) :] if prompt.startswith(bare) else ""
+    probe = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
     other = _render(tokenizer, template, probe, tools)
     limit = next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
     if header and limit < len(full):
@@ -282,15 +315,19 @@ def _start_after_rerendered_history(tokenizer, template: str, messages: list[dic
     start = _start_after_aligned_history(full, bare, header, cursor, limit, messages[i - 1])
     if start is not None:
         return start
-    raise RowError(TEMPLATE_ERROR, f"{where}: the chat template renders messages[:{i}] + generation prompt "
-                                   "differently from the start of the full conversation, and the turn's header "
-                                   "could not be found in the full text, so assistant tokens cannot be located; "
-                                   "use a template with {% generation %}...{% endgeneration %} around assistant "
-                                   "content")
+    raise RowError(
+        TEMPLATE_ERROR,
+        f"{where}: the chat template renders messages[:{i}] + generation prompt "
+        "differently from the start of the full conversation, and the turn's header "
+        "could not be found in the full text, so assistant tokens cannot be located; "
+        "use a template with {% generation %}...{% endgeneration %} around assistant "
+        "content",
+    )
 
 
-def _start_after_aligned_history(full: str, bare: str, header: str, cursor: int, limit: int,
-                                 previous: dict) -> int | None:
+def _start_after_aligned_history(
+    full: str, bare: str, header: str, cursor: int, limit: int, previous: dict
+) -> int | None:
     """Turn start for templates whose generation prompt is empty or absent from the history.
 
     Mistral's templates have no generation prompt and move the system prompt and the tools list to
@@ -308,7 +345,7 @@ def _start_after_aligned_history(full: str, bare: str, header: str, cursor: int,
             best, best_len = s + 1, n
         s = full.find(bare[-1], s + 1, limit)
     content = previous.get("content")
-    if best is None or (isinstance(content, str) and content.strip() not in bare[len(bare) - best_len:]):
+    if best is None or (isinstance(content, str) and content.strip() not in bare[len(bare) - best_len :]):
         return None
     start = best + len(header)
     return start if full.startswith(header, best) and start <= limit else None
@@ -317,8 +354,9 @@ def _start_after_aligned_history(full: str, bare: str, header: str, cursor: int,
 def _common_suffix(a: str, text: str, end: int) -> int:
     """Length of the longest common suffix of `a` and `text[:end]`: doubling while the suffixes match,
     then bisection (suffix equality is monotone), so the cost follows the match, not the text."""
+
     def match(n: int) -> bool:
-        return a[len(a) - n:] == text[end - n:end]
+        return a[len(a) - n :] == text[end - n : end]
 
     most, lo, hi = min(len(a), end), 0, 1
     while hi <= most and match(hi):
@@ -339,8 +377,11 @@ def _turn_end(text: str, start: int, ends: list[str], where: str) -> int:
     """
     found = [(pos, end) for end in ends if (pos := text.find(end, start)) >= 0]
     if not found:
-        raise RowError(TEMPLATE_ERROR, f"{where}: the assistant turn is not closed by any of {ends}; set "
-                                       "data.end_of_turn to your template's end-of-turn string")
+        raise RowError(
+            TEMPLATE_ERROR,
+            f"{where}: the assistant turn is not closed by any of {ends}; set "
+            "data.end_of_turn to your template's end-of-turn string",
+        )
     pos, end = min(found)
     return pos + len(end)
 

@@ -35,18 +35,50 @@ ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion")
 # Canonical field names; `data.fields` maps any of them to the name used in the files.
-CANONICAL_FIELDS = ("messages", "role", "content", "conversations", "from", "value", "instruction", "input",
-                    "output", "system", "prompt", "completion", "tools", "weight")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-                  "assistant": "assistant", "model": "assistant", "function_call": "assistant",
-                  "observation": "tool", "tool": "tool", "function_response": "tool", "ipython": "tool"}
+CANONICAL_FIELDS = (
+    "messages",
+    "role",
+    "content",
+    "conversations",
+    "from",
+    "value",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "prompt",
+    "completion",
+    "tools",
+    "weight",
+)
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+    "function_response": "tool",
+    "ipython": "tool",
+}
 
 # Row error categories, in report order. Overlong rows are not errors (data.overlong decides).
 INVALID_JSON, NON_UTF8, WRONG_SHAPE, UNKNOWN_ROLE = "invalid_json", "non_utf8", "wrong_shape", "unknown_role"
 EMPTY_ASSISTANT, NO_ASSISTANT, TEMPLATE_ERROR = "empty_assistant", "no_assistant", "template_error"
 NO_TRAINABLE_TOKENS = "no_trainable_tokens"
-ROW_ERRORS = (INVALID_JSON, NON_UTF8, WRONG_SHAPE, UNKNOWN_ROLE, EMPTY_ASSISTANT, NO_ASSISTANT, TEMPLATE_ERROR,
-              NO_TRAINABLE_TOKENS)
+ROW_ERRORS = (
+    INVALID_JSON,
+    NON_UTF8,
+    WRONG_SHAPE,
+    UNKNOWN_ROLE,
+    EMPTY_ASSISTANT,
+    NO_ASSISTANT,
+    TEMPLATE_ERROR,
+    NO_TRAINABLE_TOKENS,
+)
 
 
 class DataFormatError(ValueError):
@@ -76,7 +108,7 @@ class RowFormat:
     fields: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     @classmethod
-    def make(cls, format: str = "auto", fields: Mapping[str, str] | None = None) -> "RowFormat":
+    def make(cls, format: str = "auto", fields: Mapping[str, str] | None = None) -> RowFormat:
         if format not in FORMATS:
             raise ValueError(f"data.format={format!r} is not one of {' | '.join(FORMATS)}")
         unknown = sorted(set(fields or {}) - set(CANONICAL_FIELDS))
@@ -97,11 +129,15 @@ def file_kind(path: str | Path) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            raise DataFormatError(f"{path}: an HF DatasetDict with splits {splits}; name one split's directory, "
-                                  f"e.g. {path / (splits[0] if splits else 'train')}")
+            raise DataFormatError(
+                f"{path}: an HF DatasetDict with splits {splits}; name one split's directory, "
+                f"e.g. {path / (splits[0] if splits else 'train')}"
+            )
         if not (path / "state.json").is_file():
-            raise DataFormatError(f"{path}: a directory but not an HF dataset saved with save_to_disk "
-                                  "(no state.json); give .jsonl/.json/.parquet files or a save_to_disk directory")
+            raise DataFormatError(
+                f"{path}: a directory but not an HF dataset saved with save_to_disk "
+                "(no state.json); give .jsonl/.json/.parquet files or a save_to_disk directory"
+            )
         return "hf"
     if path.suffix not in SUPPORTED_SUFFIXES:
         raise DataFormatError(
@@ -153,20 +189,37 @@ def _json_records(path: Path) -> Iterator[tuple[int, object]]:
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            yield line, RowError(INVALID_JSON, f"{path}:{e.lineno}: invalid JSON in the array ({e.msg} at column "
-                                               f"{e.colno}); the rest of this file cannot be read")
+            yield (
+                line,
+                RowError(
+                    INVALID_JSON,
+                    f"{path}:{e.lineno}: invalid JSON in the array ({e.msg} at column "
+                    f"{e.colno}); the rest of this file cannot be read",
+                ),
+            )
             return
         if _has_surrogates(text, pos, end):
-            yield line, RowError(NON_UTF8, f"{path}:{line}: the element holds bytes that are not valid UTF-8; "
-                                           "re-encode the file as UTF-8")
+            yield (
+                line,
+                RowError(
+                    NON_UTF8,
+                    f"{path}:{line}: the element holds bytes that are not valid UTF-8; re-encode the file as UTF-8",
+                ),
+            )
         else:
             yield line, value
         pos = _skip_space(text, end)
         if pos < len(text) and text[pos] == ",":
             pos += 1
         elif pos >= len(text) or text[pos] != "]":
-            yield line, RowError(INVALID_JSON, f"{path}:{line + text.count(chr(10), counted, pos)}: expected ',' or "
-                                               "']' after an array element; the rest of this file cannot be read")
+            yield (
+                line,
+                RowError(
+                    INVALID_JSON,
+                    f"{path}:{line + text.count(chr(10), counted, pos)}: expected ',' or "
+                    "']' after an array element; the rest of this file cannot be read",
+                ),
+            )
             return
 
 
@@ -214,13 +267,18 @@ def decode_payload(payload: object, where: str) -> object:
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise RowError(NON_UTF8, f"{where}: byte {e.start} ({payload[e.start:e.start + 1]!r}) is not valid UTF-8; "
-                                 "re-encode the file as UTF-8") from None
+        raise RowError(
+            NON_UTF8,
+            f"{where}: byte {e.start} ({payload[e.start : e.start + 1]!r}) is not valid UTF-8; "
+            "re-encode the file as UTF-8",
+        ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise RowError(INVALID_JSON, f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one "
-                                     "complete JSON object") from None
+        raise RowError(
+            INVALID_JSON,
+            f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one complete JSON object",
+        ) from None
 
 
 # ----------------------------------------------------------------------------- rows → messages
@@ -231,8 +289,12 @@ def to_conversation(row: object, fmt: RowFormat, where: str) -> Conversation:
     if not isinstance(row, Mapping):
         raise RowError(WRONG_SHAPE, f"{where}: a row must be a JSON object, got {type(row).__name__}")
     kind = fmt.format if fmt.format != "auto" else _detect(row, fmt, where)
-    messages = {"messages": _from_messages, "sharegpt": _from_sharegpt, "alpaca": _from_alpaca,
-                "prompt_completion": _from_prompt_completion}[kind](row, fmt, where)
+    messages = {
+        "messages": _from_messages,
+        "sharegpt": _from_sharegpt,
+        "alpaca": _from_alpaca,
+        "prompt_completion": _from_prompt_completion,
+    }[kind](row, fmt, where)
     validate_messages(messages, where)
     return Conversation(messages, where, _tools(row, fmt, where))
 
@@ -247,25 +309,30 @@ def _detect(row: Mapping, fmt: RowFormat, where: str) -> str:
         return "alpaca"
     if n("prompt") in row and n("completion") in row:
         return "prompt_completion"
-    raise RowError(WRONG_SHAPE, f"{where}: row matches no known format (keys {sorted(row)}); expected "
-                                f'"{n("messages")}" (OpenAI messages), "{n("conversations")}" (ShareGPT), '
-                                f'"{n("instruction")}"+"{n("output")}" (alpaca) or "{n("prompt")}"+'
-                                f'"{n("completion")}"; set data.format / data.fields for other names')
+    raise RowError(
+        WRONG_SHAPE,
+        f"{where}: row matches no known format (keys {sorted(row)}); expected "
+        f'"{n("messages")}" (OpenAI messages), "{n("conversations")}" (ShareGPT), '
+        f'"{n("instruction")}"+"{n("output")}" (alpaca) or "{n("prompt")}"+'
+        f'"{n("completion")}"; set data.format / data.fields for other names',
+    )
 
 
 def _from_messages(row: Mapping, fmt: RowFormat, where: str) -> list[dict]:
     messages = row.get(fmt.name("messages"))
     if not isinstance(messages, list) or not messages:
-        raise RowError(WRONG_SHAPE, f'{where}: "{fmt.name("messages")}" must be a non-empty list of '
-                                    '{"role", "content"} objects')
+        raise RowError(
+            WRONG_SHAPE, f'{where}: "{fmt.name("messages")}" must be a non-empty list of {{"role", "content"}} objects'
+        )
     return [_message(m, fmt, f"{where}: {fmt.name('messages')}[{i}]") for i, m in enumerate(messages)]
 
 
 def _message(message: object, fmt: RowFormat, where: str) -> dict:
     role_key, content_key = fmt.name("role"), fmt.name("content")
     if not isinstance(message, Mapping):
-        raise RowError(WRONG_SHAPE, f'{where}: must be an object like {{"role": "user", "content": "..."}}, '
-                                    f"got {message!r:.80}")
+        raise RowError(
+            WRONG_SHAPE, f'{where}: must be an object like {{"role": "user", "content": "..."}}, got {message!r:.80}'
+        )
     if role_key not in message:
         raise RowError(WRONG_SHAPE, f"{where}: missing {role_key}; every message needs a role")
     role = message[role_key]
@@ -273,8 +340,11 @@ def _message(message: object, fmt: RowFormat, where: str) -> dict:
         raise RowError(UNKNOWN_ROLE, f"{where}: unknown role {role!r}; allowed roles: {', '.join(ALLOWED_ROLES)}")
     has_calls = bool(message.get("tool_calls"))
     if content_key not in message and not (role == "assistant" and has_calls):
-        raise RowError(WRONG_SHAPE, f"{where}: missing {content_key}; every message needs a content "
-                                    "(an assistant message with tool_calls may have none)")
+        raise RowError(
+            WRONG_SHAPE,
+            f"{where}: missing {content_key}; every message needs a content "
+            "(an assistant message with tool_calls may have none)",
+        )
     out = {k: v for k, v in message.items() if k not in (role_key, content_key) and v is not None}
     out["role"], out["content"] = role, _text(message.get(content_key), where)
     if fmt.name("weight") != "weight" and fmt.name("weight") in out:
@@ -288,18 +358,24 @@ def _text(content: object, where: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise RowError(WRONG_SHAPE, f"{where}: content must be a string or a list of "
-                                f'{{"type": "text", "text": ...}} parts, got {type(content).__name__}')
+    raise RowError(
+        WRONG_SHAPE,
+        f"{where}: content must be a string or a list of "
+        f'{{"type": "text", "text": ...}} parts, got {type(content).__name__}',
+    )
 
 
 def _from_sharegpt(row: Mapping, fmt: RowFormat, where: str) -> list[dict]:
     turns, src, val = row.get(fmt.name("conversations")), fmt.name("from"), fmt.name("value")
     if not isinstance(turns, list) or not turns:
-        raise RowError(WRONG_SHAPE, f'{where}: "{fmt.name("conversations")}" must be a non-empty list of '
-                                    f'{{"{src}", "{val}"}} objects')
+        raise RowError(
+            WRONG_SHAPE,
+            f'{where}: "{fmt.name("conversations")}" must be a non-empty list of {{"{src}", "{val}"}} objects',
+        )
     messages = _system(row, fmt, where)
     for i, turn in enumerate(turns):
         here = f"{where}: {fmt.name('conversations')}[{i}]"
@@ -307,8 +383,9 @@ def _from_sharegpt(row: Mapping, fmt: RowFormat, where: str) -> list[dict]:
             raise RowError(WRONG_SHAPE, f'{here}: must be an object with "{src}" and "{val}", got {turn!r:.80}')
         role = SHAREGPT_ROLES.get(turn[src])
         if role is None:
-            raise RowError(UNKNOWN_ROLE, f"{here}: unknown role {turn[src]!r}; ShareGPT roles: "
-                                         f"{', '.join(SHAREGPT_ROLES)}")
+            raise RowError(
+                UNKNOWN_ROLE, f"{here}: unknown role {turn[src]!r}; ShareGPT roles: {', '.join(SHAREGPT_ROLES)}"
+            )
         message = {"role": role, "content": _text(turn[val], here)}
         if "weight" in turn or fmt.name("weight") in turn:
             message["weight"] = turn.get(fmt.name("weight"), turn.get("weight"))
@@ -320,11 +397,14 @@ def _from_alpaca(row: Mapping, fmt: RowFormat, where: str) -> list[dict]:
     parts = {k: row.get(fmt.name(k)) for k in ("instruction", "input", "output")}
     for key, value in parts.items():
         if not isinstance(value, str) and not (key == "input" and value is None):
-            raise RowError(WRONG_SHAPE, f'{where}: alpaca "{fmt.name(key)}" must be a string, got '
-                                        f"{type(value).__name__}")
+            raise RowError(
+                WRONG_SHAPE, f'{where}: alpaca "{fmt.name(key)}" must be a string, got {type(value).__name__}'
+            )
     prompt = parts["instruction"] + (f"\n\n{parts['input']}" if parts["input"] else "")
-    return _system(row, fmt, where) + [{"role": "user", "content": prompt},
-                                       {"role": "assistant", "content": parts["output"]}]
+    return _system(row, fmt, where) + [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": parts["output"]},
+    ]
 
 
 def _from_prompt_completion(row: Mapping, fmt: RowFormat, where: str) -> list[dict]:
@@ -336,8 +416,11 @@ def _from_prompt_completion(row: Mapping, fmt: RowFormat, where: str) -> list[di
         elif isinstance(value, list) and value:
             out += [_message(m, fmt, f"{where}: {fmt.name(key)}[{i}]") for i, m in enumerate(value)]
         else:
-            raise RowError(WRONG_SHAPE, f'{where}: "{fmt.name(key)}" must be a string or a non-empty list of '
-                                        f"messages, got {type(value).__name__}")
+            raise RowError(
+                WRONG_SHAPE,
+                f'{where}: "{fmt.name(key)}" must be a string or a non-empty list of '
+                f"messages, got {type(value).__name__}",
+            )
     return out
 
 
@@ -367,20 +450,32 @@ def _tools(row: Mapping, fmt: RowFormat, where: str) -> list | None:
 def validate_messages(messages: Sequence[dict], where: str) -> None:
     """Conversation-level checks: there is an assistant turn, none is empty, weights are numbers."""
     if not any(m["role"] == "assistant" for m in messages):
-        raise RowError(NO_ASSISTANT, f"{where}: conversation has no assistant message, so nothing would be trained "
-                                     'on; add an {"role": "assistant", "content": ...} turn or remove the row')
+        raise RowError(
+            NO_ASSISTANT,
+            f"{where}: conversation has no assistant message, so nothing would be trained "
+            'on; add an {"role": "assistant", "content": ...} turn or remove the row',
+        )
     for i, m in enumerate(messages):
         if "weight" in m:
             w = m["weight"]
             if m["role"] != "assistant":
-                raise RowError(WRONG_SHAPE, f"{where}: messages[{i}] ({m['role']}) has a weight; weights apply to "
-                                            "assistant messages only")
+                raise RowError(
+                    WRONG_SHAPE,
+                    f"{where}: messages[{i}] ({m['role']}) has a weight; weights apply to assistant messages only",
+                )
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
                 raise RowError(WRONG_SHAPE, f"{where}: messages[{i}] weight={w!r} must be a number >= 0")
-        if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls") \
-                and not m.get("reasoning_content"):
-            raise RowError(EMPTY_ASSISTANT, f"{where}: messages[{i}] is an assistant message with empty content "
-                                            "(and no tool_calls); fill it in or remove the row")
+        if (
+            m["role"] == "assistant"
+            and not m["content"].strip()
+            and not m.get("tool_calls")
+            and not m.get("reasoning_content")
+        ):
+            raise RowError(
+                EMPTY_ASSISTANT,
+                f"{where}: messages[{i}] is an assistant message with empty content "
+                "(and no tool_calls); fill it in or remove the row",
+            )
 
 
 # ----------------------------------------------------------------------------- convenience (fail-fast)

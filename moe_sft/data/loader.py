@@ -34,8 +34,8 @@ import numpy as np
 
 from moe_sft.data.chat import TokenizedDoc
 from moe_sft.data.packing import PackedMicroBatch, best_fit_decreasing, build_micro_batch, padded_length
-from moe_sft.data.report import no_documents_message
 from moe_sft.data.sampling import Mixture, derive_key, holdout_count, permute, split_index
+from moe_sft.data.stats import no_documents_message
 from moe_sft.data.store import DocStore, MemoryDocs
 
 STATE_VERSION = 2
@@ -69,12 +69,29 @@ class PackedLoader:
     """See the module doc. `next_step` is set by the trainer after each step (it is what
     `state_dict` saves); `batches_for_step` is a function of the step alone."""
 
-    def __init__(self, store: DocStore | Sequence[TokenizedDoc], pack_length: int, global_batch_size: int, *,
-                 seed: int = 0, shuffle: bool = True, window: int = 8192, weights: Sequence[float] | None = None,
-                 eval_fraction: float = 0.0, pad_to: int = 1, doc_multiple: int = 1, pad_token_id: int = 0,
-                 prefetch: bool = True):
+    def __init__(
+        self,
+        store: DocStore | Sequence[TokenizedDoc],
+        pack_length: int,
+        global_batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        window: int = 8192,
+        weights: Sequence[float] | None = None,
+        eval_fraction: float = 0.0,
+        pad_to: int = 1,
+        doc_multiple: int = 1,
+        pad_token_id: int = 0,
+        prefetch: bool = True,
+    ):
         self.store = store if isinstance(store, DocStore) else MemoryDocs(list(store))
-        self.pack_length, self.global_batch_size, self.seed, self.shuffle = pack_length, global_batch_size, seed, shuffle
+        self.pack_length, self.global_batch_size, self.seed, self.shuffle = (
+            pack_length,
+            global_batch_size,
+            seed,
+            shuffle,
+        )
         self.window, self.eval_fraction = window, eval_fraction
         self.pad_to, self.doc_multiple, self.pad_token_id = pad_to, doc_multiple, pad_token_id
         self.weights = [1.0] * len(self.store.sizes) if not weights else [float(w) for w in weights]
@@ -111,8 +128,9 @@ class PackedLoader:
 
     def _pack_window(self, epoch: int, window: int) -> list[Pack]:
         positions = np.arange(window * self.window, min((window + 1) * self.window, self.num_samples))
-        slots = permute(positions, self.num_samples, derive_key(self.seed, "order", epoch)) \
-            if self.shuffle else positions
+        slots = (
+            permute(positions, self.num_samples, derive_key(self.seed, "order", epoch)) if self.shuffle else positions
+        )
         sources, train_idx = self.mixture.locate(slots, epoch)
         docs = np.empty_like(train_idx)
         lengths, loss = np.empty(len(slots), np.int64), np.empty(len(slots), np.float64)
@@ -124,15 +142,19 @@ class PackedLoader:
         need = -(-lengths // self.doc_multiple) * self.doc_multiple
         if len(need) and need.max() > self.pack_length:
             k = int(np.argmax(need))
-            raise DataPlanError(f"{self.store.names[sources[k]]} document {docs[k]} has {lengths[k]} tokens > "
-                                f"pack_length={self.pack_length}; set max_seq_len <= pack_length so long "
-                                "conversations are truncated or dropped")
+            raise DataPlanError(
+                f"{self.store.names[sources[k]]} document {docs[k]} has {lengths[k]} tokens > "
+                f"pack_length={self.pack_length}; set max_seq_len <= pack_length so long "
+                "conversations are truncated or dropped"
+            )
         bins = best_fit_decreasing(need.tolist(), self.pack_length)
         if self.shuffle:
             rng = np.random.default_rng(derive_key(self.seed, "packs", epoch, window))
             bins = [bins[i] for i in rng.permutation(len(bins))]
-        return [Pack(epoch, positions[b], sources[b], docs[b], int(lengths[b].sum()), float(loss[b].sum()))
-                for b in map(np.asarray, bins)]
+        return [
+            Pack(epoch, positions[b], sources[b], docs[b], int(lengths[b].sum()), float(loss[b].sum()))
+            for b in map(np.asarray, bins)
+        ]
 
     def _advance(self, cursor: Cursor) -> tuple[list[Pack], Cursor]:
         """The global batch starting at `cursor`, and the cursor after it (drop-last per epoch)."""
@@ -145,12 +167,13 @@ class PackedLoader:
                     raise DataPlanError(
                         f"the {self.num_samples} samples of an epoch pack into fewer than global_batch_size="
                         f"{self.global_batch_size} micro-batches of pack_length={self.pack_length}: no full step; "
-                        "lower global_batch_size or pack_length, or add data")
+                        "lower global_batch_size or pack_length, or add data"
+                    )
                 epoch, window, pack, packs, epoch_start = epoch + 1, 0, 0, [], True
                 continue
             available = self.window_packs(epoch, window)
             take = min(self.global_batch_size - len(packs), len(available) - pack)
-            packs += available[pack:pack + take]
+            packs += available[pack : pack + take]
             pack += take
             if pack == len(available):
                 window, pack = window + 1, 0
@@ -203,16 +226,18 @@ class PackedLoader:
         if self.global_batch_size % dp_size:
             raise DataPlanError(
                 f"global_batch_size={self.global_batch_size} is not divisible by the data-parallel size {dp_size}; "
-                f"use a multiple of {dp_size}")
+                f"use a multiple of {dp_size}"
+            )
         packs = self.step_packs(step)
         per_rank = self.global_batch_size // dp_size
-        mine = packs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mine = packs[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         return [self.micro_batch(p) for p in mine], sum(p.loss for p in packs)
 
     def micro_batch(self, pack: Pack) -> PackedMicroBatch:
         docs = [self.store.doc(int(f), int(d)) for f, d in zip(pack.sources, pack.docs)]
-        return build_micro_batch(docs, pad_to=self.pad_to, pad_token_id=self.pad_token_id,
-                                 doc_multiple=self.doc_multiple)
+        return build_micro_batch(
+            docs, pad_to=self.pad_to, pad_token_id=self.pad_token_id, doc_multiple=self.doc_multiple
+        )
 
     # ------------------------------------------------------------------ reporting
     def step_info(self, step: int) -> dict[str, float]:
@@ -222,8 +247,10 @@ class PackedLoader:
         done = cursor.window
         if cursor.window < self.num_windows:
             done += cursor.pack / len(self.window_packs(cursor.epoch, cursor.window))
-        return {"data/packing_efficiency": real / (len(packs) * self.pack_length),
-                "data/epoch": cursor.epoch + done / self.num_windows}
+        return {
+            "data/packing_efficiency": real / (len(packs) * self.pack_length),
+            "data/epoch": cursor.epoch + done / self.num_windows,
+        }
 
     def sample_ids(self, step: int) -> list[list[tuple[int, int]]]:
         """Per micro-batch of the global batch: (source, document) of each sample."""
@@ -246,14 +273,26 @@ class PackedLoader:
     def state_dict(self) -> dict:
         """The data position plus what must match to resume it (pad_to and the DP size may change)."""
         cursor = self._cursor_for(self.next_step)
-        return {"version": STATE_VERSION, "next_step": self.next_step,
-                "cursor": [cursor.epoch, cursor.window, cursor.pack], **self._settings()}
+        return {
+            "version": STATE_VERSION,
+            "next_step": self.next_step,
+            "cursor": [cursor.epoch, cursor.window, cursor.pack],
+            **self._settings(),
+        }
 
     def _settings(self) -> dict:
-        return {"seed": self.seed, "shuffle": self.shuffle, "pack_length": self.pack_length,
-                "global_batch_size": self.global_batch_size, "window": self.window,
-                "doc_multiple": self.doc_multiple, "weights": self.weights, "eval_fraction": self.eval_fraction,
-                "num_docs": list(self.store.sizes), "fingerprint": self.store.fingerprint}
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "pack_length": self.pack_length,
+            "global_batch_size": self.global_batch_size,
+            "window": self.window,
+            "doc_multiple": self.doc_multiple,
+            "weights": self.weights,
+            "eval_fraction": self.eval_fraction,
+            "num_docs": list(self.store.sizes),
+            "fingerprint": self.store.fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the position; any mismatch of data or packing settings is an error naming the field."""
@@ -261,7 +300,8 @@ class PackedLoader:
             raise DataPlanError(
                 f"data state version {state.get('version')!r} is not {STATE_VERSION}; it was written by another "
                 "moe_sft data loader, whose sample order this one cannot reproduce; start a new run "
-                "(checkpoint.resume=never) or resume with that version")
+                "(checkpoint.resume=never) or resume with that version"
+            )
         current = self._settings()
         missing = sorted(set(current) - set(state))
         if missing:
@@ -270,12 +310,14 @@ class PackedLoader:
             if state[key] != current[key]:
                 raise DataPlanError(
                     f"the checkpoint's data differs from this run's ({key}: saved {state[key]!r}, now {current[key]!r}); "
-                    "resume with the same data files, tokenizer and data settings, or start a new run")
+                    "resume with the same data files, tokenizer and data settings, or start a new run"
+                )
         for key, (name, how) in _RESUME_FIELDS.items():
             if state[key] != current[key]:
                 raise DataPlanError(
                     f"{name}={current[key]!r} but the checkpoint was saved with {name.split('.')[-1]}={state[key]!r}{how}; "
-                    "set it back to resume (the data position of one setting does not map to another), or start a new run")
+                    "set it back to resume (the data position of one setting does not map to another), or start a new run"
+                )
         with self._lock:
             self.next_step = int(state["next_step"])
             self._cursors = {0: Cursor(), self.next_step: Cursor(*state["cursor"])}
@@ -288,17 +330,23 @@ class PackedLoader:
             if n and lengths.max() > self.pack_length:
                 k = int(np.argmax(lengths))
                 doc = self.store.doc(f, k)
-                raise DataPlanError(f"{getattr(doc, 'source', '') or f'document {k}'} has {lengths[k]} tokens > "
-                                    f"pack_length={self.pack_length}; set max_seq_len <= pack_length so long "
-                                    "conversations are truncated or dropped")
+                raise DataPlanError(
+                    f"{getattr(doc, 'source', '') or f'document {k}'} has {lengths[k]} tokens > "
+                    f"pack_length={self.pack_length}; set max_seq_len <= pack_length so long "
+                    "conversations are truncated or dropped"
+                )
 
 
 # The loader settings a resume must keep: the recipe field that sets each (and what else may set it).
 _RESUME_FIELDS = {
-    "seed": ("data.seed", ""), "shuffle": ("data.shuffle", ""), "pack_length": ("data.pack_length", ""),
+    "seed": ("data.seed", ""),
+    "shuffle": ("data.shuffle", ""),
+    "pack_length": ("data.pack_length", ""),
     "global_batch_size": ("trainer.global_batch_size", " (trainer.global_batch_tokens decides it when set)"),
-    "window": ("data.pack_window", ""), "doc_multiple": ("data.pad_documents_to", ""),
-    "weights": ("data.train_weights", ""), "eval_fraction": ("data.eval_fraction", ""),
+    "window": ("data.pack_window", ""),
+    "doc_multiple": ("data.pad_documents_to", ""),
+    "weights": ("data.train_weights", ""),
+    "eval_fraction": ("data.eval_fraction", ""),
 }
 
 
@@ -310,14 +358,22 @@ def _check_settings(loader: PackedLoader) -> None:
     if loader.window < 1:
         raise DataPlanError(f"data.pack_window={loader.window} must be >= 1")
     m = loader.doc_multiple
-    if loader.pad_to < 1 or m < 1 or loader.pack_length < 1 or loader.pack_length % loader.pad_to \
-            or loader.pack_length % m:
+    if (
+        loader.pad_to < 1
+        or m < 1
+        or loader.pack_length < 1
+        or loader.pack_length % loader.pad_to
+        or loader.pack_length % m
+    ):
         raise DataPlanError(
             f"pack_length={loader.pack_length} must be a positive multiple of pad_to={loader.pad_to} and of the "
-            f"per-document multiple {m}, so padded micro-batches never exceed pack_length")
+            f"per-document multiple {m}, so padded micro-batches never exceed pack_length"
+        )
     if len(loader.weights) != len(loader.store.sizes):
-        raise DataPlanError(f"data.train_weights has {len(loader.weights)} entries for {len(loader.store.sizes)} "
-                            "train files; give one weight per file (or none)")
+        raise DataPlanError(
+            f"data.train_weights has {len(loader.weights)} entries for {len(loader.store.sizes)} "
+            "train files; give one weight per file (or none)"
+        )
     if not 0 <= loader.eval_fraction < 1:
         raise DataPlanError(f"data.eval_fraction={loader.eval_fraction} must be in [0, 1)")
 
@@ -330,13 +386,22 @@ class EvalBatches:
     a step to run the same number of micro-batches.
     """
 
-    def __init__(self, store: DocStore, refs: Sequence[tuple[int, int]], pack_length: int, *, window: int = 8192,
-                 pad_to: int = 1, doc_multiple: int = 1, pad_token_id: int = 0):
+    def __init__(
+        self,
+        store: DocStore,
+        refs: Sequence[tuple[int, int]],
+        pack_length: int,
+        *,
+        window: int = 8192,
+        pad_to: int = 1,
+        doc_multiple: int = 1,
+        pad_token_id: int = 0,
+    ):
         self.store, self.pad_to, self.doc_multiple, self.pad_token_id = store, pad_to, doc_multiple, pad_token_id
         refs = np.asarray(list(refs), dtype=np.int64).reshape(-1, 2)
         self.num_samples, self.num_tokens, self.packs = len(refs), 0, []
         for lo in range(0, len(refs), window):
-            part = refs[lo:lo + window]
+            part = refs[lo : lo + window]
             lengths = np.empty(len(part), dtype=np.int64)
             for f in np.unique(part[:, 0]):
                 sel = part[:, 0] == f
@@ -349,12 +414,18 @@ class EvalBatches:
         """Groups of `per_call` micro-batches (one forward-only schedule call each; the same count on
         every rank and per call, as pipeline schedules need)."""
         per_rank = padded_length(-(-len(self.packs) // dp_size), per_call)
-        mine = self.packs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mine = self.packs[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         for lo in range(0, per_rank, per_call):
-            yield [self._micro_batch(mine[i] if i < len(mine) else None) for i in range(lo, min(lo + per_call, per_rank))]
+            yield [
+                self._micro_batch(mine[i] if i < len(mine) else None) for i in range(lo, min(lo + per_call, per_rank))
+            ]
 
     def _micro_batch(self, pack: np.ndarray | None) -> PackedMicroBatch:
-        docs = [TokenizedDoc([self.pad_token_id], [0.0])] if pack is None else \
-            [self.store.doc(int(f), int(d)) for f, d in pack]
-        return build_micro_batch(docs, pad_to=self.pad_to, pad_token_id=self.pad_token_id,
-                                 doc_multiple=self.doc_multiple)
+        docs = (
+            [TokenizedDoc([self.pad_token_id], [0.0])]
+            if pack is None
+            else [self.store.doc(int(f), int(d)) for f, d in pack]
+        )
+        return build_micro_batch(
+            docs, pad_to=self.pad_to, pad_token_id=self.pad_token_id, doc_multiple=self.doc_multiple
+        )

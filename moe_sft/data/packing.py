@@ -140,8 +140,9 @@ def doc_weights(doc) -> np.ndarray:
     return np.asarray(doc.assistant_mask if weights is None else weights, dtype=np.float32)
 
 
-def build_micro_batch(docs: Sequence[Doc], pad_to: int = 1, pad_token_id: int = 0,
-                      doc_multiple: int = 1) -> PackedMicroBatch:
+def build_micro_batch(
+    docs: Sequence[Doc], pad_to: int = 1, pad_token_id: int = 0, doc_multiple: int = 1
+) -> PackedMicroBatch:
     """Concatenate `docs` into one packed micro-batch with shifted labels and shifted loss weights.
 
     The label of token i is token i+1 of the same document: the model learns to produce token i+1

@@ -68,7 +68,9 @@ class Mixture:
         if len(sizes) != len(weights):
             raise ValueError(f"{len(sizes)} sources but {len(weights)} weights")
         if any(w < 0 for w in weights) or not any(w > 0 and n > 0 for w, n in zip(weights, sizes)):
-            raise ValueError(f"mixture weights {list(weights)} must be >= 0 with at least one > 0 on a non-empty source")
+            raise ValueError(
+                f"mixture weights {list(weights)} must be >= 0 with at least one > 0 on a non-empty source"
+            )
         self.sizes = [int(n) for n in sizes]
         self.weights = [float(w) for w in weights]
         self.seed = seed

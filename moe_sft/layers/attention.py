@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +27,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from moe_sft.layers.context_parallel import (
-    context_parallel_attention, plan_cp_attention, sdpa_bottom_right)
+from moe_sft.layers.context_parallel import context_parallel_attention, plan_cp_attention, sdpa_bottom_right
 
 try:  # flash-attn is optional: the field's standard kernel when installed.
     from flash_attn import flash_attn_varlen_func
@@ -38,6 +36,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 try:
     from torch.nn.attention.varlen import varlen_attn
+
     _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters)
 except ImportError:  # pragma: no cover - torch < 2.10
     varlen_attn, _VARLEN_PARAMS = None, set()
@@ -55,7 +54,8 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
         out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False, scale=scale)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False, scale=scale
+        )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset)
         ctx.sizes = (max_seqlen_q, max_seqlen_k, scale)
         return out
@@ -65,8 +65,22 @@ class _FlashVarlen(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset = ctx.saved_tensors
         max_seqlen_q, max_seqlen_k, scale = ctx.sizes
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            0.0, True, seed, offset, scale=scale)
+            grad_out.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            True,
+            seed,
+            offset,
+            scale=scale,
+        )
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -103,19 +117,20 @@ def _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         # MLA: v head dim (128) < q/k head dim (192), which the flash kernels refuse. Zero-padding
         # v gives softmax(qkᵀ)·[v, 0] = [out, 0]; the slice keeps exact values and gradients.
         v = F.pad(v, (0, q.shape[-1] - v_dim))
-        return _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            scale)[..., :v_dim]
+        return _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)[..., :v_dim]
     if flash_attn_varlen_func is not None:
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      softmax_scale=scale, causal=True)
+        return flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, causal=True
+        )
     return _FlashVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
 def torch_varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
     """torch's public varlen_attn with the causal window: what `_FlashVarlen` is tested against."""
     extra = {"enable_gqa": True} if ("enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]) else {}
-    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                       window_size=(-1, 0), **extra)
+    return varlen_attn(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, window_size=(-1, 0), **extra
+    )
 
 
 def _has_cuda_kernel(q) -> bool:
@@ -126,19 +141,28 @@ def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     """The context-parallel kernel: varlen (separate q/k cu_seqlens) on CUDA, else SDPA with a
     bottom-right causal mask."""
     if _has_cuda_kernel(q):
-        return _varlen_cuda(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
-                            max_seqlen_q, max_seqlen_k, scale)
+        return _varlen_cuda(
+            q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k, scale
+        )
     return sdpa_bottom_right(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
 class VarlenCoreAttention(MegatronModule):
     """Drop-in for megatron's core attention (same constructor) that supports THD packing."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, k_channels: Optional[int] = None,
-                 v_channels: Optional[int] = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+    ):
         # MLA passes k_channels/v_channels (q/k head dim ≠ v head dim); the kernels read the
         # head dims from the tensors, so only the default softmax scale needs k_channels.
         super().__init__(config=config)
@@ -146,18 +170,29 @@ class VarlenCoreAttention(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None)
         if self.cp_size > 1 and self.cp_group is None:
             from megatron.core import parallel_state
+
             self.cp_group = parallel_state.get_context_parallel_group()
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"VarlenCoreAttention supports causal masks only, got {attn_mask_type}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
-            raise ValueError("attention_dropout > 0 is not supported by the torch-native "
-                             "attention; set model.attention_dropout=0.0 (SFT default).")
+            raise ValueError(
+                "attention_dropout > 0 is not supported by the torch-native "
+                "attention; set model.attention_dropout=0.0 (SFT default)."
+            )
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params: Optional[PackedSeqParams] = None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by VarlenCoreAttention")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -165,16 +200,18 @@ class VarlenCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             if self.cp_size > 1:  # cu_seqlens are global (padded for CP); q/k/v are this rank's rows
                 plan = getattr(packed_seq_params, "cp_plan", None) or plan_cp_attention(
-                    cu.tolist(), self.cp_size, dist.get_rank(self.cp_group)).to(query.device)
-                out = context_parallel_attention(query, key, value, plan, self.softmax_scale,
-                                                 self.cp_group, cp_kernel)
+                    cu.tolist(), self.cp_size, dist.get_rank(self.cp_group)
+                ).to(query.device)
+                out = context_parallel_attention(query, key, value, plan, self.softmax_scale, self.cp_group, cp_kernel)
                 return out.reshape(out.shape[0], -1)
             max_len = int(packed_seq_params.max_seqlen_q)
             out = self._thd(query, key, value, cu, max_len)
             return out.reshape(out.shape[0], -1)
         if self.cp_size > 1:
-            raise ValueError("context parallel needs packed THD batches (packed_seq_params with "
-                             "qkv_format='thd'); the trainer always packs")
+            raise ValueError(
+                "context parallel needs packed THD batches (packed_seq_params with "
+                "qkv_format='thd'); the trainer always packs"
+            )
         # [s, b, h, d]: each batch row is one document.
         s, b = query.shape[:2]
         to_thd = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])

@@ -8,22 +8,21 @@ reference, tests/cpu/test_config_space.py checks it over each family's legal con
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 @dataclass
 class SFTTransformerConfig(TransformerConfig):
-    moe_router_group_score_topk: Optional[int] = None
+    moe_router_group_score_topk: int | None = None
     """Group-limited routing ranks each group by the sum of its best this-many expert scores
     (transformers' DeepSeek-V3: 2). None: megatron's topk // group_topk."""
 
-    moe_router_normalize_topk: Optional[bool] = None
+    moe_router_normalize_topk: bool | None = None
     """Renormalise the chosen experts' weights to sum 1 (HF `norm_topk_prob`). None: megatron's
     rule (sigmoid: when topk > 1; softmax: unless pre_softmax)."""
 
-    mla_latent_layernorm_epsilon: Optional[float] = None
+    mla_latent_layernorm_epsilon: float | None = None
     """Epsilon of MLA's q/kv latent norms (transformers' DeepSeek-V3 builds them with 1e-6
     whatever rms_norm_eps says). None: layernorm_epsilon."""
 

@@ -1,6 +1,6 @@
 """Context-parallel (CP) core attention on packed THD documents: all-gather K/V, varlen kernels.
 
-Layout (megatron / Transformer Engine's load-balanced split, made by moe_sft.trainer.context_parallel):
+Layout (megatron / Transformer Engine's load-balanced split, made by moe_sft.trainer.cp_sharding):
 every document (cu_seqlens segment, padded to a multiple of 2·cp) is cut into 2·cp equal chunks
 of c tokens; CP rank r holds chunks r and 2·cp-1-r, in that order, for each document in turn.
 Under a causal mask chunk i costs ~(i+1)·c² of attention, so every rank does (2·cp+1)·c²: the
@@ -33,8 +33,8 @@ With GQA, K/V are h_q/h_kv times smaller than Q, which keeps this cheap; megatro
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,15 +52,20 @@ Kernel = Callable[..., torch.Tensor]
 class CPAttentionPlan:
     """Index tensors for one micro-batch on one CP rank (shared by every layer)."""
 
-    kv_index: torch.Tensor      # [Tk] int64: rows of the all-gathered (rank-major) K/V, per key prefix
+    kv_index: torch.Tensor  # [Tk] int64: rows of the all-gathered (rank-major) K/V, per key prefix
     cu_seqlens_q: torch.Tensor  # [2n+1] int32: this rank's query chunks (its local token order)
     cu_seqlens_k: torch.Tensor  # [2n+1] int32: their causal key prefixes within kv_index
     max_seqlen_q: int
     max_seqlen_k: int
 
-    def to(self, device) -> "CPAttentionPlan":
-        return CPAttentionPlan(host_to_device(self.kv_index, device), host_to_device(self.cu_seqlens_q, device),
-                               host_to_device(self.cu_seqlens_k, device), self.max_seqlen_q, self.max_seqlen_k)
+    def to(self, device) -> CPAttentionPlan:
+        return CPAttentionPlan(
+            host_to_device(self.kv_index, device),
+            host_to_device(self.cu_seqlens_q, device),
+            host_to_device(self.cu_seqlens_k, device),
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+        )
 
 
 @dataclass
@@ -68,7 +73,7 @@ class CPPackedSeqParams(PackedSeqParams):
     """megatron's PackedSeqParams (global, padded cu_seqlens: what its THD rope expects with CP)
     plus the attention plan, built once per micro-batch on the host instead of once per layer."""
 
-    cp_plan: Optional[CPAttentionPlan] = None
+    cp_plan: CPAttentionPlan | None = None
 
 
 def chunk_owner(chunk: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +97,10 @@ def plan_cp_attention(cu_seqlens: Sequence[int], cp: int, rank: int) -> CPAttent
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start
         if length % (2 * cp):
-            raise ValueError(f"segment [{start}, {end}) of length {length} is not a multiple of "
-                             f"2*context_parallel_size={2 * cp}; pad documents for CP first")
+            raise ValueError(
+                f"segment [{start}, {end}) of length {length} is not a multiple of "
+                f"2*context_parallel_size={2 * cp}; pad documents for CP first"
+            )
         if length == 0:
             continue
         c = length // (2 * cp)
@@ -106,8 +113,13 @@ def plan_cp_attention(cu_seqlens: Sequence[int], cp: int, rank: int) -> CPAttent
             q_lens.append(c)
             k_lens.append(keys)
     cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return CPAttentionPlan(torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
-                           cu(q_lens), cu(k_lens), max(q_lens, default=0), max(k_lens, default=0))
+    return CPAttentionPlan(
+        torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+        cu(q_lens),
+        cu(k_lens),
+        max(q_lens, default=0),
+        max(k_lens, default=0),
+    )
 
 
 def local_token_index(cu_seqlens: Sequence[int], cp: int, rank: int) -> torch.Tensor:
@@ -171,20 +183,21 @@ def sdpa_bottom_right(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return out
 
 
-def attention_on_gathered_kv(q, k_all, v_all, plan: CPAttentionPlan, scale: float,
-                             kernel: Kernel = sdpa_bottom_right) -> torch.Tensor:
+def attention_on_gathered_kv(
+    q, k_all, v_all, plan: CPAttentionPlan, scale: float, kernel: Kernel = sdpa_bottom_right
+) -> torch.Tensor:
     """This rank's attention output [t_local, hq, dv] given every rank's K/V (rank-major rows).
 
     Pure (no communication): the unit tests feed it K/V gathered by hand to simulate cp ranks.
     """
     k = k_all.index_select(0, plan.kv_index)
     v = v_all.index_select(0, plan.kv_index)
-    return kernel(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
-                  plan.max_seqlen_k, scale)
+    return kernel(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, scale)
 
 
-def context_parallel_attention(q, k, v, plan: CPAttentionPlan, scale: float, group,
-                               kernel: Kernel = sdpa_bottom_right) -> torch.Tensor:
+def context_parallel_attention(
+    q, k, v, plan: CPAttentionPlan, scale: float, group, kernel: Kernel = sdpa_bottom_right
+) -> torch.Tensor:
     """CP attention of the local q/k/v rows ([t_local, heads, dim]) over the CP `group`."""
     k_all, v_all = all_gather_kv(k, v, group)
     return attention_on_gathered_kv(q, k_all, v_all, plan, scale, kernel)

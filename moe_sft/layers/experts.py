@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe import experts as mcore_experts
 
-from moe_sft.layers import wgrad
+from moe_sft.kernels import wgrad
 from moe_sft.runtime.device import host_to_device
 
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -37,12 +37,13 @@ def _aligned_for_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all((d * x.element_size()) % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
 
 
-def grouped_matmul(x: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert: torch.Tensor,
-                   weight: torch.nn.Parameter | None = None):
+def grouped_matmul(
+    x: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert: torch.Tensor, weight: torch.nn.Parameter | None = None
+):
     """Rows of `x` grouped by expert (counts in tokens_per_expert) times w_EKN[expert].
 
     `weight`: the parameter w_EKN views; under megatron's DDP on CUDA its gradient then goes
-    straight into its fp32 main grad (moe_sft/layers/wgrad.py)."""
+    straight into its fp32 main grad (moe_sft/kernels/wgrad.py)."""
     if _HAS_GROUPED_MM and _aligned_for_grouped_mm(x, w_EKN):
         # The synchronised dispatch (EP x TP > 1) hands the counts over on the host: a pageable
         # copy back would make the host wait for the GPU again (256 waits per step at EP2).

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 # (group_score_topk, normalize) of the FamilyRouter whose routing() is running; None elsewhere.
-_ACTIVE: ContextVar[Optional[tuple[Optional[int], Optional[bool]]]] = ContextVar("moe_sft_routing",
-                                                                                default=None)
+_ACTIVE: ContextVar[tuple[int | None, bool | None] | None] = ContextVar("moe_sft_routing", default=None)
 
 
 class FamilyRouter(TopKRouter):
-    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        choice = (getattr(self.config, "moe_router_group_score_topk", None),
-                  getattr(self.config, "moe_router_normalize_topk", None))
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        choice = (
+            getattr(self.config, "moe_router_group_score_topk", None),
+            getattr(self.config, "moe_router_normalize_topk", None),
+        )
         token = _ACTIVE.set(choice)
         try:
             return super().routing(logits, padding_mask)
@@ -41,9 +41,9 @@ class FamilyRouter(TopKRouter):
 
 @dataclass(frozen=True)
 class RoutingRule:
-    group_score_topk: Optional[int]   # None without group-limited routing
+    group_score_topk: int | None  # None without group-limited routing
     normalize: bool
-    is_megatrons: bool                # megatron's own function computes exactly this
+    is_megatrons: bool  # megatron's own function computes exactly this
 
 
 def routing_rule(topk: int, pre_softmax: bool, num_groups, group_topk, score_function: str) -> RoutingRule:
@@ -65,12 +65,21 @@ def _limit_to_groups(choice: torch.Tensor, num_groups: int, group_topk: int, per
     grouped = choice.view(tokens, num_groups, experts // num_groups)
     group_scores = grouped.topk(per_group, dim=-1)[0].sum(dim=-1)
     kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
-        1, torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1], True)
+        1, torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1], True
+    )
     return grouped.masked_fill(~kept[:, :, None], float("-inf")).view(tokens, experts)
 
 
-def torch_topk_routing(logits: torch.Tensor, topk: int, rule: RoutingRule, num_groups, group_topk,
-                       scaling_factor, score_function: str, expert_bias) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_topk_routing(
+    logits: torch.Tensor,
+    topk: int,
+    rule: RoutingRule,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    score_function: str,
+    expert_bias,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' routing (Qwen3-MoE, Mixtral, DeepSeek-V3 routers) with megatron's outputs:
     scores of every expert, the choice (expert bias and groups for the choice only), the chosen
     scores, renormalised when the rule says so, times the scaling factor; dense probs [T, E] and

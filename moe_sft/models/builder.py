@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moe_sft.config.schema import ModelConfig, ParallelConfig
 from moe_sft.layers.config import config_class
 from moe_sft.layers.spec import decoder_block_spec, mtp_block_spec
 from moe_sft.models.family import Family
@@ -19,43 +19,54 @@ from moe_sft.models.shape import VOCAB_DIVISOR, padded_vocab_size  # noqa: F401 
 
 @dataclass
 class ModelOptions:
-    """What the recipe (not the HF config) decides about the megatron model."""
+    """What the recipe (not the HF config) decides about the megatron model.
 
-    precision: str = "fp32"            # bf16 | fp32
-    backend: str = "torch"             # te | torch
+    `transformer` holds TransformerConfig fields by megatron's own names (the recipe schema uses
+    those names, so `from_recipe` forwards them without a relay); the rest are the runtime's.
+    """
+
+    precision: str = "fp32"  # bf16 | fp32
+    backend: str = "torch"  # te | torch
     device: str = "cpu"
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    moe_token_dispatcher_type: str = "auto"
-    moe_router_load_balancing_type: Optional[str] = None
-    moe_aux_loss_coeff: Optional[float] = None
-    moe_router_dtype: Optional[str] = "fp32"
-    moe_expert_capacity_factor: Optional[float] = None
-    recompute_granularity: Optional[str] = None
-    extra: dict = field(default_factory=dict)  # any further TransformerConfig field
+    transformer: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_recipe(
+        cls, model: ModelConfig, parallel: ParallelConfig, precision: str, backend: str, device: str
+    ) -> ModelOptions:
+        """Every recipe field that names a TransformerConfig field (null = the family's or megatron's
+        default), plus the values derived from other recipe fields."""
+        names = {f.name for f in fields(TransformerConfig)}
+        transformer = {
+            f.name: getattr(section, f.name)
+            for section in (model, parallel)
+            for f in fields(section)
+            if f.name in names and getattr(section, f.name) is not None
+        }
+        transformer["expert_tensor_parallel_size"] = parallel.expert_tp
+        transformer["moe_router_dtype"] = model.moe_router_dtype  # null is a value: the model's dtype
+        if model.freeze_expert_bias or model.freeze_router:  # the bias stays as loaded
+            transformer["moe_router_bias_update_rate"] = 0.0
+        if model.activation_offload_modules:
+            transformer.update(
+                fine_grained_activation_offloading=True, offload_modules=list(model.activation_offload_modules)
+            )
+        return cls(precision=precision, backend=backend, device=device, transformer=transformer)
 
 
 def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> TransformerConfig:
     kwargs = family.transformer_config_kwargs(hf_cfg)
-    dispatcher = opts.moe_token_dispatcher_type
+    recipe = dict(opts.transformer)
+    tp = recipe.get("tensor_model_parallel_size", 1)
+    dispatcher = recipe.pop("moe_token_dispatcher_type", "auto")
     if dispatcher == "auto":  # alltoall needs CUDA streams; allgather runs anywhere
         dispatcher = "alltoall" if opts.device == "cuda" else "allgather"
-    balancing = opts.moe_router_load_balancing_type or family.training_defaults.get(
-        "moe_router_load_balancing_type", "aux_loss")
+    balancing = recipe.pop("moe_router_load_balancing_type", None) or family.training_defaults.get(
+        "moe_router_load_balancing_type", "aux_loss"
+    )
     bf16 = opts.precision == "bf16"
     kwargs.update(
-        tensor_model_parallel_size=opts.tensor_model_parallel_size,
-        pipeline_model_parallel_size=opts.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=opts.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=opts.expert_model_parallel_size,
-        expert_tensor_parallel_size=opts.expert_tensor_parallel_size or opts.tensor_model_parallel_size,
-        context_parallel_size=opts.context_parallel_size,
-        sequence_parallel=opts.sequence_parallel,
+        expert_tensor_parallel_size=tp,  # "null = TP" for callers that build options by hand
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -63,11 +74,9 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
         attention_dropout=0.0,
         moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type=balancing,
-        moe_router_dtype=opts.moe_router_dtype,
-        moe_expert_capacity_factor=opts.moe_expert_capacity_factor,
+        moe_router_dtype="fp32",
         moe_grouped_gemm=True,
         moe_permute_fusion=False,
-        recompute_granularity=opts.recompute_granularity,
         # Fusions that need apex/TE kernels are off on the torch-native path.
         bias_dropout_fusion=opts.backend == "te",
         apply_rope_fusion=False,
@@ -83,11 +92,9 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
         # p2p orders sends/receives by rank parity and is correct on both.
         batch_p2p_comm=False,
     )
-    if opts.moe_aux_loss_coeff is not None:
-        kwargs["moe_aux_loss_coeff"] = opts.moe_aux_loss_coeff
-    if opts.recompute_granularity == "full":  # defaults; the recipe's recompute_* (extra) win
+    if recipe.get("recompute_granularity") == "full":  # defaults; the recipe's recompute_* win
         kwargs.update(recompute_method="uniform", recompute_num_layers=1)
-    kwargs.update(opts.extra)
+    kwargs.update(recipe)
     return config_class(bool(kwargs.get("multi_latent_attention")))(**kwargs)
 
 
@@ -103,16 +110,17 @@ def _reset_megatron_moe_globals() -> None:
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-def build_model_chunks(family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions,
-                       vocab_size: Optional[int] = None) -> list[SFTGPTModel]:
+def build_model_chunks(
+    family: Family, hf_cfg, config: TransformerConfig, opts: ModelOptions, vocab_size: int | None = None
+) -> list[SFTGPTModel]:
     """The GPTModel chunks this rank holds (one per virtual pipeline stage), on opts.device."""
     gpt_kwargs = family.gpt_model_kwargs(hf_cfg)  # rope, tied embeddings, max positions
     vocab = padded_vocab_size(vocab_size or hf_cfg.vocab_size)
-    vpp = opts.virtual_pipeline_model_parallel_size or 1
+    vpp = config.virtual_pipeline_model_parallel_size
     _reset_megatron_moe_globals()
     chunks = []
-    for vp_stage in range(vpp):
-        vp = vp_stage if opts.virtual_pipeline_model_parallel_size else None
+    for vp_stage in range(vpp or 1):
+        vp = vp_stage if vpp else None
         model = SFTGPTModel(
             config=config,
             transformer_layer_spec=decoder_block_spec(config, opts.backend, vp_stage=vp),

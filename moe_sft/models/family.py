@@ -9,21 +9,21 @@ in moe_sft/conversion/mapping.py expands and applies it in both directions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
-from moe_sft.conversion.transforms import IDENTITY, Transform
 from moe_sft.models.shape import ModelShape
+from moe_sft.models.transforms import IDENTITY, Transform
 
 
 @dataclass(frozen=True)
 class Rule:
     """One megatron tensor ↔ the HF tensor(s) it is made of."""
 
-    mcore: str                     # megatron state_dict name (TP=PP=EP=1 module layout)
-    hf: tuple[str, ...]            # HF names; with "{expert}", repeated for every expert in order
+    mcore: str  # megatron state_dict name (TP=PP=EP=1 module layout)
+    hf: tuple[str, ...]  # HF names; with "{expert}", repeated for every expert in order
     transform: Transform = IDENTITY
-    layers: str = "none"           # none (global tensor) | all | dense | moe | mtp
+    layers: str = "none"  # none (global tensor) | all | dense | moe | mtp
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Family:
     model_types: tuple[str, ...]
     hf_config_class: type
     hf_model_class: type
-    check_supported: Callable[[object], None]     # raises UnsupportedConfigError naming the field
+    check_supported: Callable[[object], None]  # raises UnsupportedConfigError naming the field
     # HF config -> megatron TransformerConfig fields (MLA: its rope too, MLATransformerConfig's).
     transformer_config_kwargs: Callable[[object], dict]
     # HF config -> GPTModel's own arguments (position embedding, rotary base and percent, tied
@@ -42,20 +42,20 @@ class Family:
     # the planner reads shapes with it (models/shape.py).
     shape: Callable[..., ModelShape]
     rules: Callable[[object], list[Rule]]
-    is_moe_layer: Callable[[object, int], bool]   # the one rule; shape() and the config use it
+    is_moe_layer: Callable[[object, int], bool]  # the one rule; shape() and the config use it
     tiny_hf_config: Callable[..., object]
     # A random legal HF config of the family's whole space (rng: random.Random), small enough to
     # run on a CPU: the parity sweep (moe_sft/conversion/parity.py) draws from it.
-    sample_hf_config: Optional[Callable[..., object]] = None
-    dropped: tuple[str, ...] = ()                  # regexes of HF tensors deliberately not loaded
+    sample_hf_config: Callable[..., object] | None = None
+    dropped: tuple[str, ...] = ()  # regexes of HF tensors deliberately not loaded
     training_defaults: dict = field(default_factory=dict)
-    transform_context: Optional[Callable[[object], dict]] = None
+    transform_context: Callable[[object], dict] | None = None
     # Multi-token-prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers).
     # Each one holds a full decoder layer: the family's per-layer rules are reused for it.
     num_mtp_layers: Callable[[object], int] = lambda cfg: 0
     # The HF config field holding that count: a checkpoint saved by transformers declares MTP
     # layers it does not hold (transformers' model has none), and conversion sets it to 0.
-    mtp_config_field: Optional[str] = None
+    mtp_config_field: str | None = None
 
 
 class UnsupportedConfigError(ValueError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -10,11 +10,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
     cu = cu_seqlens.to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen))
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen)
+    )
 
 
-def pack_documents(docs: Sequence[Sequence[int]], device="cpu"):
+def packed_batch(docs: Sequence[Sequence[int]], device="cpu"):
     """tokens [1, T], position_ids [1, T], PackedSeqParams for documents laid end to end."""
     lengths = [len(d) for d in docs]
     tokens = torch.tensor([t for d in docs for t in d], dtype=torch.long, device=device)
@@ -26,8 +27,7 @@ def pack_documents(docs: Sequence[Sequence[int]], device="cpu"):
 @torch.no_grad()
 def packed_logits(model, docs: Sequence[Sequence[int]], vocab_size: int, device="cpu") -> list[torch.Tensor]:
     """Logits [len(doc), vocab_size] per document from one packed forward (PP=1 model)."""
-    tokens, positions, params = pack_documents(docs, device)
-    logits = model(input_ids=tokens, position_ids=positions, attention_mask=None,
-                   packed_seq_params=params)
+    tokens, positions, params = packed_batch(docs, device)
+    logits = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
     logits = logits.reshape(-1, logits.shape[-1])[:, :vocab_size].float()
     return list(torch.split(logits, [len(d) for d in docs]))

@@ -32,7 +32,8 @@ def check_rope_default(cfg) -> None:
     if rope_type not in ("default", None):
         raise UnsupportedConfigError(
             f"config.json: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported "
-            "for this family; remove the rope scaling entry or use a model with default RoPE.")
+            "for this family; remove the rope scaling entry or use a model with default RoPE."
+        )
 
 
 def check_no_attention_bias(cfg, where: str) -> None:
@@ -42,4 +43,5 @@ def check_no_attention_bias(cfg, where: str) -> None:
     if getattr(cfg, "attention_bias", False):
         raise UnsupportedConfigError(
             f"config.json: attention_bias=true is not supported for {where} (megatron has no bias on "
-            "exactly those projections; the released checkpoints use attention_bias=false)")
+            "exactly those projections; the released checkpoints use attention_bias=false)"
+        )

@@ -24,13 +24,16 @@ def check_supported(cfg) -> None:
     if getattr(cfg, "sliding_window", None):
         raise UnsupportedConfigError(
             f"config.json: sliding_window={cfg.sliding_window} is not supported (Mixtral 8x7B/8x22B "
-            "use full attention); set sliding_window to null.")
+            "use full attention); set sliding_window to null."
+        )
     if getattr(cfg, "router_jitter_noise", 0.0):
         raise UnsupportedConfigError(
-            f"config.json: router_jitter_noise={cfg.router_jitter_noise} is not supported; set it to 0.")
+            f"config.json: router_jitter_noise={cfg.router_jitter_noise} is not supported; set it to 0."
+        )
     if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise UnsupportedConfigError(f"config.json: hidden_act={cfg.hidden_act!r} is not "
-                                     "supported; Mixtral uses 'silu'.")
+        raise UnsupportedConfigError(
+            f"config.json: hidden_act={cfg.hidden_act!r} is not supported; Mixtral uses 'silu'."
+        )
     check_rope_default(cfg)
 
 
@@ -52,18 +55,35 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
 
 def rules(cfg) -> list[Rule]:
     moe = "block_sparse_moe."
-    return (common.embedding_and_head_rules(cfg) + common.gqa_attention_rules(cfg, qk_norm=False)
-            + common.routed_expert_rules(moe + "gate.weight", moe + "experts.{expert}.w1.weight",
-                                         moe + "experts.{expert}.w3.weight",
-                                         moe + "experts.{expert}.w2.weight"))
+    return (
+        common.embedding_and_head_rules(cfg)
+        + common.gqa_attention_rules(cfg, qk_norm=False)
+        + common.routed_expert_rules(
+            moe + "gate.weight",
+            moe + "experts.{expert}.w1.weight",
+            moe + "experts.{expert}.w3.weight",
+            moe + "experts.{expert}.w2.weight",
+        )
+    )
 
 
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> MixtralConfig:
-    kwargs = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
-                  tie_word_embeddings=False, router_aux_loss_coef=0.02, rms_norm_eps=1e-5,
-                  sliding_window=None)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.02,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+    )
     kwargs.update(overrides)
     return MixtralConfig(**kwargs)
 
@@ -71,10 +91,16 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> MixtralConfig:
 def sample_hf_config(rng, vocab_size: int) -> MixtralConfig:
     experts = rng.randint(2, 10)
     return MixtralConfig(
-        vocab_size=vocab_size, num_hidden_layers=rng.randint(1, 3), **common.sample_attention_shape(rng),
-        intermediate_size=16 * rng.randint(1, 6), num_local_experts=experts,
-        num_experts_per_tok=rng.randint(1, experts), router_aux_loss_coef=0.02, sliding_window=None,
-        **common.sample_rope_and_norm(rng))
+        vocab_size=vocab_size,
+        num_hidden_layers=rng.randint(1, 3),
+        **common.sample_attention_shape(rng),
+        intermediate_size=16 * rng.randint(1, 6),
+        num_local_experts=experts,
+        num_experts_per_tok=rng.randint(1, experts),
+        router_aux_loss_coef=0.02,
+        sliding_window=None,
+        **common.sample_rope_and_norm(rng),
+    )
 
 
 FAMILY = Family(

@@ -13,10 +13,7 @@ from contextlib import contextmanager
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.multi_token_prediction import roll_tensor
-
-_megatron_roll_packed = multi_token_prediction._roll_tensor_packed_seq
 
 
 class SFTGPTModel(GPTModel):
@@ -28,46 +25,92 @@ class SFTGPTModel(GPTModel):
     """
 
     run_mtp: bool = False
-    # set by the forward step around one call: the head then runs over these rows alone
-    # (moe_sft/trainer/loss_rows.py); its output is [1, rows, V/tp]
-    loss_rows = None
+    _loss_rows = None  # the current forward's `loss_rows` argument, read by _postprocess
+
+    def forward(self, *args, loss_rows=None, **kwargs):
+        """GPTModel's forward; `loss_rows` (moe_sft/trainer/loss_rows.py): the output head runs over
+        these rows alone and the output is [1, rows, V/tp]."""
+        self._loss_rows = loss_rows
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._loss_rows = None
 
     def mtp_depths(self) -> int:
         return self.config.mtp_num_layers if self.config.mtp_num_layers and self.run_mtp else 0
 
-    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
-                     rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
-                     decoder_input=None, attention_mask=None, inference_params=None,
-                     packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None,
-                     extra_block_kwargs=None, inference_context=None):
-        if (labels is not None or inference_context is not None
-                or (not self.config.mtp_num_layers and self.loss_rows is None)):
+    def _postprocess(
+        self,
+        hidden_states,
+        input_ids,
+        position_ids,
+        labels,
+        rotary_pos_emb,
+        rotary_pos_cos,
+        rotary_pos_sin,
+        mtp_in_postprocess=None,
+        loss_mask=None,
+        decoder_input=None,
+        attention_mask=None,
+        inference_params=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        runtime_gather_output=None,
+        extra_block_kwargs=None,
+        inference_context=None,
+    ):
+        if (
+            labels is not None
+            or inference_context is not None
+            or (not self.config.mtp_num_layers and self._loss_rows is None)
+        ):
             return super()._postprocess(
-                hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
-                rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask,
-                decoder_input=decoder_input, attention_mask=attention_mask,
-                inference_params=inference_params, packed_seq_params=packed_seq_params,
-                sequence_len_offset=sequence_len_offset, runtime_gather_output=runtime_gather_output,
-                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
+                hidden_states,
+                input_ids,
+                position_ids,
+                labels,
+                rotary_pos_emb,
+                rotary_pos_cos,
+                rotary_pos_sin,
+                mtp_in_postprocess=mtp_in_postprocess,
+                loss_mask=loss_mask,
+                decoder_input=decoder_input,
+                attention_mask=attention_mask,
+                inference_params=inference_params,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                runtime_gather_output=runtime_gather_output,
+                extra_block_kwargs=extra_block_kwargs,
+                inference_context=inference_context,
+            )
         depths = self.mtp_depths()
         if mtp_in_postprocess and depths:
             hidden_states = self.mtp(
-                input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
-                attention_mask=attention_mask, inference_params=inference_params,
-                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                sequence_len_offset=sequence_len_offset, embedding=self.embedding,
-                **(extra_block_kwargs or {}))
+                input_ids=input_ids,
+                position_ids=position_ids,
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                inference_params=inference_params,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                embedding=self.embedding,
+                **(extra_block_kwargs or {}),
+            )
         if not self.post_process:
             return hidden_states
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if self.loss_rows is not None:  # one GEMM over the picked rows of [(1 + depths) s, 1, h]
-            picked = _whole_sequences(hidden_states, depths, self.output_layer).index_select(0, self.loss_rows.rows)
+        if self._loss_rows is not None:  # one GEMM over the picked rows of [(1 + depths) s, 1, h]
+            picked = _whole_sequences(hidden_states, depths, self.output_layer).index_select(0, self._loss_rows.rows)
             with _replicated_input(self.output_layer):
                 logits = self.output_layer(picked, weight=weight, runtime_gather_output=runtime_gather_output)[0]
             return logits.transpose(0, 1)
-        logits = [self.output_layer(h, weight=weight, runtime_gather_output=runtime_gather_output)[0]
-                  for h in torch.chunk(hidden_states, 1 + depths, dim=0)]
+        logits = [
+            self.output_layer(h, weight=weight, runtime_gather_output=runtime_gather_output)[0]
+            for h in torch.chunk(hidden_states, 1 + depths, dim=0)
+        ]
         return torch.cat(logits, dim=0).transpose(0, 1).contiguous()
 
 
@@ -78,8 +121,12 @@ def _whole_sequences(hidden_states, depths: int, output_layer):
     ranks' vocabulary shards, as the output layer's own would."""
     if not output_layer.sequence_parallel:
         return hidden_states
-    return torch.cat([gather_from_sequence_parallel_region(h, True, group=output_layer.tp_group)
-                      for h in torch.chunk(hidden_states, 1 + depths, dim=0)])
+    return torch.cat(
+        [
+            gather_from_sequence_parallel_region(h, True, group=output_layer.tp_group)
+            for h in torch.chunk(hidden_states, 1 + depths, dim=0)
+        ]
+    )
 
 
 @contextmanager
@@ -102,32 +149,5 @@ def shift_targets(labels: torch.Tensor, loss_mask: torch.Tensor, packed_seq_para
     With context parallel (`cp_group`), megatron's roll exchanges chunk boundaries between ranks.
     """
     labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
-    loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
-                               packed_seq_params=packed_seq_params)
+    loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
     return labels, loss_mask
-
-
-def roll_packed_left(tensor, shifts, dims, packed_seq_params, cp_group=None):
-    """megatron's `_roll_tensor_packed_seq` (same arguments and result: every document's values one
-    place to the left, 0 at its last position) for context parallel size 1, by one gather.
-
-    megatron's version loops over the documents with device indices in Python slices: two host
-    syncs per document, ~800 per step of the DeepSeek-V3 reduced benchmark (its host-sync census).
-    """
-    if (cp_group is not None and cp_group.size() > 1) or shifts != -1 or dims not in (-1, tensor.dim() - 1):
-        return _megatron_roll_packed(tensor, shifts, dims, packed_seq_params, cp_group)
-    cu_seqlens = packed_seq_params.cu_seqlens_q.long()
-    length = tensor.shape[-1]
-    index = torch.arange(length, device=tensor.device)
-    ends = torch.zeros(length + 1, dtype=torch.bool, device=tensor.device).index_fill_(0, cu_seqlens[1:], True)
-    last_of_document = ends[1:]          # position j ends a document when j + 1 is a boundary
-    rolled = tensor.index_select(-1, (index + 1).clamp_(max=length - 1))
-    rolled = rolled.masked_fill(last_of_document, 0)
-    # positions past the last document are left as they are, as megatron does
-    rolled = torch.where(index >= cu_seqlens[-1], tensor, rolled)
-    return rolled, rolled.sum()
-
-
-def use_sync_free_roll() -> None:
-    """megatron's `roll_tensor` looks the packed-sequence function up in its module at each call."""
-    multi_token_prediction._roll_tensor_packed_seq = roll_packed_left

@@ -26,10 +26,12 @@ def check_supported(cfg) -> None:
     if getattr(cfg, "use_sliding_window", False):
         raise UnsupportedConfigError(
             "config.json: use_sliding_window=true is not supported (Qwen3-MoE trains with full "
-            "attention); set use_sliding_window=false.")
+            "attention); set use_sliding_window=false."
+        )
     if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise UnsupportedConfigError(f"config.json: hidden_act={cfg.hidden_act!r} is not "
-                                     "supported; Qwen3-MoE uses 'silu'.")
+        raise UnsupportedConfigError(
+            f"config.json: hidden_act={cfg.hidden_act!r} is not supported; Qwen3-MoE uses 'silu'."
+        )
     check_rope_default(cfg)
     check_no_attention_bias(cfg, "Qwen3-MoE (it biases q, k, v and o_proj)")
 
@@ -52,21 +54,38 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
 
 
 def rules(cfg) -> list[Rule]:
-    return (common.embedding_and_head_rules(cfg) + common.gqa_attention_rules(cfg, qk_norm=True)
-            + common.routed_expert_rules("mlp.gate.weight",
-                                         "mlp.experts.{expert}.gate_proj.weight",
-                                         "mlp.experts.{expert}.up_proj.weight",
-                                         "mlp.experts.{expert}.down_proj.weight")
-            + common.dense_mlp_rules())
+    return (
+        common.embedding_and_head_rules(cfg)
+        + common.gqa_attention_rules(cfg, qk_norm=True)
+        + common.routed_expert_rules(
+            "mlp.gate.weight",
+            "mlp.experts.{expert}.gate_proj.weight",
+            "mlp.experts.{expert}.up_proj.weight",
+            "mlp.experts.{expert}.down_proj.weight",
+        )
+        + common.dense_mlp_rules()
+    )
 
 
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3MoeConfig:
     """A few-MB Qwen3-MoE for tests and the quickstart (dims multiple of 16 for grouped_mm)."""
-    kwargs = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-                  moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                  max_position_embeddings=2048, tie_word_embeddings=False, norm_topk_prob=True,
-                  router_aux_loss_coef=0.01, rms_norm_eps=1e-6)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        rms_norm_eps=1e-6,
+    )
     kwargs.update(overrides)
     return Qwen3MoeConfig(**kwargs)
 
@@ -75,13 +94,20 @@ def sample_hf_config(rng, vocab_size: int) -> Qwen3MoeConfig:
     layers = rng.randint(1, 3)
     experts = rng.randint(2, 12)
     return Qwen3MoeConfig(
-        vocab_size=vocab_size, num_hidden_layers=layers, **common.sample_attention_shape(rng),
-        intermediate_size=16 * rng.randint(1, 8), moe_intermediate_size=16 * rng.randint(1, 6),
-        num_experts=experts, num_experts_per_tok=rng.randint(1, experts),
-        norm_topk_prob=rng.random() < 0.5, decoder_sparse_step=rng.choice([1, 1, 2]),
+        vocab_size=vocab_size,
+        num_hidden_layers=layers,
+        **common.sample_attention_shape(rng),
+        intermediate_size=16 * rng.randint(1, 8),
+        moe_intermediate_size=16 * rng.randint(1, 6),
+        num_experts=experts,
+        num_experts_per_tok=rng.randint(1, experts),
+        norm_topk_prob=rng.random() < 0.5,
+        decoder_sparse_step=rng.choice([1, 1, 2]),
         mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))),
-        router_aux_loss_coef=0.01, use_sliding_window=False,
-        **common.sample_rope_and_norm(rng))
+        router_aux_loss_coef=0.01,
+        use_sliding_window=False,
+        **common.sample_rope_and_norm(rng),
+    )
 
 
 FAMILY = Family(

@@ -16,8 +16,10 @@ def family_for_model_type(model_type: str, source: str = "config.json") -> Famil
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    raise UnsupportedConfigError(f"{source}: model_type={model_type!r} is not supported by moe-sft; supported: "
-                     f"{', '.join(supported_model_types())}.")
+    raise UnsupportedConfigError(
+        f"{source}: model_type={model_type!r} is not supported by moe-sft; supported: "
+        f"{', '.join(supported_model_types())}."
+    )
 
 
 def family_by_name(name: str) -> Family:

@@ -31,22 +31,31 @@ Embedding lookups, norms, rotary, softmax and activations are not matmuls and ar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 VOCAB_DIVISOR = 128  # Megatron convention: the padded vocab splits evenly for TP in {1,2,4,8,...}
 
 # Peak dense bf16 tensor-core TFLOP/s per GPU (no sparsity), from the vendors' data sheets.
 # Matched in order against the device name (torch.cuda.get_device_name()); the first match wins.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2500.0), ("B200", 2250.0),
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-    ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
-    ("MI300X", 1307.0), ("MI325X", 1307.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("MI300X", 1307.0),
+    ("MI325X", 1307.0),
 )
 
 
-def default_peak_tflops(device_name: str) -> Optional[float]:
+def default_peak_tflops(device_name: str) -> float | None:
     """Peak bf16 dense TFLOP/s for a GPU name (e.g. 'NVIDIA H100 80GB HBM3' -> 989), else None."""
     for key, peak in PEAK_BF16_TFLOPS:
         if key.lower() in device_name.lower():
@@ -91,17 +100,24 @@ def num_experts_field(cfg) -> int:
 
 def common_shape_fields(c, name: str) -> dict:
     """ModelShape fields every family reads the same way (c: a transformers config or a ConfigView)."""
-    return dict(name=name, model_type=c.model_type, num_layers=int(c.num_hidden_layers),
-                hidden=int(c.hidden_size), vocab=int(c.vocab_size), num_heads=int(c.num_attention_heads),
-                num_experts=num_experts_field(c), topk=int(c.num_experts_per_tok or 0),
-                tie_embeddings=bool(c.tie_word_embeddings or False))
+    return dict(
+        name=name,
+        model_type=c.model_type,
+        num_layers=int(c.num_hidden_layers),
+        hidden=int(c.hidden_size),
+        vocab=int(c.vocab_size),
+        num_heads=int(c.num_attention_heads),
+        num_experts=num_experts_field(c),
+        topk=int(c.num_experts_per_tok or 0),
+        tie_embeddings=bool(c.tie_word_embeddings or False),
+    )
 
 
 @dataclass(frozen=True)
 class MLA:
     """DeepSeek multi-latent attention sizes (q_lora None: plain q projection)."""
 
-    q_lora: Optional[int]
+    q_lora: int | None
     kv_lora: int
     qk_nope: int
     qk_rope: int
@@ -117,18 +133,18 @@ class ModelShape:
     vocab: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int                  # GQA head dim (kv_channels)
+    head_dim: int  # GQA head dim (kv_channels)
     qk_norm: bool
-    ffn: int                       # dense MLP intermediate size (dense layers only)
+    ffn: int  # dense MLP intermediate size (dense layers only)
     num_experts: int
     topk: int
     moe_ffn: int
-    shared_ffn: int                # summed width of the shared experts (0: none)
-    moe_layers: tuple[bool, ...]   # per decoder layer: MoE (True) or dense MLP
-    mtp_layers: int                # MTP depths (from_config: those that run in the forward)
+    shared_ffn: int  # summed width of the shared experts (0: none)
+    moe_layers: tuple[bool, ...]  # per decoder layer: MoE (True) or dense MLP
+    mtp_layers: int  # MTP depths (from_config: those that run in the forward)
     tie_embeddings: bool
-    mla: Optional[MLA] = None
-    glu: bool = True               # SwiGLU: 3 matmuls per MLP, else 2
+    mla: MLA | None = None
+    glu: bool = True  # SwiGLU: 3 matmuls per MLP, else 2
 
     @property
     def padded_vocab(self) -> int:
@@ -139,35 +155,55 @@ class ModelShape:
         return self.model_type
 
     def describe(self) -> str:
-        attn = (f"MLA q_lora={self.mla.q_lora} kv_lora={self.mla.kv_lora} heads={self.num_heads}"
-                if self.mla else f"GQA {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}")
+        attn = (
+            f"MLA q_lora={self.mla.q_lora} kv_lora={self.mla.kv_lora} heads={self.num_heads}"
+            if self.mla
+            else f"GQA {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}"
+        )
         dense = self.num_layers - sum(self.moe_layers)
         shared = f" + shared {self.shared_ffn}" if self.shared_ffn else ""
-        return (f"{self.name} ({self.model_type}): {self.num_layers} layers ({dense} dense), hidden "
-                f"{self.hidden}, {attn}, {self.num_experts} experts top-{self.topk} x {self.moe_ffn}"
-                f"{shared}, vocab {self.vocab}" + (f", {self.mtp_layers} MTP" if self.mtp_layers else ""))
+        return (
+            f"{self.name} ({self.model_type}): {self.num_layers} layers ({dense} dense), hidden "
+            f"{self.hidden}, {attn}, {self.num_experts} experts top-{self.topk} x {self.moe_ffn}"
+            f"{shared}, vocab {self.vocab}" + (f", {self.mtp_layers} MTP" if self.mtp_layers else "")
+        )
 
     @classmethod
-    def from_config(cls, config, vocab_size: int, run_mtp: bool = False, name: str = "model",
-                    model_type: str = "") -> "ModelShape":
+    def from_config(
+        cls, config, vocab_size: int, run_mtp: bool = False, name: str = "model", model_type: str = ""
+    ) -> ModelShape:
         """The shape of the model built from a megatron TransformerConfig; MTP layers count only
         when they run in the forward (`run_mtp`)."""
         mla = None
         if getattr(config, "multi_latent_attention", False):
-            mla = MLA(q_lora=getattr(config, "q_lora_rank", None), kv_lora=getattr(config, "kv_lora_rank", 0),
-                      qk_nope=getattr(config, "qk_head_dim", 0), qk_rope=getattr(config, "qk_pos_emb_head_dim", 0),
-                      v_head=getattr(config, "v_head_dim", 0))
+            mla = MLA(
+                q_lora=getattr(config, "q_lora_rank", None),
+                kv_lora=getattr(config, "kv_lora_rank", 0),
+                qk_nope=getattr(config, "qk_head_dim", 0),
+                qk_rope=getattr(config, "qk_pos_emb_head_dim", 0),
+                v_head=getattr(config, "v_head_dim", 0),
+            )
         return cls(
-            name=name, model_type=model_type, num_layers=config.num_layers, hidden=config.hidden_size,
-            vocab=vocab_size, num_heads=config.num_attention_heads,
+            name=name,
+            model_type=model_type,
+            num_layers=config.num_layers,
+            hidden=config.hidden_size,
+            vocab=vocab_size,
+            num_heads=config.num_attention_heads,
             num_kv_heads=config.num_query_groups or config.num_attention_heads,
-            head_dim=config.kv_channels, qk_norm=bool(getattr(config, "qk_layernorm", False)),
-            ffn=config.ffn_hidden_size, num_experts=config.num_moe_experts or 0,
-            topk=config.moe_router_topk or 0, moe_ffn=config.moe_ffn_hidden_size or 0,
+            head_dim=config.kv_channels,
+            qk_norm=bool(getattr(config, "qk_layernorm", False)),
+            ffn=config.ffn_hidden_size,
+            num_experts=config.num_moe_experts or 0,
+            topk=config.moe_router_topk or 0,
+            moe_ffn=config.moe_ffn_hidden_size or 0,
             shared_ffn=config.moe_shared_expert_intermediate_size or 0,
             moe_layers=tuple(is_moe_layer_of_config(config, i) for i in range(config.num_layers)),
             mtp_layers=(config.mtp_num_layers or 0) if run_mtp else 0,
-            tie_embeddings=False, mla=mla, glu=bool(config.gated_linear_unit))
+            tie_embeddings=False,
+            mla=mla,
+            glu=bool(config.gated_linear_unit),
+        )
 
 
 def is_moe_layer_of_config(config, layer_index: int) -> bool:
@@ -207,21 +243,27 @@ def mlp_flops(s: ModelShape, moe: bool) -> int:
     mats = 3 if s.glu else 2
     if not moe:
         return mats * 2 * s.hidden * s.ffn
-    return (2 * s.hidden * s.num_experts + s.topk * mats * 2 * s.hidden * s.moe_ffn
-            + (3 if s.shared_ffn else 0) * 2 * s.hidden * s.shared_ffn)
+    return (
+        2 * s.hidden * s.num_experts
+        + s.topk * mats * 2 * s.hidden * s.moe_ffn
+        + (3 if s.shared_ffn else 0) * 2 * s.hidden * s.shared_ffn
+    )
 
 
 def forward_flops_per_token(s: ModelShape) -> dict[str, int]:
     """Forward FLOPs per token by part, excluding the attention scores (see attention_pairs)."""
     attn = attention_projection_flops(s)
-    parts = {"attention_projections": attn * len(s.moe_layers),
-             "dense_mlp": sum(mlp_flops(s, False) for moe in s.moe_layers if not moe),
-             "moe_mlp": sum(mlp_flops(s, True) for moe in s.moe_layers if moe),
-             "lm_head": 2 * s.hidden * s.vocab}
+    parts = {
+        "attention_projections": attn * len(s.moe_layers),
+        "dense_mlp": sum(mlp_flops(s, False) for moe in s.moe_layers if not moe),
+        "moe_mlp": sum(mlp_flops(s, True) for moe in s.moe_layers if moe),
+        "lm_head": 2 * s.hidden * s.vocab,
+    }
     if s.mtp_layers:
         last_moe = s.moe_layers[-1]  # megatron's MTP layer has the last decoder layer's spec
-        parts["mtp"] = s.mtp_layers * (2 * 2 * s.hidden * s.hidden + attn + mlp_flops(s, last_moe)
-                                       + 2 * s.hidden * s.vocab)
+        parts["mtp"] = s.mtp_layers * (
+            2 * 2 * s.hidden * s.hidden + attn + mlp_flops(s, last_moe) + 2 * s.hidden * s.vocab
+        )
     return parts
 
 
@@ -234,5 +276,6 @@ def forward_flops(s: ModelShape, seqlens: Sequence[int], causal: bool = True) ->
     """Forward model FLOPs of documents of these lengths (any packing of them gives the same)."""
     tokens = sum(seqlens)
     attn_layers = len(s.moe_layers) + s.mtp_layers
-    return (tokens * sum(forward_flops_per_token(s).values())
-            + attn_layers * attention_pair_flops(s) * attention_pairs(seqlens, causal))
+    return tokens * sum(forward_flops_per_token(s).values()) + attn_layers * attention_pair_flops(s) * attention_pairs(
+        seqlens, causal
+    )

@@ -9,8 +9,8 @@ lm_head; megatron holds it as `mtp.layers.{k}` and reuses the main embedding and
 
 from __future__ import annotations
 
-from moe_sft.conversion import transforms as T
 from moe_sft.models import common
+from moe_sft.models import transforms as T
 from moe_sft.models.family import Rule
 
 L = common.LAYER
@@ -23,14 +23,15 @@ def embedding_and_head_rules(cfg, num_mtp_layers: int) -> list[Rule]:
         return common.embedding_and_head_rules(cfg)
     embed = ("model.embed_tokens.weight",) + tuple(m + "embed_tokens.weight" for m in mtp)
     head = ("lm_head.weight",) + tuple(m + "shared_head.head.weight" for m in mtp)
-    return [Rule("embedding.word_embeddings.weight", embed, T.PAD_VOCAB_MTP_SHARED),
-            Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-            Rule("output_layer.weight", head, T.PAD_VOCAB_MTP_SHARED),
-            Rule("mtp.layers.{mtp}.enorm.weight", (L + "enorm.weight",), layers="mtp"),
-            Rule("mtp.layers.{mtp}.hnorm.weight", (L + "hnorm.weight",), layers="mtp"),
-            Rule("mtp.layers.{mtp}.eh_proj.weight", (L + "eh_proj.weight",), layers="mtp"),
-            Rule("mtp.layers.{mtp}.final_layernorm.weight", (L + "shared_head.norm.weight",),
-                 layers="mtp")]
+    return [
+        Rule("embedding.word_embeddings.weight", embed, T.PAD_VOCAB_MTP_SHARED),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        Rule("output_layer.weight", head, T.PAD_VOCAB_MTP_SHARED),
+        Rule("mtp.layers.{mtp}.enorm.weight", (L + "enorm.weight",), layers="mtp"),
+        Rule("mtp.layers.{mtp}.hnorm.weight", (L + "hnorm.weight",), layers="mtp"),
+        Rule("mtp.layers.{mtp}.eh_proj.weight", (L + "eh_proj.weight",), layers="mtp"),
+        Rule("mtp.layers.{mtp}.final_layernorm.weight", (L + "shared_head.norm.weight",), layers="mtp"),
+    ]
 
 
 def shared_expert_rules(num_shared_experts: int, prefix: str = "mlp.shared_experts.") -> list[Rule]:
@@ -39,11 +40,19 @@ def shared_expert_rules(num_shared_experts: int, prefix: str = "mlp.shared_exper
     with no elements and the exporter writes them back)."""
     if not num_shared_experts:
         return []
-    return [Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight",
-                 (L + prefix + "gate_proj.weight", L + prefix + "up_proj.weight"),
-                 T.GATE_UP_FUSE, layers="moe"),
-            Rule("decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight",
-                 (L + prefix + "down_proj.weight",), layers="moe")]
+    return [
+        Rule(
+            "decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight",
+            (L + prefix + "gate_proj.weight", L + prefix + "up_proj.weight"),
+            T.GATE_UP_FUSE,
+            layers="moe",
+        ),
+        Rule(
+            "decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight",
+            (L + prefix + "down_proj.weight",),
+            layers="moe",
+        ),
+    ]
 
 
 def expert_bias_rule(hf_name: str = "mlp.gate.e_score_correction_bias") -> Rule:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
+from moe_sft.models.shape import ModelShape
 from moe_sft.plan import hardware, memory, preflight
 from moe_sft.plan.layout import Layout, layout_from_config
-from moe_sft.models.shape import ModelShape
 from moe_sft.plan.shapes import resolve_model
+from moe_sft.runtime.logs import get_logger
 
 
 @dataclass
@@ -28,9 +28,9 @@ class Plan:
     layout: Layout
     gpu: hardware.GPU
     gpu_mem_gib: float
-    train: Optional[memory.Training] = None
+    train: memory.Training | None = None
     stages: list = field(default_factory=list)
-    by_recompute: dict = field(default_factory=dict)   # recompute choice -> largest stage activations
+    by_recompute: dict = field(default_factory=dict)  # recompute choice -> largest stage activations
     throughput: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
@@ -48,7 +48,7 @@ class Plan:
         return not self.errors and self.fits
 
 
-def world_size(cfg, gpus: Optional[int] = None) -> int:
+def world_size(cfg, gpus: int | None = None) -> int:
     """--gpus, else torchrun's WORLD_SIZE, else the recipe's hardware section."""
     if gpus:
         return gpus
@@ -61,16 +61,22 @@ def training_of(cfg, lay: Layout, backend: str) -> memory.Training:
     m, t = cfg.model, cfg.trainer
     precision = "bf16" if t.precision in ("auto", "bf16") else "fp32"
     return memory.Training(
-        tokens=cfg.data.pack_length, micro_batches=max(t.global_batch_size // max(lay.dp, 1), 1),
-        recompute=m.recompute_granularity, recompute_method=m.recompute_method or "uniform",
-        recompute_num_layers=m.recompute_num_layers or 1, precision=precision,
+        tokens=cfg.data.pack_length,
+        micro_batches=max(t.global_batch_size // max(lay.dp, 1), 1),
+        recompute=m.recompute_granularity,
+        recompute_method=m.recompute_method or "uniform",
+        recompute_num_layers=m.recompute_num_layers or 1,
+        precision=precision,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         offload_fraction=cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0,
-        mtp_trained=not m.freeze_mtp and m.mtp_loss_weight > 0, backend=backend)
+        mtp_trained=not m.freeze_mtp and m.mtp_loss_weight > 0,
+        backend=backend,
+    )
 
 
-def make_plan(cfg, gpus: Optional[int] = None, gpu_mem_gib: Optional[float] = None,
-              imbalance: float = 1.0, strict: bool = False) -> Plan:
+def make_plan(
+    cfg, gpus: int | None = None, gpu_mem_gib: float | None = None, imbalance: float = 1.0, strict: bool = False
+) -> Plan:
     """Validate `cfg` at the world size and compute memory per stage (no GPU, no process group).
     `strict`: data and checkpoint paths must exist here (the cluster's pre-flight)."""
     world = world_size(cfg, gpus)
@@ -78,13 +84,16 @@ def make_plan(cfg, gpus: Optional[int] = None, gpu_mem_gib: Optional[float] = No
     shape, source, problems = resolve_model(cfg)
     backend = "te" if cfg.model.backend == "te" else "torch"
     lay = layout_from_config(cfg, world)
-    plan = Plan(cfg=cfg, shape=shape, shape_source=source, layout=lay, gpu=gpu,
-                gpu_mem_gib=gpu_mem_gib or gpu.memory_gib)
+    plan = Plan(
+        cfg=cfg, shape=shape, shape_source=source, layout=lay, gpu=gpu, gpu_mem_gib=gpu_mem_gib or gpu.memory_gib
+    )
     plan.errors, plan.warnings = preflight.layout_problems(cfg, world, shape, backend, strict)
     plan.errors += [f"[checkpoint] {p}" for p in problems + preflight.checkpoint_problems(cfg)]
     if world != cfg.hardware.nodes * cfg.hardware.gpus_per_node:
-        plan.warnings.append(f"[hardware] planning for {world} GPUs; the recipe's hardware section says "
-                             f"{cfg.hardware.nodes} x {cfg.hardware.gpus_per_node}")
+        plan.warnings.append(
+            f"[hardware] planning for {world} GPUs; the recipe's hardware section says "
+            f"{cfg.hardware.nodes} x {cfg.hardware.gpus_per_node}"
+        )
     if plan.errors:  # sizes do not divide: a memory table would be meaningless
         return plan
     plan.warnings += preflight.schedule_warnings(cfg, lay)
@@ -95,23 +104,32 @@ def make_plan(cfg, gpus: Optional[int] = None, gpu_mem_gib: Optional[float] = No
         alt = memory.Training(**{**plan.train.__dict__, "recompute": choice})
         st = memory.stage_memory(shape, lay, worst, alt, imbalance)
         plan.by_recompute[choice or "none"] = (st.activations + st.working, st.total)
-    plan.throughput = hardware.estimate_tokens_per_s(shape, lay, gpu, cfg.data.max_seq_len,
-                                                     plan.train.micro_batches, plan.train.recompute)
+    plan.throughput = hardware.estimate_tokens_per_s(
+        shape, lay, gpu, cfg.data.max_seq_len, plan.train.micro_batches, plan.train.recompute
+    )
     if not plan.fits:
-        fixes = (["full recompute (model.recompute_granularity=full model.recompute_method=uniform "
-                  "model.recompute_num_layers=1)"] if plan.train.recompute != "full" else [])
+        fixes = (
+            [
+                "full recompute (model.recompute_granularity=full model.recompute_method=uniform "
+                "model.recompute_num_layers=1)"
+            ]
+            if plan.train.recompute != "full"
+            else []
+        )
         fixes += ["more pipeline / expert-parallel ranks (or nodes)", "a shorter data.pack_length"]
         if plan.train.offload_fraction < 1:
             fixes.append("optimizer.optimizer_cpu_offload=true with a larger optimizer.optimizer_offload_fraction")
-        plan.errors.append(f"[memory] stage {worst} needs {plan.largest.total / memory.GIB:.1f} GiB per GPU, more "
-                           f"than the {plan.gpu_mem_gib:.1f} GiB of a {gpu.name}; use " + ", or ".join(fixes))
+        plan.errors.append(
+            f"[memory] stage {worst} needs {plan.largest.total / memory.GIB:.1f} GiB per GPU, more "
+            f"than the {plan.gpu_mem_gib:.1f} GiB of a {gpu.name}; use " + ", or ".join(fixes)
+        )
     return plan
 
 
-def dry_run(cfg, gpus: Optional[int] = None) -> int:
+def dry_run(cfg, gpus: int | None = None) -> int:
     """trainer.dry_run=true: the plan and every rank's role, then exit (0 when it would run)."""
     from moe_sft.config.schema import ConfigError
-    from moe_sft.plan.report import format_plan, format_roles
+    from moe_sft.plan.plan_text import format_plan, format_roles
 
     try:
         plan = make_plan(cfg, gpus)
@@ -123,6 +141,7 @@ def dry_run(cfg, gpus: Optional[int] = None) -> int:
     print(format_plan(plan))
     if not plan.errors:
         print("\n".join(format_roles(plan)))
-    print(f"[moe-sft] dry run: {'OK' if plan.ok else 'would FAIL'}; torch.distributed not initialised, "
-          f"no GPU touched")
+    get_logger(__name__).info(
+        f"dry run: {'OK' if plan.ok else 'would FAIL'}; torch.distributed not initialised, no GPU touched"
+    )
     return 0 if plan.ok else 2

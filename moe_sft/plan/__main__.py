@@ -14,18 +14,26 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_sft.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m moe_sft.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("recipe", help="recipe file or name (recipes/<name>.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for moe_sft.train")
     p.add_argument("--gpus", type=int, help="world size to plan for (default: the recipe's hardware section)")
     p.add_argument("--gpu-mem", type=float, help="GiB per GPU (default: the recipe's hardware.gpu)")
     p.add_argument("--gpu", choices=("h100_80gb", "h200_141gb"), help="GPU kind (sets hardware.gpu)")
     p.add_argument("--roles", action="store_true", help="also print every rank's coordinates, layers and experts")
-    p.add_argument("--moe-imbalance", type=float, default=1.0,
-                   help="tokens on the busiest expert rank / average (default 1.0: balanced routing)")
-    p.add_argument("--strict", action="store_true",
-                   help="missing data / checkpoint paths are errors (pre-flight on the cluster; sbatch uses it)")
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        help="tokens on the busiest expert rank / average (default 1.0: balanced routing)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="missing data / checkpoint paths are errors (pre-flight on the cluster; sbatch uses it)",
+    )
     p.add_argument("--json", type=Path, help="also write the numbers as JSON here (used by the calibration script)")
     return p
 
@@ -40,12 +48,31 @@ def _recipe_argv(recipe: str) -> list[str]:
 def plan_json(plan) -> dict:
     from moe_sft.plan.memory import GIB
 
-    stages = [dict(stage=st.pp_rank, layers=st.layers, params=st.params.total, allocated_gib=st.allocated / GIB,
-                   total_gib=st.total / GIB, weights_gib=st.weights / GIB, grads_gib=st.grads / GIB,
-                   optimizer_gib=st.optimizer / GIB, activations_gib=st.activations / GIB,
-                   working_gib=st.working / GIB, logits_gib=st.logits / GIB) for st in plan.stages]
-    return dict(errors=plan.errors, warnings=plan.warnings, layout=plan.layout.short(), world=plan.layout.world,
-                fits=plan.fits if plan.stages else None, stages=stages, throughput=plan.throughput)
+    stages = [
+        dict(
+            stage=st.pp_rank,
+            layers=st.layers,
+            params=st.params.total,
+            allocated_gib=st.allocated / GIB,
+            total_gib=st.total / GIB,
+            weights_gib=st.weights / GIB,
+            grads_gib=st.grads / GIB,
+            optimizer_gib=st.optimizer / GIB,
+            activations_gib=st.activations / GIB,
+            working_gib=st.working / GIB,
+            logits_gib=st.logits / GIB,
+        )
+        for st in plan.stages
+    ]
+    return dict(
+        errors=plan.errors,
+        warnings=plan.warnings,
+        layout=plan.layout.short(),
+        world=plan.layout.world,
+        fits=plan.fits if plan.stages else None,
+        stages=stages,
+        throughput=plan.throughput,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -53,13 +80,14 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
     from moe_sft.config import ConfigError, load_config
     from moe_sft.plan import make_plan
-    from moe_sft.plan.report import format_plan, format_roles
+    from moe_sft.plan.plan_text import format_plan, format_roles
 
     overrides = list(args.overrides) + ([f"hardware.gpu={args.gpu}"] if args.gpu else [])
     try:
         cfg = load_config(_recipe_argv(args.recipe) + overrides)
-        plan = make_plan(cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, imbalance=args.moe_imbalance,
-                         strict=args.strict)
+        plan = make_plan(
+            cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, imbalance=args.moe_imbalance, strict=args.strict
+        )
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -9,15 +9,14 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from moe_sft.models.shape import default_peak_tflops
-from moe_sft.plan.params import active_params_per_token
+from moe_sft.models.shape import default_peak_tflops, forward_flops
 
 
 @dataclass(frozen=True)
 class GPU:
     name: str
     memory_gib: float
-    bf16_dense_tflops: float     # vendor peak, dense (no sparsity)
+    bf16_dense_tflops: float  # vendor peak, dense (no sparsity)
     sm: str
 
 
@@ -35,34 +34,41 @@ ASSUMED_MFU = 0.25
 def kernels(gpu: GPU, backend: str) -> list[str]:
     """What the target GPU offers and what this machine's Python environment will use."""
     flash = importlib.util.find_spec("flash_attn") is not None
-    lines = [f"{gpu.name} ({gpu.sm}): bf16 tensor cores, torch grouped_mm (sm90), flash varlen attention; FP8 "
-             f"capable (moe-sft trains in bf16; FP8 source checkpoints are dequantised at conversion)"]
+    lines = [
+        f"{gpu.name} ({gpu.sm}): bf16 tensor cores, torch grouped_mm (sm90), flash varlen attention; FP8 "
+        f"capable (moe-sft trains in bf16; FP8 source checkpoints are dequantised at conversion)"
+    ]
     if backend == "te":
         lines.append("model.backend=te: Transformer Engine layer spec (needs transformer_engine on the cluster)")
     else:
         lines.append("model.backend=" + backend + ": torch-native spec (varlen attention, grouped_mm experts)")
-    lines.append("attention kernel on CUDA: " + ("flash_attn.flash_attn_varlen_func" if flash else
-                                                 "torch's flash varlen kernel (flash-attn not installed here)"))
+    lines.append(
+        "attention kernel on CUDA: "
+        + (
+            "flash_attn.flash_attn_varlen_func"
+            if flash
+            else "torch's flash varlen kernel (flash-attn not installed here)"
+        )
+    )
     return lines
 
 
 def flops_per_token(shape, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active matmul params + causal attention at mean context seq_len/2."""
-    ctx = seq_len / 2
-    if shape.mla:
-        qk, v = shape.mla.qk_nope + shape.mla.qk_rope, shape.mla.v_head
-    else:
-        qk = v = shape.head_dim
-    layers = shape.num_layers + shape.mtp_layers
-    attention = 2 * shape.num_heads * ctx * (qk + v) * layers  # forward
-    return 6 * active_params_per_token(shape) + 3 * attention
+    """Training FLOPs per token (forward + backward = 3 x forward) of documents of seq_len tokens:
+    the telemetry's and benchmark's formula (models/shape.py), causal attention included."""
+    return 3 * forward_flops(shape, [seq_len]) / seq_len
 
 
 def estimate_tokens_per_s(shape, lay, gpu: GPU, seq_len: int, micro_batches: int, recompute) -> dict:
     """Global tokens/s = GPUs x MFU x peak / (FLOPs per token x recompute x pipeline bubble)."""
     fpt = flops_per_token(shape, seq_len)
-    recompute_factor = 8 / 6 if recompute == "full" else 1.0   # one more forward
+    recompute_factor = 8 / 6 if recompute == "full" else 1.0  # one more forward
     bubble = 1 + (lay.pp - 1) / (lay.vp * max(micro_batches, 1)) if lay.pp > 1 else 1.0
     rate = lay.world * ASSUMED_MFU * gpu.bf16_dense_tflops * 1e12 / (fpt * recompute_factor * bubble)
-    return dict(tokens_per_s=rate, per_gpu=rate / lay.world, flops_per_token=fpt, bubble=bubble,
-                recompute_factor=recompute_factor)
+    return dict(
+        tokens_per_s=rate,
+        per_gpu=rate / lay.world,
+        flops_per_token=fpt,
+        bubble=bubble,
+        recompute_factor=recompute_factor,
+    )

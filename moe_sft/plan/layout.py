@@ -18,7 +18,6 @@ tests/cpu/test_plan.py checks each function against megatron's own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -26,12 +25,12 @@ class Layout:
     world: int
     tp: int
     pp: int
-    vpp: Optional[int]
+    vpp: int | None
     cp: int
     ep: int
     etp: int
-    first: Optional[int] = None   # num_layers_in_first_pipeline_stage
-    last: Optional[int] = None    # num_layers_in_last_pipeline_stage
+    first: int | None = None  # num_layers_in_first_pipeline_stage
+    last: int | None = None  # num_layers_in_last_pipeline_stage
 
     @property
     def dp(self) -> int:
@@ -46,18 +45,28 @@ class Layout:
         return self.vpp or 1
 
     def short(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp else []) + (
-            [f"CP{self.cp}"] if self.cp > 1 else []) + [f"EP{self.ep}", f"ETP{self.etp}", f"DP{self.dp}"]
+        parts = (
+            [f"TP{self.tp}", f"PP{self.pp}"]
+            + ([f"VPP{self.vpp}"] if self.vpp else [])
+            + ([f"CP{self.cp}"] if self.cp > 1 else [])
+            + [f"EP{self.ep}", f"ETP{self.etp}", f"DP{self.dp}"]
+        )
         return "·".join(parts) + f" (expert DP {self.edp})"
 
 
 def layout_from_config(cfg, world: int) -> Layout:
     p = cfg.parallel
-    etp = p.tensor_model_parallel_size if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
-    return Layout(world=world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                  vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-                  ep=p.expert_model_parallel_size, etp=etp, first=p.num_layers_in_first_pipeline_stage,
-                  last=p.num_layers_in_last_pipeline_stage)
+    return Layout(
+        world=world,
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        vpp=p.virtual_pipeline_model_parallel_size,
+        cp=p.context_parallel_size,
+        ep=p.expert_model_parallel_size,
+        etp=p.expert_tp,
+        first=p.num_layers_in_first_pipeline_stage,
+        last=p.num_layers_in_last_pipeline_stage,
+    )
 
 
 # ----------------------------------------------------------------------------- layers
@@ -87,8 +96,9 @@ def chunk_layers(num_layers: int, lay: Layout, pp_rank: int, vp_stage: int) -> r
     middle_rank = pp_rank if lay.first is None else pp_rank - 1
     if lay.vpp:
         total_chunk = first // vp + middle // vp + last // vp
-        offset = vp_stage * total_chunk + (0 if pp_rank == 0 else
-                                           first // vp + middle_rank * ((middle // vp) // middle_stages))
+        offset = vp_stage * total_chunk + (
+            0 if pp_rank == 0 else first // vp + middle_rank * ((middle // vp) // middle_stages)
+        )
     else:
         offset = 0 if pp_rank == 0 else middle_rank * per_middle + first
     return range(offset, offset + count)
@@ -156,12 +166,13 @@ def rank_roles(shape, lay: Layout, gpus_per_node: int = 8) -> list[str]:
             extra.append("final norm+lm head+loss")
             if shape.mtp_layers:
                 extra.append(f"MTP x{shape.mtp_layers}")
-        moe_here = any(shape.moe_layers[i] for r in chunks for i in r) or (
-            shape.mtp_layers and c["pp"] == lay.pp - 1)
+        moe_here = any(shape.moe_layers[i] for r in chunks for i in r) or (shape.mtp_layers and c["pp"] == lay.pp - 1)
         experts = "-"
         if experts_per_rank and moe_here:
             lo = c["ep"] * experts_per_rank
             experts = f"{lo}-{lo + experts_per_rank - 1}" + (f" (1/{lay.etp} of each)" if lay.etp > 1 else "")
-        lines.append(f"{rank:>5} {rank // max(gpus_per_node, 1):>4}  {c['tp']:>2} {c['pp']:>2} {c['cp']:>2} {c['dp']:>2} | {c['ep']:>2} "
-                     f"{c['etp']:>3} {c['edp']:>3} | {layers} | {experts} | {', '.join(extra) or '-'}")
+        lines.append(
+            f"{rank:>5} {rank // max(gpus_per_node, 1):>4}  {c['tp']:>2} {c['pp']:>2} {c['cp']:>2} {c['dp']:>2} | {c['ep']:>2} "
+            f"{c['etp']:>3} {c['edp']:>3} | {layers} | {experts} | {', '.join(extra) or '-'}"
+        )
     return lines

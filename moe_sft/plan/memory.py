@@ -21,13 +21,12 @@ with saved-tensor hooks and matched exactly by tests/cpu/test_plan.py on tiny mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
+from moe_sft.models.shape import ModelShape
 from moe_sft.plan.layout import Layout, stage_layers
 from moe_sft.plan.params import Count, stage_params
-from moe_sft.models.shape import ModelShape
 
-GIB = 2 ** 30
+GIB = 2**30
 # Assumptions beyond the model (docs/planner.md; refine them with benchmarks/gpu/plan_calibration.py).
 # reserved / allocated - 1 of torch's caching allocator under MoE churn, with the expandable segments
 # the trainer turns on: measured 1.01-1.03 on H200 (1.17-1.31 with the default allocator).
@@ -36,22 +35,22 @@ FRAGMENTATION = 0.10
 # measured 1.12 with expandable segments (1.19 default), more than FRAGMENTATION covers.
 FRAGMENTATION_OFFLOAD = 0.15
 RUNTIME_OVERHEAD_GIB = 1.5  # CUDA context (~0.5-0.7 GiB) + NCCL communicator buffers, outside torch
-LOGITS_BYTES = 4            # per token x padded vocab / TP on the last stage: see logits_bytes()
+LOGITS_BYTES = 4  # per token x padded vocab / TP on the last stage: see logits_bytes()
 
 
 @dataclass
 class Training:
     """What the memory depends on besides model and layout."""
 
-    tokens: int                          # tokens per micro-batch (pack_length)
-    micro_batches: int                   # per data-parallel rank and step (global batch / DP)
-    recompute: Optional[str] = None      # None | selective | full
+    tokens: int  # tokens per micro-batch (pack_length)
+    micro_batches: int  # per data-parallel rank and step (global batch / DP)
+    recompute: str | None = None  # None | selective | full
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     precision: str = "bf16"
     distributed_optimizer: bool = True
-    offload_fraction: float = 0.0        # share of optimizer state on the CPU (0 = none)
-    mtp_trained: bool = True             # False: MTP frozen (weights only)
+    offload_fraction: float = 0.0  # share of optimizer state on the CPU (0 = none)
+    mtp_trained: bool = True  # False: MTP frozen (weights only)
     backend: str = "torch"
 
 
@@ -65,32 +64,32 @@ def _norm(tokens: int, width: int) -> int:
     return tokens * (2 * width + 4)
 
 
-def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: Optional[str]) -> int:
+def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: str | None) -> int:
     """Saved bytes of one layer's attention block for t tokens (after CP) on one rank."""
-    tsp = t // lay.tp if lay.tp > 1 else t   # sequence-parallel region (norms, linear inputs)
+    tsp = t // lay.tp if lay.tp > 1 else t  # sequence-parallel region (norms, linear inputs)
     heads = s.num_heads // lay.tp
     lse = 0 if recompute == "selective" else t * heads * 4  # selective recomputes core attention
-    out = _norm(tsp, s.hidden) + tsp * 2 * s.hidden            # input norm; first linear's input
+    out = _norm(tsp, s.hidden) + tsp * 2 * s.hidden  # input norm; first linear's input
     if s.mla is None:
         groups = s.num_kv_heads // lay.tp
         d = s.head_dim
-        out += t * (heads + 2 * groups) * d * 2                # QKV output, kept alive by v (a view)
+        out += t * (heads + 2 * groups) * d * 2  # QKV output, kept alive by v (a view)
         if s.qk_norm:  # q is reshaped into its own storage; k's input is a view of the QKV output
             out += _norm(t * heads, d) + _norm(t * groups, d) - t * groups * d * 2
-        out += 4 * t * d * 2                                   # RoPE cos/sin for q and k
-        out += t * (heads + groups) * d * 2                    # q, k after RoPE (kernel inputs)
-        return out + t * heads * d * 2 + lse                   # attention output (= proj input)
+        out += 4 * t * d * 2  # RoPE cos/sin for q and k
+        out += t * (heads + groups) * d * 2  # q, k after RoPE (kernel inputs)
+        return out + t * heads * d * 2 + lse  # attention output (= proj input)
     m = s.mla
     qhd = m.qk_nope + m.qk_rope
     # the compressed q / kv stay in the sequence-parallel region (megatron gathers after the up-proj)
     if m.q_lora:  # under TP, the q norm's input is a slice of the gathered q_down output (all t tokens)
         out += (t if lay.tp > 1 else tsp) * m.q_lora * 2 + _norm(tsp, m.q_lora) - tsp * m.q_lora * 2
-        out += tsp * m.q_lora * 2                              # q_up input
-    out += _norm(tsp, m.kv_lora) + tsp * m.kv_lora * 2         # kv norm; kv_up input
-    out += 4 * t * m.qk_rope * 2                               # RoPE cos/sin
-    out += 2 * t * heads * qhd * 2                             # q, k (nope ++ rope)
+        out += tsp * m.q_lora * 2  # q_up input
+    out += _norm(tsp, m.kv_lora) + tsp * m.kv_lora * 2  # kv norm; kv_up input
+    out += 4 * t * m.qk_rope * 2  # RoPE cos/sin
+    out += 2 * t * heads * qhd * 2  # q, k (nope ++ rope)
     if m.v_head != qhd:  # the varlen kernels need one head dim: v and the output are padded to qhd
-        out += t * heads * qhd * 2 * 2 + t * heads * m.v_head * 2   # padded v, padded out, out slice
+        out += t * heads * qhd * 2 * 2 + t * heads * m.v_head * 2  # padded v, padded out, out slice
     else:
         out += 2 * t * heads * m.v_head * 2
     return out + lse
@@ -100,21 +99,22 @@ def mlp_activation(s: ModelShape, lay: Layout, t: int, moe: bool, imbalance: flo
     """Saved bytes of one layer's MLP block (pre-MLP norm included)."""
     tsp = t // lay.tp if lay.tp > 1 else t
     h = s.hidden
-    out = _norm(tsp, h) + tsp * 2 * h                          # pre-MLP norm; MLP / router input
+    out = _norm(tsp, h) + tsp * 2 * h  # pre-MLP norm; MLP / router input
     if not moe:
-        return out + t * 5 * s.ffn // lay.tp * 2               # fc1 out (2f), act parts, fc2 input
+        return out + t * 5 * s.ffn // lay.tp * 2  # fc1 out (2f), act parts, fc2 input
     if s.shared_ffn:
         out += t * 5 * s.shared_ffn // lay.tp * 2
     e, k = s.num_experts, s.topk
-    out += tsp * (e * (4 + 1 + 4) + k * (8 + 4 + 8 + 8 + 8))   # scores, routing map, probs, indices, row places
-    routed = int(tsp * k * lay.etp * imbalance)                # tokens this rank's experts process
+    out += tsp * (e * (4 + 1 + 4) + k * (8 + 4 + 8 + 8 + 8))  # scores, routing map, probs, indices, row places
+    routed = int(tsp * k * lay.etp * imbalance)  # tokens this rank's experts process
     # input, fc1 out (gate and up); the compiled SwiGLU x probs saves only its fp32 probs and its
     # output (fc2's input)
     return out + routed * (2 * h + 6 * s.moe_ffn // lay.etp + 4)
 
 
-def layer_activation(s: ModelShape, lay: Layout, t: int, moe: bool, recompute: Optional[str] = None,
-                     imbalance: float = 1.0) -> int:
+def layer_activation(
+    s: ModelShape, lay: Layout, t: int, moe: bool, recompute: str | None = None, imbalance: float = 1.0
+) -> int:
     return attention_activation(s, lay, t, recompute) + mlp_activation(s, lay, t, moe, imbalance)
 
 
@@ -122,14 +122,13 @@ def mtp_activation(s: ModelShape, lay: Layout, t: int, imbalance: float = 1.0) -
     """One MTP depth: enorm, hnorm, eh_proj input (2h), its gathered output, a layer, final norm."""
     tsp = t // lay.tp if lay.tp > 1 else t
     h = s.hidden
-    return (3 * _norm(tsp, h) + tsp * 4 * h + t * 2 * h
-            + layer_activation(s, lay, t, s.moe_layers[-1], None, imbalance))
+    return 3 * _norm(tsp, h) + tsp * 4 * h + t * 2 * h + layer_activation(s, lay, t, s.moe_layers[-1], None, imbalance)
 
 
 def logits_bytes(s: ModelShape, lay: Layout, t: int, depths: int = 0) -> int:
     """Logits + vocab-parallel cross entropy of one micro-batch, main head plus `depths` MTP heads.
 
-    The fused cross entropy (moe_sft/layers/cross_entropy.py) keeps the bf16 logits (2 bytes) for
+    The fused cross entropy (moe_sft/kernels/cross_entropy.py) keeps the bf16 logits (2 bytes) for
     its backward and writes their bf16 gradient (2): LOGITS_BYTES x t x vocab / TP at the peak, in
     backward; padded vocab columns cost nothing extra. (megatron's unfused one took 6, plus 2 for a
     padded vocabulary, calibrated on an H200: docs/planner.md.)
@@ -156,9 +155,9 @@ class StageMemory:
     weights: float
     grads: float
     optimizer: float
-    optimizer_offloaded: float      # on the CPU (host memory), not counted in the GPU total
-    activations: float              # saved for backward, all in-flight micro-batches
-    working: float                  # backward working set (+ recomputed layers)
+    optimizer_offloaded: float  # on the CPU (host memory), not counted in the GPU total
+    activations: float  # saved for backward, all in-flight micro-batches
+    working: float  # backward working set (+ recomputed layers)
     logits: float
     pipeline_buffers: float
     layers: list = field(default_factory=list)
@@ -171,8 +170,14 @@ class StageMemory:
         The loss phase (logits, their fp32 copy, their gradient) ends before the last layer's
         backward begins, so only the larger of the two counts. Calibrated on an H200: the sum
         over-predicted every last stage by the smaller one (up to 4.3 GiB, 17%; docs/planner.md)."""
-        return (self.weights + self.grads + self.optimizer + self.activations
-                + max(self.working, self.logits) + self.pipeline_buffers)
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + max(self.working, self.logits)
+            + self.pipeline_buffers
+        )
 
     @property
     def fragmentation(self) -> float:
@@ -226,17 +231,25 @@ def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imba
     saved += sum(mtp)
     logit = logits_bytes(s, lay, t, mtp_depths) if last else 0
     return StageMemory(
-        pp_rank=pp_rank, params=count, weights=count.total * wbytes, grads=trainable * 4,
-        optimizer=sharded * gpu_opt, optimizer_offloaded=sharded * cpu_opt,
-        activations=saved * flight, working=working, logits=logit,
+        pp_rank=pp_rank,
+        params=count,
+        weights=count.total * wbytes,
+        grads=trainable * 4,
+        optimizer=sharded * gpu_opt,
+        optimizer_offloaded=sharded * cpu_opt,
+        activations=saved * flight,
+        working=working,
+        logits=logit,
         pipeline_buffers=(2 * tsp * s.hidden * wbytes * flight * lay.vp) if lay.pp > 1 else 0.0,
-        layers=layer_ids, in_flight=flight)
+        layers=layer_ids,
+        in_flight=flight,
+    )
 
 
 def _split(acts: list, chunks: list) -> list:
     out, i = [], 0
     for r in chunks:
-        out.append(acts[i:i + len(r)])
+        out.append(acts[i : i + len(r)])
         i += len(r)
     return out
 

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_sft.plan.layout import Layout, is_first_chunk, is_last_chunk, stage_layers
 from moe_sft.models.shape import ModelShape
+from moe_sft.plan.layout import Layout, is_first_chunk, is_last_chunk, stage_layers
 
 
 @dataclass
 class Count:
     """Parameters of one rank, split by who shards their optimizer state."""
 
-    dense: int = 0        # replicated over DP x CP: optimizer sharded over the DP x CP group
-    expert: int = 0       # routed experts: optimizer sharded over the expert-DP group
-    frozen: int = 0       # requires_grad=False (frozen MTP): weights only
+    dense: int = 0  # replicated over DP x CP: optimizer sharded over the DP x CP group
+    expert: int = 0  # routed experts: optimizer sharded over the expert-DP group
+    frozen: int = 0  # requires_grad=False (frozen MTP): weights only
     by_module: dict = field(default_factory=dict)
 
     def add(self, module: str, n: int, expert: bool = False, frozen: bool = False) -> None:
@@ -78,8 +78,15 @@ def mtp_extra_params(s: ModelShape, lay: Layout) -> int:
     return 3 * s.hidden + 2 * s.hidden * s.hidden // lay.tp
 
 
-def chunk_params(s: ModelShape, lay: Layout, pp_rank: int, vp_stage: int, backend: str = "torch",
-                 mtp_frozen: bool = False, count: Count | None = None) -> Count:
+def chunk_params(
+    s: ModelShape,
+    lay: Layout,
+    pp_rank: int,
+    vp_stage: int,
+    backend: str = "torch",
+    mtp_frozen: bool = False,
+    count: Count | None = None,
+) -> Count:
     """Parameters of one model chunk (pipeline rank, virtual stage) on any of its ranks."""
     c = count or Count()
     first, last = is_first_chunk(lay, pp_rank, vp_stage), is_last_chunk(lay, pp_rank, vp_stage)
@@ -100,8 +107,9 @@ def chunk_params(s: ModelShape, lay: Layout, pp_rank: int, vp_stage: int, backen
     return c
 
 
-def _add_layer(c: Count, s: ModelShape, lay: Layout, moe: bool, backend: str, prefix: str,
-               frozen: bool = False) -> None:
+def _add_layer(
+    c: Count, s: ModelShape, lay: Layout, moe: bool, backend: str, prefix: str, frozen: bool = False
+) -> None:
     c.add(f"{prefix}.attention", attention_params(s, lay.tp, backend), frozen=frozen)
     dense, expert = mlp_params(s, moe, lay)
     c.add(f"{prefix}.mlp", dense, frozen=frozen)
@@ -109,8 +117,7 @@ def _add_layer(c: Count, s: ModelShape, lay: Layout, moe: bool, backend: str, pr
         c.add(f"{prefix}.experts", expert, expert=True, frozen=frozen)
 
 
-def stage_params(s: ModelShape, lay: Layout, pp_rank: int, backend: str = "torch",
-                 mtp_frozen: bool = False) -> Count:
+def stage_params(s: ModelShape, lay: Layout, pp_rank: int, backend: str = "torch", mtp_frozen: bool = False) -> Count:
     """All chunks of one pipeline rank (what one GPU of that stage holds)."""
     c = Count()
     for v in range(lay.vp):

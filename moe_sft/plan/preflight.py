@@ -24,8 +24,9 @@ def _divisor_hint(n: int, limit: int = 64) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def layout_problems(cfg, world: int, shape, backend: str = "torch",
-                    strict: bool = False) -> tuple[list[str], list[str]]:
+def layout_problems(
+    cfg, world: int, shape, backend: str = "torch", strict: bool = False
+) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a recipe at `world` ranks for the model `shape`; `strict`: missing
     data / checkpoint files are errors too (pre-flight on the cluster, not planning elsewhere)."""
     errors, warnings = [], []
@@ -33,8 +34,9 @@ def layout_problems(cfg, world: int, shape, backend: str = "torch",
         target = warnings if name in ENVIRONMENT_CHECKS and not strict else errors
         target.extend(f"[{name}] {msg}" for msg in check(cfg, world))
     try:
-        validate_against_model(cfg, shape.num_layers, shape.num_experts or None, shape.num_heads,
-                               shape.num_kv_heads, shape.vocab)
+        validate_against_model(
+            cfg, shape.num_layers, shape.num_experts or None, shape.num_heads, shape.num_kv_heads, shape.vocab
+        )
     except ConfigError as err:
         errors.extend(line.strip()[2:] for line in str(err).splitlines()[1:])
     errors.extend(_width_errors(cfg, shape, backend))
@@ -45,7 +47,7 @@ def _width_errors(cfg, shape, backend: str) -> list[str]:
     """megatron splits these widths evenly (ColumnParallelLinear's `divide` asserts)."""
     p = cfg.parallel
     tp = p.tensor_model_parallel_size
-    etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    etp = p.expert_tp
     widths = []
     if not all(shape.moe_layers):
         widths.append(("dense intermediate_size", shape.ffn, tp, "tensor_model_parallel_size"))
@@ -56,18 +58,24 @@ def _width_errors(cfg, shape, backend: str) -> list[str]:
     if shape.mla and backend != "te":  # torch-native spec: the down projections are column-parallel
         if shape.mla.q_lora:
             widths.append(("q_lora_rank", shape.mla.q_lora, tp, "tensor_model_parallel_size"))
-        widths.append(("kv_lora_rank + qk_rope_head_dim", shape.mla.kv_lora + shape.mla.qk_rope, tp,
-                       "tensor_model_parallel_size"))
-    return [f"[tensor_split] parallel.{field}={size} does not divide the {what}={width}; use one of "
-            f"{_divisor_hint(width)}" for what, width, size, field in widths if size > 0 and width % size]
+        widths.append(
+            ("kv_lora_rank + qk_rope_head_dim", shape.mla.kv_lora + shape.mla.qk_rope, tp, "tensor_model_parallel_size")
+        )
+    return [
+        f"[tensor_split] parallel.{field}={size} does not divide the {what}={width}; use one of {_divisor_hint(width)}"
+        for what, width, size, field in widths
+        if size > 0 and width % size
+    ]
 
 
 def schedule_warnings(cfg, lay) -> list[str]:
     micro = cfg.trainer.global_batch_size // max(lay.dp, 1)
     if lay.pp > 1 and micro < 4 * lay.pp:
         bubble = (lay.pp - 1) / (lay.vp * max(micro, 1))
-        return [f"[pipeline_bubble] {micro} micro-batches per data-parallel rank for PP={lay.pp}: the pipeline "
-                f"idles ~{bubble:.0%} of a step; raise trainer.global_batch_size to >= {4 * lay.pp * lay.dp}"]
+        return [
+            f"[pipeline_bubble] {micro} micro-batches per data-parallel rank for PP={lay.pp}: the pipeline "
+            f"idles ~{bubble:.0%} of a step; raise trainer.global_batch_size to >= {4 * lay.pp * lay.dp}"
+        ]
     return []
 
 
@@ -92,8 +100,10 @@ def resume_problems(cfg) -> list[str]:
     step = _step_dir(root, int(text))
     problems = mcore_io.checkpoint_problems(step, field="resume checkpoint")
     if not step.is_dir():
-        problems.append(f"{pointer} names step {int(text)} but {step} does not exist; restore it, point latest at "
-                        f"an existing step, or set checkpoint.resume=never to start from model.mcore_path")
+        problems.append(
+            f"{pointer} names step {int(text)} but {step} does not exist; restore it, point latest at "
+            f"an existing step, or set checkpoint.resume=never to start from model.mcore_path"
+        )
     return problems
 
 

@@ -43,8 +43,10 @@ def _config_file(ref: str) -> Path:
         return path / "config.json"
     if path.is_file():
         return path
-    raise ConfigError(f"model.hf_config={ref!r} is neither a model known to moe-sft ({', '.join(known_models())}) "
-                      f"nor a config.json / directory holding one; fix the name or the path")
+    raise ConfigError(
+        f"model.hf_config={ref!r} is neither a model known to moe-sft ({', '.join(known_models())}) "
+        f"nor a config.json / directory holding one; fix the name or the path"
+    )
 
 
 def read_config_json(path: Path) -> dict:
@@ -79,36 +81,59 @@ def resolve_model(cfg) -> tuple[ModelShape, str, list[str]]:
     quickstart's tiny model. A checkpoint whose config disagrees with model.hf_config is a problem.
     """
     m = cfg.model
-    candidates = [(Path(p) / sub / "config.json", f"model.{key}") for key, p, sub in
-                  (("mcore_path", m.mcore_path, "hf"), ("hf_path", m.hf_path, "")) if p]
+    candidates = [
+        (Path(p) / sub / "config.json", f"model.{key}")
+        for key, p, sub in (("mcore_path", m.mcore_path, "hf"), ("hf_path", m.hf_path, ""))
+        if p
+    ]
     found = [(path, key) for path, key in candidates if path.is_file()]
     declared = load_shape(m.hf_config) if m.hf_config else None
     problems: list[str] = []
     if found:
         path, key = found[0]
-        shape = shape_from_hf_dict(read_config_json(path), name=path.parent.name if key == "model.hf_path"
-                                   else Path(getattr(m, key.split(".")[1])).name)
+        shape = shape_from_hf_dict(
+            read_config_json(path),
+            name=path.parent.name if key == "model.hf_path" else Path(getattr(m, key.split(".")[1])).name,
+        )
         if declared is not None:
-            problems += shape_mismatch(shape, declared[0], f"{key}={getattr(m, key.split('.')[1])!r}",
-                                       f"model.hf_config={m.hf_config!r}")
+            problems += shape_mismatch(
+                shape, declared[0], f"{key}={getattr(m, key.split('.')[1])!r}", f"model.hf_config={m.hf_config!r}"
+            )
         return shape, str(path), problems
     if declared is not None:
         return declared[0], str(declared[1]), problems
     if m.create_tiny_if_missing:
         return shape_from_hf_dict(_tiny_quickstart_config(cfg), name="quickstart-tiny"), "quickstart tiny model", []
-    raise ConfigError("no HF config for the planner: model.mcore_path / model.hf_path hold no config.json here; "
-                      f"set model.hf_config to one of {', '.join(known_models())} or to a config.json path")
+    raise ConfigError(
+        "no HF config for the planner: model.mcore_path / model.hf_path hold no config.json here; "
+        f"set model.hf_config to one of {', '.join(known_models())} or to a config.json path"
+    )
 
 
-_COMPARED = ("model_type", "num_layers", "hidden", "vocab", "num_heads", "num_kv_heads", "num_experts",
-             "topk", "moe_ffn", "mtp_layers")
+_COMPARED = (
+    "model_type",
+    "num_layers",
+    "hidden",
+    "vocab",
+    "num_heads",
+    "num_kv_heads",
+    "num_experts",
+    "topk",
+    "moe_ffn",
+    "mtp_layers",
+)
 
 
 def shape_mismatch(found: ModelShape, expected: ModelShape, found_where: str, expected_where: str) -> list[str]:
     """One message per differing field, naming both sources and the fix."""
-    diffs = [f"{f}={getattr(found, f)} (expected {getattr(expected, f)})" for f in _COMPARED
-             if getattr(found, f) != getattr(expected, f)]
+    diffs = [
+        f"{f}={getattr(found, f)} (expected {getattr(expected, f)})"
+        for f in _COMPARED
+        if getattr(found, f) != getattr(expected, f)
+    ]
     if not diffs:
         return []
-    return [f"{found_where} holds another model than {expected_where}: {', '.join(diffs)}; "
-            f"point the checkpoint path at a conversion of the right model or fix model.hf_config"]
+    return [
+        f"{found_where} holds another model than {expected_where}: {', '.join(diffs)}; "
+        f"point the checkpoint path at a conversion of the right model or fix model.hf_config"
+    ]

@@ -22,8 +22,9 @@ def init_process_group(device_type: str, timeout_minutes: int = 30) -> tuple[int
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -44,9 +45,13 @@ def init_model_parallel(tp=1, pp=1, vpp=None, ep=1, etp=None, cp=1, seed=1234) -
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,18 +28,21 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
+from moe_sft.runtime.logs import get_logger
 from moe_sft.trainer import checkpoint_integrity
-from moe_sft.trainer.guard import HELPER_IGNORED_SIGNALS, injected_fault, shield_helper_process
+from moe_sft.trainer.guard import HELPER_IGNORED_SIGNALS, shield_helper_process
+from moe_sft.trainer.hooks import TrainHooks
 
 _STEP_DIR = re.compile(r"step_(\d{7})$")
 HF_SIDE_COPY = "hf_side"
+log = get_logger(__name__)
 
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:07d}"
 
 
-def latest_step(root: Path) -> Optional[int]:
+def latest_step(root: Path) -> int | None:
     pointer = Path(root) / "latest"
     if not pointer.is_file():
         return None
@@ -61,8 +63,11 @@ def sharded_metadata() -> dict:
     without the `chained_i.` prefix megatron adds when EP splits the optimizer in two (dense +
     expert): a checkpoint saved without EP then resumes with EP and back.
     """
-    return {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
-            "distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+    return {
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "chained_optim_avoid_prefix": True,
+    }
 
 
 def model_sharded_state(model_chunks) -> dict:
@@ -74,9 +79,11 @@ def model_sharded_state(model_chunks) -> dict:
 
 def _rng_object() -> ShardedObject:
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = {"cpu": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
@@ -125,8 +132,7 @@ def _restructure_optimizer_state(loaded: dict, optimizer, step: int):
         live = part.state_dict()
         for group in live["optimizer"]["param_groups"]:
             group["step"] = step
-        rebuilt.append(dict(live, param_state=state["param_state"],
-                            param_state_sharding_type="fully_reshardable"))
+        rebuilt.append(dict(live, param_state=state["param_state"], param_state_sharding_type="fully_reshardable"))
     return rebuilt[0] if len(parts) == 1 else dict(enumerate(rebuilt))
 
 
@@ -136,8 +142,7 @@ def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loadi
     state = model_sharded_state(model_chunks)
     # 'fully_reshardable': optimizer state in the canonical per-parameter form, so a resume may
     # change TP/PP/EP/DP (the default format relies on flattened ranges torch_dist rejects).
-    state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=sharded_metadata())
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=sharded_metadata())
     state["scheduler"] = scheduler.state_dict()
     state["rng_state"] = _rng_object()
     state["world_size"] = dist.get_world_size()
@@ -197,10 +202,13 @@ class Saver:
     calls them at the same points.
     """
 
-    def __init__(self, root: Path, hf_side_dir: Path, keep_last: int, async_save: bool = False):
+    def __init__(
+        self, root: Path, hf_side_dir: Path, keep_last: int, async_save: bool = False, hooks: TrainHooks | None = None
+    ):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self.root, self.hf_side_dir, self.keep_last = Path(root), hf_side_dir, keep_last
+        self.hooks = hooks or TrainHooks()
         self.queue = AsyncCallsQueue() if async_save else None
         self._manager = None
         self._warm_up = threading.Thread(target=_warm_up_write_results_queue, args=(self,), daemon=True)
@@ -228,8 +236,11 @@ class Saver:
             tmp.mkdir(parents=True)
         dist.barrier()
         started = time.perf_counter()
-        request = dist_checkpointing.save(full_sharded_state(model_chunks, optimizer, scheduler, extra),
-                                          str(tmp), async_sharded_save=self.queue is not None)
+        request = dist_checkpointing.save(
+            full_sharded_state(model_chunks, optimizer, scheduler, extra),
+            str(tmp),
+            async_sharded_save=self.queue is not None,
+        )
 
         def commit() -> None:
             dist.barrier()  # every rank's files are written
@@ -240,22 +251,24 @@ class Saver:
         else:
             request.add_finalize_fn(commit)
             self.queue.schedule_async_request(request)
-            if dist.get_rank() == 0:
-                print(f"[moe-sft] checkpoint step {step}: writing in the background; training was blocked "
-                      f"{time.perf_counter() - started:.1f}s", flush=True)
+            log.info(
+                f"checkpoint step {step}: writing in the background; training was blocked "
+                f"{time.perf_counter() - started:.1f}s"
+            )
         return final
 
     def _commit(self, step: int, tmp: Path, final: Path, meta: dict, seconds: float) -> None:
-        if injected_fault("kill_in_save", step):  # test hook: die with the files written, uncommitted
-            _die_like_sigkill()
+        self.hooks.before_commit(step)
         # every rank hashes the shards it wrote; rank 0 writes checksums.json (verified on load)
         files, hashed, hash_s = checkpoint_integrity.write_checksums(tmp)
         if dist.get_rank() == 0:
             size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-            print(f"[moe-sft] checkpoint step {step}: {size / 1e9:.3f} GB written in {seconds:.1f}s "
-                  f"({size / 1e9 / max(seconds, 1e-9):.3g} GB/s, all ranks"
-                  f"{', in the background' if self.queue is not None else ''}); CRC-32 of {files} files "
-                  f"({hashed / 1e9:.3f} GB) in {hash_s:.2f}s", flush=True)
+            log.info(
+                f"checkpoint step {step}: {size / 1e9:.3f} GB written in {seconds:.1f}s "
+                f"({size / 1e9 / max(seconds, 1e-9):.3g} GB/s, all ranks"
+                f"{', in the background' if self.queue is not None else ''}); CRC-32 of {files} files "
+                f"({hashed / 1e9:.3f} GB) in {hash_s:.2f}s"
+            )
             mcore_io.copy_hf_side_files(self.hf_side_dir, tmp / mcore_io.HF_SUBDIR)
             mcore_io.write_meta(tmp, dict(meta, step=step))
             mcore_io.commit_dir(tmp, final)
@@ -276,16 +289,6 @@ class Saver:
             self.queue.maybe_finalize_async_calls(blocking=True)
 
 
-def _die_like_sigkill() -> None:
-    """What `kill -9` of the job does: this process and its helpers (dist_checkpointing's
-    multiprocessing manager would otherwise outlive it holding the launcher's pipes) stop now."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        child.kill()
-    os._exit(137)
-
-
 def _prune(root: Path, keep_last: int) -> None:
     steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
     for step in steps[:-keep_last]:
@@ -304,8 +307,9 @@ def load_model_weights(path: Path, model_chunks) -> None:
         chunk.load_state_dict(state[key])
 
 
-def load_full(path: Path, model_chunks, optimizer, scheduler, extra_template: dict,
-              load_optimizer: bool = True) -> dict:
+def load_full(
+    path: Path, model_chunks, optimizer, scheduler, extra_template: dict, load_optimizer: bool = True
+) -> dict:
     """Resume: model, optimizer, scheduler, RNG (same world size only) and the extra entries."""
     sharded = full_sharded_state(model_chunks, optimizer, scheduler, extra_template, is_loading=True)
     if not load_optimizer:
@@ -322,8 +326,9 @@ def load_full(path: Path, model_chunks, optimizer, scheduler, extra_template: di
     if load_optimizer:
         saved_parts = _optimizer_part_count(common["optimizer"])
         if saved_parts != len(_optimizer_parts(optimizer)):
-            state["optimizer"] = _restructure_optimizer_state(state["optimizer"], optimizer,
-                                                              _saved_adam_step(common["optimizer"]))
+            state["optimizer"] = _restructure_optimizer_state(
+                state["optimizer"], optimizer, _saved_adam_step(common["optimizer"])
+            )
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     if state.get("world_size") == dist.get_world_size():

@@ -21,15 +21,16 @@ import os
 import re
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from moe_sft.conversion import mcore_io
 from moe_sft.conversion.hf_reader import CheckpointError
+from moe_sft.runtime.logs import get_logger
 
 CHECKSUM_FILE = "checksums.json"
 CHUNK = 8 << 20
@@ -61,9 +62,11 @@ def _gather(obj) -> list:
 
 def _main_param_pairs(opt):
     """(model param, fp32 main param) pairs of one megatron optimizer (distributed or not)."""
-    for model_attr, main_attr in (("model_float16_groups", "shard_fp32_from_float16_groups"),
-                                  ("model_fp32_groups", "shard_fp32_groups"),
-                                  ("float16_groups", "fp32_from_float16_groups")):
+    for model_attr, main_attr in (
+        ("model_float16_groups", "shard_fp32_from_float16_groups"),
+        ("model_fp32_groups", "shard_fp32_groups"),
+        ("float16_groups", "fp32_from_float16_groups"),
+    ):
         for model_group, main_group in zip(getattr(opt, model_attr, None) or [], getattr(opt, main_attr, None) or []):
             yield from zip(model_group, main_group)
 
@@ -94,8 +97,7 @@ def non_finite_tensors(model_chunks, optimizer) -> tuple[list[str], int]:
     aminmax per tensor (NaN propagates into both, an Inf shows in one; no tensor-sized
     temporaries), one device-to-host copy, one all-reduce; names are gathered only on failure.
     """
-    named = [(n, t) for n, t in _checked_tensors(model_chunks, optimizer)
-             if t.is_floating_point() and t.numel() > 0]
+    named = [(n, t) for n, t in _checked_tensors(model_chunks, optimizer) if t.is_floating_point() and t.numel() > 0]
     bad: list[str] = []
     by_device: dict = {}
     for i, (_, t) in enumerate(named):
@@ -119,13 +121,18 @@ def non_finite_message(step: int, bad: list[str], checked: int, root: Path, lr: 
     params = [n for n in bad if "(" not in n]
     shown = ", ".join((params or bad)[:4]) + (", ..." if len(params or bad) > 4 else "")
     good = latest_complete(root)
-    where = (f"The last good checkpoint is {good} (`latest`): run the same command again, with the lower "
-             "learning rate, to resume from it" if good is not None else
-             "No checkpoint of this run was saved: a relaunch starts again from model.mcore_path")
-    return (f"step {step}: {len(params)} parameter tensor(s) and {len(bad) - len(params)} fp32 main-parameter / "
-            f"Adam state tensor(s) of {checked} hold NaN or Inf ({shown}), so this checkpoint is not saved and "
-            f"the run stops: the update of a step whose loss and gradient norm were finite overflowed the "
-            f"weights. Lower optimizer.lr (now {lr:g}). {where}")
+    where = (
+        f"The last good checkpoint is {good} (`latest`): run the same command again, with the lower "
+        "learning rate, to resume from it"
+        if good is not None
+        else "No checkpoint of this run was saved: a relaunch starts again from model.mcore_path"
+    )
+    return (
+        f"step {step}: {len(params)} parameter tensor(s) and {len(bad) - len(params)} fp32 main-parameter / "
+        f"Adam state tensor(s) of {checked} hold NaN or Inf ({shown}), so this checkpoint is not saved and "
+        f"the run stops: the update of a step whose loss and gradient norm were finite overflowed the "
+        f"weights. Lower optimizer.lr (now {lr:g}). {where}"
+    )
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -173,7 +180,7 @@ def write_checksums(ckpt_dir: Path) -> tuple[int, int, float]:
     return len(sums), sum(e["size"] for e in sums.values()), max(s for _, s in gathered)
 
 
-def read_checksums(ckpt_dir: Path) -> Optional[dict]:
+def read_checksums(ckpt_dir: Path) -> dict | None:
     """{file: {size, crc32}}, or None when the checkpoint has none (written before checksums)."""
     path = Path(ckpt_dir) / CHECKSUM_FILE
     if not path.is_file():
@@ -196,8 +203,9 @@ def checksum_problems(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str,
     rest = [n for n in names if n not in problems]
     for name, entry in _hash_files([Path(ckpt_dir) / n for n in rest]).items():
         if entry["crc32"] != sums[name]["crc32"]:
-            problems[name] = (f"contents changed since the save (CRC-32 {entry['crc32']}, "
-                              f"{sums[name]['crc32']} when saved)")
+            problems[name] = (
+                f"contents changed since the save (CRC-32 {entry['crc32']}, {sums[name]['crc32']} when saved)"
+            )
     return problems
 
 
@@ -251,17 +259,21 @@ def storage_problems(ckpt_dir: Path) -> dict[str, str]:
     return problems
 
 
-def complete_steps(root: Path, before: Optional[int] = None) -> list[int]:
+def complete_steps(root: Path, before: int | None = None) -> list[int]:
     """Steps under checkpoints/ that are committed and whose files are all there (no hashing)."""
     if not Path(root).is_dir():
         return []
     steps = sorted(int(m.group(1)) for p in Path(root).iterdir() if (m := _STEP_DIR.match(p.name)))
-    return [s for s in steps if (before is None or s < before)
-            and (Path(root) / f"step_{s:07d}" / mcore_io.META_FILE).is_file()
-            and not storage_problems(Path(root) / f"step_{s:07d}")]
+    return [
+        s
+        for s in steps
+        if (before is None or s < before)
+        and (Path(root) / f"step_{s:07d}" / mcore_io.META_FILE).is_file()
+        and not storage_problems(Path(root) / f"step_{s:07d}")
+    ]
 
 
-def latest_complete(root: Path) -> Optional[Path]:
+def latest_complete(root: Path) -> Path | None:
     pointer = Path(root) / "latest"
     if pointer.is_file() and pointer.read_text().strip().isdigit():
         path = Path(root) / f"step_{int(pointer.read_text().strip()):07d}"
@@ -270,7 +282,7 @@ def latest_complete(root: Path) -> Optional[Path]:
     return None
 
 
-def _damage_message(path: Path, field: str, problems: dict[str, str], root: Optional[Path]) -> str:
+def _damage_message(path: Path, field: str, problems: dict[str, str], root: Path | None) -> str:
     listed = "; ".join(f"{name}: {why}" for name, why in sorted(problems.items()))
     head = f"{field} {path} is damaged ({listed})"
     if root is None:
@@ -278,18 +290,23 @@ def _damage_message(path: Path, field: str, problems: dict[str, str], root: Opti
     match = _STEP_DIR.match(path.name)
     earlier = complete_steps(root, before=int(match.group(1)) if match else None)
     if not earlier:
-        return (f"{head}; no earlier complete checkpoint under {root}: start again from model.mcore_path with "
-                "checkpoint.resume=never (or a new trainer.output_dir)")
+        return (
+            f"{head}; no earlier complete checkpoint under {root}: start again from model.mcore_path with "
+            "checkpoint.resume=never (or a new trainer.output_dir)"
+        )
     step = earlier[-1]
-    return (f"{head}. The previous complete checkpoint is step {step} ({root / f'step_{step:07d}'}; complete: "
-            f"{', '.join(map(str, earlier))}): to resume from it, move {path.name} away and write {step} into "
-            f"{root / 'latest'}; or set checkpoint.resume=never to start from model.mcore_path")
+    return (
+        f"{head}. The previous complete checkpoint is step {step} ({root / f'step_{step:07d}'}; complete: "
+        f"{', '.join(map(str, earlier))}): to resume from it, move {path.name} away and write {step} into "
+        f"{root / 'latest'}; or set checkpoint.resume=never to start from model.mcore_path"
+    )
 
 
-def verify_loadable(path: Path, field: str, root: Optional[Path] = None,
-                    say: Callable[[str], None] = print) -> None:
+def verify_loadable(path: Path, field: str, root: Path | None = None, say: Callable[[str], None] | None = None) -> None:
     """Collective, before dist_checkpointing.load: raise CheckpointIntegrityError naming the bad
-    file(s) (and, for a resume checkpoint under `root`, the previous complete step)."""
+    file(s) (and, for a resume checkpoint under `root`, the previous complete step). What it
+    verified goes to `say` (default: the log)."""
+    say = say or get_logger(__name__).info
     rank, world = _rank_world()
     path = Path(path)
     structural = storage_problems(path) if rank == 0 else {}
@@ -309,11 +326,15 @@ def verify_loadable(path: Path, field: str, root: Optional[Path] = None,
         raise CheckpointIntegrityError(_damage_message(path, field, found, root))
     if sums:
         size = sum(int(e.get("size", 0)) for e in sums.values())
-        say(f"{field} {path}: {len(sums)} files ({size / 1e9:.3f} GB) match {CHECKSUM_FILE} "
-            f"(verified in {time.perf_counter() - started:.1f}s over {world} rank(s))")
+        say(
+            f"{field} {path}: {len(sums)} files ({size / 1e9:.3f} GB) match {CHECKSUM_FILE} "
+            f"(verified in {time.perf_counter() - started:.1f}s over {world} rank(s))"
+        )
     elif root is not None and sums is None:
-        say(f"{field} {path} has no {CHECKSUM_FILE} (saved before checksums were recorded): "
-            "loading it without verifying its contents")
+        say(
+            f"{field} {path} has no {CHECKSUM_FILE} (saved before checksums were recorded): "
+            "loading it without verifying its contents"
+        )
 
 
 # ----------------------------------------------------------------------------- resume: same model
@@ -323,7 +344,7 @@ def _hf_config(ckpt_dir: Path) -> dict:
     return json.loads((Path(ckpt_dir) / mcore_io.HF_SUBDIR / "config.json").read_text())
 
 
-def check_same_model(run_ckpt: Path, mcore_path: Path) -> Optional[str]:
+def check_same_model(run_ckpt: Path, mcore_path: Path) -> str | None:
     """The run's checkpoint wins a resume. Another architecture in model.mcore_path is an error;
     the same architecture converted from another source a warning (returned); None if it matches."""
     from moe_sft.plan.shapes import shape_from_hf_dict
@@ -333,16 +354,22 @@ def check_same_model(run_ckpt: Path, mcore_path: Path) -> Optional[str]:
     base_shape = shape_from_hf_dict(_hf_config(mcore_path), name="run")
     base_of_run = run_meta.get("base_mcore_path") or run_meta.get("source", "?")
     if run_shape != base_shape:
-        diffs = [f"{f}={getattr(run_shape, f)} vs {getattr(base_shape, f)}" for f in run_shape.__dataclass_fields__
-                 if getattr(run_shape, f) != getattr(base_shape, f)]
+        diffs = [
+            f"{f}={getattr(run_shape, f)} vs {getattr(base_shape, f)}"
+            for f in run_shape.__dataclass_fields__
+            if getattr(run_shape, f) != getattr(base_shape, f)
+        ]
         raise CheckpointIntegrityError(
             f"resume checkpoint {run_ckpt} holds another model than model.mcore_path={str(mcore_path)!r} "
             f"({', '.join(diffs[:6])}; run checkpoint vs model.mcore_path). The run was trained from "
             f"{base_of_run} (HF source {run_meta.get('source', '?')}). To train the new model, use a new "
             f"trainer.output_dir (or checkpoint.resume=never); to resume this run, point model.mcore_path back "
-            f"at {base_of_run}")
+            f"at {base_of_run}"
+        )
     if run_meta.get("source") == base_meta.get("source"):
         return None
-    return (f"warning: resuming from this run's own checkpoint {run_ckpt} (trained from {base_of_run}, HF source "
-            f"{run_meta.get('source', '?')}); model.mcore_path={str(mcore_path)!r} (HF source "
-            f"{base_meta.get('source', '?')}) has the same architecture and is not used")
+    return (
+        f"warning: resuming from this run's own checkpoint {run_ckpt} (trained from {base_of_run}, HF source "
+        f"{run_meta.get('source', '?')}); model.mcore_path={str(mcore_path)!r} (HF source "
+        f"{base_meta.get('source', '?')}) has the same architecture and is not used"
+    )

@@ -12,7 +12,7 @@ the router (top-k, aux loss, our routing statistics), the permutation, the group
 the combine and the residual add; the padding mask is a static input too (all False for a
 micro-batch without padding). Attention stays eager: its kernels depend on the documents of a
 micro-batch (cu_seqlens, max length), the MoE half only on the token count. With EP x TP = 1 the
-dropless dispatch has no host sync and fixed sizes (moe_sft/layers/permute.py), so one graph
+dropless dispatch has no host sync and fixed sizes (moe_sft/kernels/permute.py), so one graph
 serves every micro-batch of that length; micro-batches are padded to `data.pack_length`.
 
 What the graphs rely on, and how it is kept true:
@@ -26,7 +26,7 @@ What the graphs rely on, and how it is kept true:
 - In-place state is captured by address: main grads, the aux-loss tracker and scale
   (`set_loss_scale` copies in place), the routing statistics, the expert-bias token counts.
   Capture runs warm-up iterations that add into all of them; `reset_after_capture` clears them.
-- The expert wgrad's side stream (moe_sft/layers/wgrad.py) would fork inside the capture and join
+- The expert wgrad's side stream (moe_sft/kernels/wgrad.py) would fork inside the capture and join
   outside it: graphs keep it on the compute stream.
 Not graphable, refused with the reason (`ineligible`): CPU, TP/EP/CP/PP > 1, recompute,
 activation offload, overlapped gradient reduction or parameter all-gather (DDP's hooks would not
@@ -37,75 +37,57 @@ own graphs and DDP reduces the main grads after the backward.
 from __future__ import annotations
 
 import contextlib
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
-# 0: capture, then run every layer eagerly anyway: the same padding, data and stream use, for
-# parity checks and A/B timings (tests/gpu/test_gpu_cuda_graphs.py, benchmarks/gpu/ab_steps.py)
-REPLAY = os.environ.get("MOE_SFT_CUDA_GRAPHS_REPLAY", "1") != "0"
+from moe_sft.config.validate import cuda_graphs_ineligible as ineligible  # noqa: F401  (the rules are config checks)
 
-
-def ineligible(device: str, cfg) -> list[str]:
-    """Why `trainer.cuda_graphs` cannot be used with this run's layout (empty: it can)."""
-    parallel, model, reasons = cfg.parallel, cfg.model, []
-    if device != "cuda":
-        reasons.append(f"trainer.device={device}: CUDA graphs need CUDA")
-    for name in ("tensor_model_parallel_size", "expert_model_parallel_size", "context_parallel_size",
-                 "pipeline_model_parallel_size"):
-        if getattr(parallel, name) != 1:
-            reasons.append(f"parallel.{name}={getattr(parallel, name)}: the graphed MoE half needs 1 (its "
-                           "dispatch then has fixed sizes and no host sync; PP > 1 keeps several micro-batches "
-                           "in flight, whose activations would share the graph's buffers)")
-    if (parallel.expert_tensor_parallel_size or 1) != 1:
-        reasons.append(f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: needs 1")
-    if parallel.overlap_grad_reduce or parallel.overlap_param_gather:
-        # The graphed weights whose gradient goes into main_grad inside the graph never reach
-        # autograd's accumulator, so DDP's hook never marks their bucket ready; without overlap
-        # the buckets are reduced after the backward regardless.
-        reasons.append("parallel.overlap_grad_reduce / overlap_param_gather=true: DDP's per-parameter hooks do "
-                       "not run for the weights inside a graph")
-    if model.recompute_granularity:
-        reasons.append(f"model.recompute_granularity={model.recompute_granularity}: recompute re-runs the "
-                       "forward inside the backward; use one or the other")
-    if model.activation_offload_modules:
-        reasons.append("model.activation_offload_modules is set: offload moves activations the graph owns")
-    if cfg.trainer.offload_between_steps:
-        reasons.append("trainer.offload_between_steps=true: moving the weights and grads moves what the graphs "
-                       "read and write")
-    return reasons
+# False (trainer.cuda_graphs_replay=false, set by capture_moe_graphs): capture, then run every layer
+# eagerly anyway: the same padding, data and stream use, for parity checks and A/B timings
+# (tests/gpu/test_gpu_cuda_graphs.py, benchmarks/gpu/ab_steps.py)
+REPLAY = True
 
 
 def moe_layers(chunks) -> list:
     """The decoder's MoE TransformerLayers of the (DDP-wrapped) chunks, in forward order."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    return [layer for chunk in chunks for layer in get_attr_wrapped_model(chunk, "decoder").layers
-            if getattr(layer, "is_moe_layer", False)]
+    return [
+        layer
+        for chunk in chunks
+        for layer in get_attr_wrapped_model(chunk, "decoder").layers
+        if getattr(layer, "is_moe_layer", False)
+    ]
 
 
 @dataclass
 class _LayerGraph:
     """One layer's captured forward and backward, and the static buffers they read and write."""
-    eager: Callable                      # the layer's own _forward_mlp
-    params: list                         # weights whose gradient the graph returns (graph inputs)
-    fused: list                          # weights whose gradient the graph adds into main_grad
-    static_in: torch.Tensor
-    static_mask: torch.Tensor            # [1, tokens] padding mask (all False for a batch without padding)
-    static_out: Optional[torch.Tensor] = None
-    static_grad_out: Optional[torch.Tensor] = None
-    static_grads: tuple = ()
-    fwd: Optional[torch.cuda.CUDAGraph] = None
-    bwd: Optional[torch.cuda.CUDAGraph] = None
-    replays: int = 0
-    eager_calls: int = 0                 # training forwards that did not match (another length)
 
-    def matches(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> bool:
+    eager: Callable  # the layer's own _forward_mlp
+    params: list  # weights whose gradient the graph returns (graph inputs)
+    fused: list  # weights whose gradient the graph adds into main_grad
+    static_in: torch.Tensor
+    static_mask: torch.Tensor  # [1, tokens] padding mask (all False for a batch without padding)
+    static_out: torch.Tensor | None = None
+    static_grad_out: torch.Tensor | None = None
+    static_grads: tuple = ()
+    fwd: torch.cuda.CUDAGraph | None = None
+    bwd: torch.cuda.CUDAGraph | None = None
+    replays: int = 0
+    eager_calls: int = 0  # training forwards that did not match (another length)
+
+    def matches(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> bool:
         s = self.static_in
-        return (x.shape == s.shape and x.dtype == s.dtype and x.device == s.device and x.requires_grad
-                and (padding_mask is None or padding_mask.shape == self.static_mask.shape))
+        return (
+            x.shape == s.shape
+            and x.dtype == s.dtype
+            and x.device == s.device
+            and x.requires_grad
+            and (padding_mask is None or padding_mask.shape == self.static_mask.shape)
+        )
 
     def run(self, x: torch.Tensor):
         return self.eager(x, None, padding_mask=self.static_mask)
@@ -118,7 +100,7 @@ class _LayerGraph:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graph: _LayerGraph, x: torch.Tensor, padding_mask: Optional[torch.Tensor], *params):
+    def forward(ctx, graph: _LayerGraph, x: torch.Tensor, padding_mask: torch.Tensor | None, *params):
         graph.static_in.copy_(x)
         if padding_mask is None:
             graph.static_mask.zero_()
@@ -146,14 +128,17 @@ def _trainable(modules) -> list:
     return out
 
 
-def capture_moe_graphs(chunks, tokens: int, warmup: int = 2) -> list[_LayerGraph]:
+def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True) -> list[_LayerGraph]:
     """Capture every MoE layer's `_forward_mlp` for `tokens`-token micro-batches and route the layer's
-    training forward through the replay; replaces the graphs of an earlier call (one length at a
-    time). Call `reset_after_capture` afterwards: the warm-up iterations had side effects."""
+    training forward through the replay (`replay`=False: captured, but run eagerly); replaces the
+    graphs of an earlier call (one length at a time). Call `reset_after_capture` afterwards: the
+    warm-up iterations had side effects."""
+    global REPLAY
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from moe_sft.layers import wgrad
+    from moe_sft.kernels import wgrad
 
+    REPLAY = replay
     layers = moe_layers(chunks)
     if not layers:
         return []
@@ -174,8 +159,9 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2) -> list[_LayerGraph
             p.grad_added_to_main_grad = False
         x = torch.randn(tokens, 1, config.hidden_size, dtype=config.params_dtype, device="cuda", requires_grad=True)
         mask = torch.zeros(1, tokens, dtype=torch.bool, device="cuda")  # megatron's [b, s] padding mask
-        graphs.append(_LayerGraph(eager=layer._moe_sft_eager_mlp, params=weights, fused=[], static_in=x,
-                                  static_mask=mask))
+        graphs.append(
+            _LayerGraph(eager=layer._moe_sft_eager_mlp, params=weights, fused=[], static_in=x, static_mask=mask)
+        )
 
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
@@ -209,8 +195,9 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2) -> list[_LayerGraph
     for graph, aliases in reversed(list(zip(graphs, leaves))):
         graph.static_grad_out = torch.empty_like(graph.static_out)
         with torch.cuda.graph(graph.bwd, pool=pool):
-            grads = torch.autograd.grad(graph.static_out, [graph.static_in, *aliases],
-                                        graph.static_grad_out, allow_unused=True)
+            grads = torch.autograd.grad(
+                graph.static_out, [graph.static_in, *aliases], graph.static_grad_out, allow_unused=True
+            )
         graph.static_grads = tuple(g.detach() if g is not None else None for g in grads)
         graph.static_out = graph.static_out.detach()  # frees the captured autograd graph
     for layer, graph in zip(layers, graphs):
@@ -221,8 +208,13 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2) -> list[_LayerGraph
 @contextlib.contextmanager
 def _aliased(layer, params):
     """Swap each of `params` in its module for a new leaf Parameter on the same storage; restore."""
-    owners = {id(p): (module, name) for top in (layer.pre_mlp_layernorm, layer.mlp)
-              for module in top.modules() for name, p in module._parameters.items() if p is not None}
+    owners = {
+        id(p): (module, name)
+        for top in (layer.pre_mlp_layernorm, layer.mlp)
+        for module in top.modules()
+        for name, p in module._parameters.items()
+        if p is not None
+    }
     slots = [owners[id(p)] for p in params]
     aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in params]
     try:
@@ -245,6 +237,7 @@ def _dispatch(layer):
                 return _Replay.apply(graph, hidden_states, padding_mask, *graph.params)
             graph.eager_calls += 1
         return layer._moe_sft_eager_mlp(hidden_states, inference_context, padding_mask=padding_mask)
+
     return forward_mlp
 
 
@@ -264,10 +257,12 @@ def reset_after_capture(chunks, routing_stats=None) -> None:
             counts.zero_()
 
 
-def captured_length(chunks) -> Optional[int]:
+def captured_length(chunks) -> int | None:
     """The micro-batch length the MoE layers' graphs were captured for (None: none are)."""
-    lengths = {getattr(layer, "_moe_sft_graph", None) and layer._moe_sft_graph.static_in.shape[0]
-               for layer in moe_layers(chunks)}
+    lengths = {
+        getattr(layer, "_moe_sft_graph", None) and layer._moe_sft_graph.static_in.shape[0]
+        for layer in moe_layers(chunks)
+    }
     return lengths.pop() if len(lengths) == 1 else None
 
 

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 from moe_sft.data.packing import document_spans
 from moe_sft.models.shape import (  # noqa: F401  (the FLOP formula, re-exported for its callers)
-    PEAK_BF16_TFLOPS, ModelShape, attention_pair_flops, attention_pairs, attention_projection_flops,
-    default_peak_tflops, forward_flops, forward_flops_per_token, mlp_flops)
+    PEAK_BF16_TFLOPS,
+    ModelShape,
+    attention_pair_flops,
+    attention_pairs,
+    attention_projection_flops,
+    default_peak_tflops,
+    forward_flops,
+    forward_flops_per_token,
+    mlp_flops,
+)
 
 
 def document_lengths(mb) -> list[int]:

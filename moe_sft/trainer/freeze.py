@@ -25,7 +25,7 @@ def global_named_parameters(chunk):
     for name, param in chunk.named_parameters():
         if match := _LOCAL_LAYER.match(name):
             global_index = layers[int(match.group(1))].layer_number - 1  # layer_number is 1-based
-            name = f"decoder.layers.{global_index}." + name[match.end():]
+            name = f"decoder.layers.{global_index}." + name[match.end() :]
         yield name, param
 
 
@@ -47,8 +47,10 @@ def match_parameters(chunks, patterns: list[str], field: str, device: str) -> li
         example = next(iter(global_named_parameters(chunks[0])), ("?", None))[0]
         from moe_sft.config import ConfigError
 
-        raise ConfigError(f"{field} {unmatched} match no parameter on any rank; names "
-                         f"look like {example!r} (global layer numbers; fnmatch: * matches dots too)")
+        raise ConfigError(
+            f"{field} {unmatched} match no parameter on any rank; names "
+            f"look like {example!r} (global layer numbers; fnmatch: * matches dots too)"
+        )
     return found
 
 
@@ -78,5 +80,6 @@ def weight_decay_overrides(optimizer_config, chunks, patterns: list[str], device
     ids = {id(param) for _, param in found}
     # the predicate's name keys the param group; it is the same on every rank
     overrides[ParamKey(predicate=ParamPredicate(name="no_weight_decay_patterns", fn=lambda p: id(p) in ids))] = {
-        "wd_mult": 0.0}
+        "wd_mult": 0.0
+    }
     return overrides, len(found)

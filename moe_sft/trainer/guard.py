@@ -68,7 +68,8 @@ class SkipCounter:
                 f"steps {self.in_a_row[0]}..{self.in_a_row[-1]}: {len(self.in_a_row)} steps in a row "
                 f"had a non-finite loss or gradient norm (last: loss={loss}, grad_norm={grad_norm}); "
                 "the run stops rather than train on garbage. Lower optimizer.lr, check the data of "
-                "these steps, or raise trainer.max_skipped_steps_in_a_row")
+                "these steps, or raise trainer.max_skipped_steps_in_a_row"
+            )
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -96,16 +97,19 @@ class ZeroGradStreak:
             self.streaks[-1][1] = step
             return None
         self.streaks.append([self.current[0], step])
-        return (f"warning: gradient norm exactly 0 for {len(self.current)} steps in a row (steps "
-                f"{self.current[0]}..{step}; loss {loss:.4g}, lr {lr:.3g}): nothing is training. The model "
-                "has probably collapsed (too high optimizer.lr?) or every parameter is frozen; the run "
-                "goes on")
+        return (
+            f"warning: gradient norm exactly 0 for {len(self.current)} steps in a row (steps "
+            f"{self.current[0]}..{step}; loss {loss:.4g}, lr {lr:.3g}): nothing is training. The model "
+            "has probably collapsed (too high optimizer.lr?) or every parameter is frozen; the run "
+            "goes on"
+        )
 
     def summary(self) -> str | None:
         if not self.streaks:
             return None
         return "gradient norm exactly 0 in steps " + ", ".join(
-            f"{first}..{last} ({last - first + 1} steps)" for first, last in self.streaks)
+            f"{first}..{last} ({last - first + 1} steps)" for first, last in self.streaks
+        )
 
 
 class StopRequest:
@@ -158,9 +162,3 @@ def shield_helper_process(parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=exit_with_parent, name="moe-sft-parent-watch", daemon=True).start()
-
-
-def injected_fault(name: str, step: int) -> bool:
-    """Test hook: MOE_SFT_FAULT_<NAME>=3,4 fires at those steps (1-based, as logged)."""
-    value = os.environ.get(f"MOE_SFT_FAULT_{name.upper()}", "")
-    return str(step) in value.split(",")

@@ -35,9 +35,9 @@ ENABLED = True  # benchmarks/gpu/ab_steps.py switches it off to measure it
 
 @dataclass
 class LossRows:
-    rows: torch.Tensor       # [N] int64: positions in the depth-concatenated hidden states, depth-major
-    targets: torch.Tensor    # [1, N] int64: each row's label
-    weights: torch.Tensor    # [1, N] float32: each row's loss weight (> 0, except a lone placeholder row)
+    rows: torch.Tensor  # [N] int64: positions in the depth-concatenated hidden states, depth-major
+    targets: torch.Tensor  # [1, N] int64: each row's label
+    weights: torch.Tensor  # [1, N] float32: each row's loss weight (> 0, except a lone placeholder row)
     counts: tuple[int, ...]  # rows per depth, the main head first
 
 
@@ -69,11 +69,15 @@ def host_loss_rows(labels: np.ndarray, loss_mask: np.ndarray, cu_seqlens: np.nda
 
 
 def loss_rows(mb: PackedMicroBatch, depths: int, device: str) -> LossRows:
-    rows, targets, weights, counts = host_loss_rows(mb.labels.numpy(), mb.loss_mask.numpy(), mb.cu_seqlens.numpy(),
-                                                    depths)
-    return LossRows(host_to_device(torch.from_numpy(rows), device),
-                    host_to_device(torch.from_numpy(targets).long()[None], device),
-                    host_to_device(torch.from_numpy(weights)[None], device), counts)
+    rows, targets, weights, counts = host_loss_rows(
+        mb.labels.numpy(), mb.loss_mask.numpy(), mb.cu_seqlens.numpy(), depths
+    )
+    return LossRows(
+        host_to_device(torch.from_numpy(rows), device),
+        host_to_device(torch.from_numpy(targets).long()[None], device),
+        host_to_device(torch.from_numpy(weights)[None], device),
+        counts,
+    )
 
 
 def applies(cp_size: int) -> bool:

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from megatron.core.transformer.moe import moe_utils
 
-
-AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                  "global_aux_loss": "global_load_balancing_loss"}
+AUX_LOSS_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
 
 
 def aux_loss_names(config) -> list[str]:
@@ -45,8 +47,12 @@ def moe_aux_losses(config, num_microbatches: int) -> dict[str, float]:
     for name in names:
         if name not in tracker:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            tracker[name] = {"values": torch.zeros(layers, device=device), "reduce_group": None,
-                             "avg_group": None, "reduce_group_has_dp": False}
+            tracker[name] = {
+                "values": torch.zeros(layers, device=device),
+                "reduce_group": None,
+                "avg_group": None,
+                "reduce_group_has_dp": False,
+            }
     moe_utils.reduce_aux_losses_tracker_across_ranks(names)
     out = {}
     for name in names:
@@ -69,11 +75,16 @@ class Histogram:
         if not ids:
             return
         writer.add_histogram_raw(
-            tag, min=float(ids[0]), max=float(ids[-1]), num=float(sum(self.counts)),
+            tag,
+            min=float(ids[0]),
+            max=float(ids[-1]),
+            num=float(sum(self.counts)),
             sum=float(sum(i * c for i, c in enumerate(self.counts))),
             sum_squares=float(sum(i * i * c for i, c in enumerate(self.counts))),
-            bucket_limits=[i + 0.5 for i in range(len(self.counts))], bucket_counts=list(self.counts),
-            global_step=step)
+            bucket_limits=[i + 0.5 for i in range(len(self.counts))],
+            bucket_counts=list(self.counts),
+            global_step=step,
+        )
 
 
 def on_console(name: str) -> bool:
@@ -99,8 +110,9 @@ class MetricsLogger:
             else:
                 self.writer.add_scalar(name, value, step)
         self.writer.flush()
-        shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()
-                         if on_console(k) and not isinstance(v, Histogram))
+        shown = " ".join(
+            f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if on_console(k) and not isinstance(v, Histogram)
+        )
         print(f"{label} {step}/{max_steps} {shown}", flush=True)
 
     def close(self) -> None:
@@ -137,8 +149,12 @@ def peak_memory_per_rank(device: str, earlier_gib: tuple[float, float] = (0.0, 0
 
     if device != "cuda":
         return []
-    mine = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
-                        dtype=torch.float64, device="cuda") / 2**30
+    mine = (
+        torch.tensor(
+            [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], dtype=torch.float64, device="cuda"
+        )
+        / 2**30
+    )
     mine = torch.maximum(mine, torch.tensor(earlier_gib, dtype=torch.float64, device="cuda"))
     every = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64, device="cuda")
     dist.all_gather_into_tensor(every, mine)

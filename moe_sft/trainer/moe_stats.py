@@ -24,7 +24,6 @@ ranks without sequence parallelism route the same tokens, so only TP rank 0 cont
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -57,8 +56,9 @@ class MoERoutingStats:
         self.routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         for router in self.routers:
             self._wrap(router)
-        self.initial_bias = {r.layer_number: r.expert_bias.detach().float().clone()
-                             for r in self.routers if r.expert_bias is not None}
+        self.initial_bias = {
+            r.layer_number: r.expert_bias.detach().float().clone() for r in self.routers if r.expert_bias is not None
+        }
 
     @property
     def has_expert_bias(self) -> bool:
@@ -76,8 +76,9 @@ class MoERoutingStats:
         router.routing = routing_with_stats
 
     @torch.no_grad()
-    def record(self, layer_number: int, logits: torch.Tensor, routing_map: torch.Tensor,
-               padding_mask: Optional[torch.Tensor]) -> None:
+    def record(
+        self, layer_number: int, logits: torch.Tensor, routing_map: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> None:
         """Add one micro-batch of one layer: logits [.., E], routing_map [tokens, E], padding [..]."""
         if not 1 <= layer_number <= self.num_slots:
             raise ValueError(f"router layer_number={layer_number} outside 1..{self.num_slots}")
@@ -93,8 +94,8 @@ class MoERoutingStats:
             tokens = real.sum()
         slot = self.acc[layer_number - 1]  # in-place adds of device tensors or Python ints: no sync
         slot[:experts].add_(routing_map.sum(0))
-        slot[experts:experts + 1].add_(entropy.sum())
-        slot[experts + 1:].add_(tokens)
+        slot[experts : experts + 1].add_(entropy.sum())
+        slot[experts + 1 :].add_(tokens)
 
     def take(self, tokens_weight: float, bias_weight: float) -> torch.Tensor:
         """This rank's share of the step's statistics, flattened for the all-reduce; resets.
@@ -127,14 +128,17 @@ def layer_stats(counts: torch.Tensor, entropy_sum: float, tokens: float) -> dict
     experts = counts.numel()
     total = float(counts.sum())
     share = counts / total
-    return {"max_load_ratio": float(counts.max()) / (total / experts),
-            "dead_experts": float((counts == 0).sum()),
-            "router_entropy": entropy_sum / tokens / math.log(experts),
-            "load_entropy": float(torch.special.entr(share).sum()) / math.log(experts)}
+    return {
+        "max_load_ratio": float(counts.max()) / (total / experts),
+        "dead_experts": float((counts == 0).sum()),
+        "router_entropy": entropy_sum / tokens / math.log(experts),
+        "load_entropy": float(torch.special.entr(share).sum()) / math.log(experts),
+    }
 
 
-def routing_metrics(counts: torch.Tensor, entropy_sum: torch.Tensor, tokens: torch.Tensor,
-                    drift: Optional[torch.Tensor] = None) -> dict:
+def routing_metrics(
+    counts: torch.Tensor, entropy_sum: torch.Tensor, tokens: torch.Tensor, drift: torch.Tensor | None = None
+) -> dict:
     """Per-layer and summary metrics; rows with no routed tokens (dense layers, MTP when not run)
     are skipped. Per-layer names: moe/layer_{i}/... with i the 0-based layer index as in HF
     (MTP layer k is num_layers + k). Summaries: worst max/mean load, total dead experts, mean

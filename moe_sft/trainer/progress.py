@@ -37,7 +37,9 @@ class Progress:
         return sum(self.durations) / len(self.durations) if self.durations else None
 
     def line(self, step: int, max_steps: int) -> str:
-        head = f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.1f}%) elapsed {hms(self.last - self.start)}"
+        head = (
+            f"step {step}/{max_steps} ({100.0 * step / max(max_steps, 1):.1f}%) elapsed {hms(self.last - self.start)}"
+        )
         per = self.seconds_per_step()
         if per is None:
             return f"{head} ETA --:--:-- (after the warm-up step)"

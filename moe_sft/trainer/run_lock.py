@@ -44,24 +44,29 @@ def check_output_dir(out: Path) -> None:
     out = Path(out)
     for path in (out, *out.parents):
         if path.exists() and not path.is_dir():
-            raise ConfigError(f"trainer.output_dir={out}: {path} is a file, not a directory; "
-                              "remove it or set trainer.output_dir to another path")
+            raise ConfigError(
+                f"trainer.output_dir={out}: {path} is a file, not a directory; "
+                "remove it or set trainer.output_dir to another path"
+            )
         if path.exists():
             return
 
 
 def _body() -> dict:
     started = time.time()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": started,
-            "started_at": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
-            "command": " ".join([sys.executable, *sys.argv]),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": started,
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
 
 
 def describe(holder: dict) -> str:
     job = f", slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
-    return (f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} "
-            f"(started {holder.get('started_at', '?')}{job})")
+    return f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} (started {holder.get('started_at', '?')}{job})"
 
 
 def _read(fd: int) -> dict | None:
@@ -127,7 +132,8 @@ class RunLock:
             raise RunLockError(
                 f"{path.parent} is in use by another run: {describe(holder)}, command: "
                 f"{holder.get('command', '?')}. Stop that run, or set trainer.output_dir to another "
-                f"directory (the lock is {path})") from None
+                f"directory (the lock is {path})"
+            ) from None
         except OSError as err:
             if err.errno not in _NO_FLOCK:
                 raise
@@ -137,14 +143,18 @@ class RunLock:
             return None
         same_job = holder.get("slurm_job_id") and holder.get("slurm_job_id") == os.environ.get("SLURM_JOB_ID")
         if not flock and not same_job and holder_alive(holder):
-            raise RunLockError(f"{path.parent} is in use by another run: {describe(holder)} is alive "
-                               f"(flock is not supported here; {path} names it). Stop that run, or set "
-                               "trainer.output_dir to another directory")
+            raise RunLockError(
+                f"{path.parent} is in use by another run: {describe(holder)} is alive "
+                f"(flock is not supported here; {path} names it). Stop that run, or set "
+                "trainer.output_dir to another directory"
+            )
         if same_job:
             why = "the same slurm job, requeued"
         elif holder.get("host") != socket.gethostname():
-            why = ("its lock is free here; if that run is still alive (flock not shared across nodes "
-                   "on this filesystem), stop one of them")
+            why = (
+                "its lock is free here; if that run is still alive (flock not shared across nodes "
+                "on this filesystem), stop one of them"
+            )
         elif holder_alive(holder):
             why = "its process holds no lock"
         else:
@@ -201,12 +211,17 @@ def disk_full_message(err: BaseException, out: Path, remove_partial: bool) -> st
             shutil.rmtree(path, ignore_errors=True)
     pointer = root / "latest"
     latest = pointer.read_text().strip() if pointer.is_file() else None
-    return (f"no space left writing {where} ({_size(usage.free)} free of {_size(usage.total)} "
-            "on that filesystem): "
-            + (f"removed the partial {', '.join(p.name for p in partial)}; " if remove_partial and partial else "")
-            + (f"checkpoints/latest still names step {int(latest)}" if latest and latest.isdigit()
-               else "no checkpoint was completed")
-            + "; free space (or lower checkpoint.keep_last) and run the same command again")
+    return (
+        f"no space left writing {where} ({_size(usage.free)} free of {_size(usage.total)} "
+        "on that filesystem): "
+        + (f"removed the partial {', '.join(p.name for p in partial)}; " if remove_partial and partial else "")
+        + (
+            f"checkpoints/latest still names step {int(latest)}"
+            if latest and latest.isdigit()
+            else "no checkpoint was completed"
+        )
+        + "; free space (or lower checkpoint.keep_last) and run the same command again"
+    )
 
 
 def _size(n: int) -> str:

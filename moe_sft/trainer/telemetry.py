@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from moe_sft.runtime.logs import get_logger
 from moe_sft.trainer import flops
 from moe_sft.trainer.moe_stats import MoERoutingStats
 from moe_sft.trainer.progress import Progress
 
 GIB = 1024**3
+log = get_logger(__name__)
 
 
 def resolve_peak_tflops(configured: float, device: str, precision: str) -> tuple[float | None, str]:
@@ -36,8 +38,19 @@ def resolve_peak_tflops(configured: float, device: str, precision: str) -> tuple
 
 
 class Telemetry:
-    def __init__(self, *, config, model_chunks, vocab_size: int, run_mtp: bool, device: str,
-                 precision: str, peak_tflops: float, log_interval: int, max_steps: int):
+    def __init__(
+        self,
+        *,
+        config,
+        model_chunks,
+        vocab_size: int,
+        run_mtp: bool,
+        device: str,
+        precision: str,
+        peak_tflops: float,
+        log_interval: int,
+        max_steps: int,
+    ):
         self.device, self.log_interval, self.max_steps = device, log_interval, max_steps
         self.shape = flops.ModelShape.from_config(config, vocab_size, run_mtp=run_mtp)
         self.moe = MoERoutingStats(model_chunks, config, device) if config.num_moe_experts else None
@@ -46,24 +59,27 @@ class Telemetry:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         # Who contributes what to the sum (see the module docstring and moe_stats):
         self.tokens_weight = float(config.sequence_parallel or tp_rank == 0)
-        self.bias_weight = float(tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
-        self.data_weight = float(tp_rank == 0 and parallel_state.get_context_parallel_rank() == 0
-                                 and parallel_state.get_pipeline_model_parallel_rank() == 0)
+        self.bias_weight = float(
+            tp_rank == 0 and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        )
+        self.data_weight = float(
+            tp_rank == 0
+            and parallel_state.get_context_parallel_rank() == 0
+            and parallel_state.get_pipeline_model_parallel_rank() == 0
+        )
         self.progress = Progress()
         self.run_peak_gib = (0.0, 0.0)  # this rank's (allocated, reserved) peak over all steps so far
         if self.rank == 0:
             per_token = sum(flops.forward_flops_per_token(self.shape).values())
-            mfu = (f"MFU against {self.peak:g} TFLOP/s per GPU ({peak_source})" if self.peak
-                   else f"MFU not reported: {peak_source}")
-            print(f"[moe-sft] telemetry: model FLOPs per token {3 * per_token / 1e9:.4g} GFLOP "
-                  f"(forward+backward, plus attention over each document); {mfu}", flush=True)
-
-    @classmethod
-    def for_trainer(cls, trainer) -> "Telemetry":
-        t = trainer.cfg.trainer
-        return cls(config=trainer.tconfig, model_chunks=trainer.model, vocab_size=trainer.hf_cfg.vocab_size,
-                   run_mtp=trainer.train_mtp, device=trainer.rt.device, precision=trainer.rt.precision,
-                   peak_tflops=t.peak_tflops, log_interval=t.log_interval, max_steps=t.max_steps)
+            mfu = (
+                f"MFU against {self.peak:g} TFLOP/s per GPU ({peak_source})"
+                if self.peak
+                else f"MFU not reported: {peak_source}"
+            )
+            log.info(
+                f"telemetry: model FLOPs per token {3 * per_token / 1e9:.4g} GFLOP "
+                f"(forward+backward, plus attention over each document); {mfu}"
+            )
 
     def _local_vector(self, micro_batches) -> torch.Tensor:
         parts = [self.moe.take(self.tokens_weight, self.bias_weight)] if self.moe else []
@@ -74,7 +90,9 @@ class Telemetry:
             memory[self.rank] = torch.cuda.max_memory_allocated() / GIB
             memory[self.world + self.rank] = torch.cuda.max_memory_reserved() / GIB
             # the next step's peak starts now; this rank's peak over the run is kept here instead
-            self.run_peak_gib = tuple(max(a, float(b)) for a, b in zip(self.run_peak_gib, memory[self.rank::self.world]))
+            self.run_peak_gib = tuple(
+                max(a, float(b)) for a, b in zip(self.run_peak_gib, memory[self.rank :: self.world])
+            )
             torch.cuda.reset_peak_memory_stats()
         host = torch.cat([torch.tensor([float(step_flops), float(real_tokens)], dtype=torch.float64), memory])
         return torch.cat(parts + [host.to(self.device)])
@@ -90,8 +108,8 @@ class Telemetry:
         if self.rank != 0:
             return {}
         reduced = vector.cpu()
-        metrics = self.moe.metrics(reduced[:self.moe.size()]) if self.moe else {}
-        host = reduced[self.moe.size() if self.moe else 0:]
+        metrics = self.moe.metrics(reduced[: self.moe.size()]) if self.moe else {}
+        host = reduced[self.moe.size() if self.moe else 0 :]
         step_tflop = float(host[0]) / 1e12
         tflops_per_gpu = step_tflop / max(seconds, 1e-9) / self.world
         metrics["perf/tflops_per_gpu"] = tflops_per_gpu
@@ -100,8 +118,8 @@ class Telemetry:
         metrics["perf/detail/model_tflop_per_step"] = step_tflop
         metrics["perf/detail/real_tokens"] = float(host[1])
         if self.device == "cuda":
-            metrics["memory/max_allocated_gib"] = float(host[2:2 + self.world].max())
-            metrics["memory/max_reserved_gib"] = float(host[2 + self.world:].max())
+            metrics["memory/max_allocated_gib"] = float(host[2 : 2 + self.world].max())
+            metrics["memory/max_reserved_gib"] = float(host[2 + self.world :].max())
         if (step + 1) % self.log_interval == 0 or step + 1 == self.max_steps:
-            print(f"[moe-sft] {self.progress.line(step + 1, self.max_steps)}", flush=True)
+            log.info(self.progress.line(step + 1, self.max_steps))
         return metrics

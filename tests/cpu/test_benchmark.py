@@ -37,14 +37,45 @@ def _benchmark():
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     tool = _benchmark()
-    common = ["--budgets", ",".join(map(str, BUDGETS)), "--tokens-per-step", str(TOKENS_PER_STEP), "--warmup", "0",
-              "--steps", str(STEPS), "--profile-steps", "1", "--device", "cpu", "--out", str(out)]
+    common = [
+        "--budgets",
+        ",".join(map(str, BUDGETS)),
+        "--tokens-per-step",
+        str(TOKENS_PER_STEP),
+        "--warmup",
+        "0",
+        "--steps",
+        str(STEPS),
+        "--profile-steps",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     try:
         assert tool.main(["compare", "--model", "tiny", *common]) == 0
-        assert tool.main(["train", "--arm", "moe-sft", "--model", "tiny_dsv3", *common[:1], "128",
-                          *common[2:]]) == 0
-        assert tool.main(["ceilings", "--model", "tiny", "--budget", "128", "--warmup", "0", "--iters", "1",
-                          "--device", "cpu", "--out", str(out)]) == 0
+        assert tool.main(["train", "--arm", "moe-sft", "--model", "tiny_dsv3", *common[:1], "128", *common[2:]]) == 0
+        assert (
+            tool.main(
+                [
+                    "ceilings",
+                    "--model",
+                    "tiny",
+                    "--budget",
+                    "128",
+                    "--warmup",
+                    "0",
+                    "--iters",
+                    "1",
+                    "--device",
+                    "cpu",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         distributed.destroy()  # leave no process group behind for other test modules
     return json.loads((out / "benchmark.json").read_text()), (out / "benchmark.md").read_text()
@@ -58,10 +89,26 @@ def test_every_run_is_complete(report):
     data, _ = report
     runs = _runs(data, "tiny")
     assert sorted((r["arm"], r["budget"]) for r in runs) == sorted(
-        (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS)
-    keys = {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu_pct", "peak_allocated_gib", "peak_reserved_gib",
-            "phases_ms", "profiled_step_seconds", "step_seconds", "model_flop", "real_tokens", "losses",
-            "implementation", "host_syncs", "step_events", "step_real_tokens", "step_model_flop"}
+        (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS
+    )
+    keys = {
+        "tokens_per_s_per_gpu",
+        "tflops_per_gpu",
+        "mfu_pct",
+        "peak_allocated_gib",
+        "peak_reserved_gib",
+        "phases_ms",
+        "profiled_step_seconds",
+        "step_seconds",
+        "model_flop",
+        "real_tokens",
+        "losses",
+        "implementation",
+        "host_syncs",
+        "step_events",
+        "step_real_tokens",
+        "step_model_flop",
+    }
     for r in runs + _runs(data, "tiny_dsv3"):
         assert r["status"] == "ok", r
         assert keys <= set(r), keys - set(r)
@@ -93,8 +140,10 @@ def test_mtp_is_counted_for_deepseek(report):
     data, _ = report
     (r,) = _runs(data, "tiny_dsv3")
     assert r["mtp_trained"] is True
-    with_mtp, without = (sum(flops.forward_flops_per_token(model_shape("tiny_dsv3", r["layers"], run_mtp=m)).values())
-                         for m in (True, False))
+    with_mtp, without = (
+        sum(flops.forward_flops_per_token(model_shape("tiny_dsv3", r["layers"], run_mtp=m)).values())
+        for m in (True, False)
+    )
     assert with_mtp > without
 
 
@@ -118,8 +167,10 @@ def test_phases_are_known_and_sum_to_at_most_the_step(report):
 def test_arms_saw_the_same_tokens(report):
     data, md = report
     for budget in BUDGETS:
-        ours, hf = (next(r for r in _runs(data, "tiny") if r["arm"] == arm and r["budget"] == budget)
-                    for arm in ("moe-sft", "transformers"))
+        ours, hf = (
+            next(r for r in _runs(data, "tiny") if r["arm"] == arm and r["budget"] == budget)
+            for arm in ("moe-sft", "transformers")
+        )
         assert ours["fed_digest"] == hf["fed_digest"] and ours["real_tokens"] == hf["real_tokens"]
         assert f"tiny L2 budget {budget}: moe-sft / transformers tokens/s =" in md
     assert "(same tokens)" in md and "DIFFERENT" not in md
@@ -129,8 +180,13 @@ def test_markdown_and_ceilings(report):
     data, md = report
     assert "CPU SMOKE RUN" in md
     kinds = {c["kind"] for c in data["ceilings"]}
-    assert kinds == {"matmul", "grouped_mm fwd", "grouped_mm fwd+bwd", "varlen attention fwd",
-                     "varlen attention fwd+bwd"}
+    assert kinds == {
+        "matmul",
+        "grouped_mm fwd",
+        "grouped_mm fwd+bwd",
+        "varlen attention fwd",
+        "varlen attention fwd+bwd",
+    }
     assert all(c["tflops"] > 0 for c in data["ceilings"])
     assert "| moe-sft | tiny | 2 | 1 (1) | 128 |" in md and "Ceilings" in md
 
@@ -141,10 +197,19 @@ def _event(eid, name, start, end, parent=None, device=False, kernels=(), annotat
     from torch.autograd import DeviceType
 
     span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
-    return SimpleNamespace(id=eid, name=name, time_range=span, cpu_parent=parent, thread=1, fwd_thread=1,
-                           sequence_nr=seq, is_user_annotation=annotation, self_cpu_time_total=end - start,
-                           device_type=DeviceType.CUDA if device else DeviceType.CPU,
-                           kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
+    return SimpleNamespace(
+        id=eid,
+        name=name,
+        time_range=span,
+        cpu_parent=parent,
+        thread=1,
+        fwd_thread=1,
+        sequence_nr=seq,
+        is_user_annotation=annotation,
+        self_cpu_time_total=end - start,
+        device_type=DeviceType.CUDA if device else DeviceType.CPU,
+        kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels],
+    )
 
 
 def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
@@ -154,17 +219,37 @@ def test_gpu_copies_of_cpu_ranges_are_not_counted_as_kernels():
     from benchmarks.phases import SCOPE, attribute_events
 
     scope = _event(1, SCOPE + "optimizer", 0, 100)
-    step = _event(2, "Optimizer.step#AdamW.step", 1, 99, parent=scope,
-                  kernels=[("Optimizer.step#AdamW.step", 5000.0), ("fused_adamw_kernel", 40.0),
-                           ("Buffer Flush", 40.0), ("Activity Buffer Request", 40.0)])  # the profiler's own
+    step = _event(
+        2,
+        "Optimizer.step#AdamW.step",
+        1,
+        99,
+        parent=scope,
+        kernels=[
+            ("Optimizer.step#AdamW.step", 5000.0),
+            ("fused_adamw_kernel", 40.0),
+            ("Buffer Flush", 40.0),
+            ("Activity Buffer Request", 40.0),
+        ],
+    )  # the profiler's own
     # ... and its host-side record of a full launch queue, with "kernels" of seconds attached
-    queue_full = _event(7, "Command Buffer Full", 3, 4, parent=scope, kernels=[("Command Buffer Full", 7e6),
-                                                                             ("fused_adamw_kernel", 7e6)])
-    events = [scope, step, queue_full,
-              _event(3, "Optimizer.step#AdamW.step", 2, 5002, device=True),        # the GPU-side copy
-              _event(4, "Optimizer.step#AdamW.step", 2, 5002, device=True, annotation=True),
-              _event(5, "fused_adamw_kernel", 10, 50, device=True),
-              _event(6, "stray_kernel", 60, 70, device=True)]                      # tied to no op
+    queue_full = _event(
+        7,
+        "Command Buffer Full",
+        3,
+        4,
+        parent=scope,
+        kernels=[("Command Buffer Full", 7e6), ("fused_adamw_kernel", 7e6)],
+    )
+    events = [
+        scope,
+        step,
+        queue_full,
+        _event(3, "Optimizer.step#AdamW.step", 2, 5002, device=True),  # the GPU-side copy
+        _event(4, "Optimizer.step#AdamW.step", 2, 5002, device=True, annotation=True),
+        _event(5, "fused_adamw_kernel", 10, 50, device=True),
+        _event(6, "stray_kernel", 60, 70, device=True),
+    ]  # tied to no op
     ops = {}
     totals = attribute_events(events, device=True, ops=ops)
     assert totals == {"optimizer": 40.0, "other": 10.0}
@@ -179,9 +264,14 @@ def test_the_adam_kernel_tied_to_no_op_counts_in_the_optimizer():
 
     scope = _event(1, SCOPE + "optimizer", 0, 100)
     norm = _event(2, "aten::_foreach_norm", 1, 9, parent=scope, kernels=[("multi_tensor_apply_kernel", 5.0)])
-    events = [scope, norm, _event(3, "multi_tensor_apply_kernel", 10, 15, device=True),
-              _event(4, "_adam_kernel", 20, 50, device=True), _event(5, "_adam_kernel", 50, 70, device=True),
-              _event(6, "stray_kernel", 80, 90, device=True)]
+    events = [
+        scope,
+        norm,
+        _event(3, "multi_tensor_apply_kernel", 10, 15, device=True),
+        _event(4, "_adam_kernel", 20, 50, device=True),
+        _event(5, "_adam_kernel", 50, 70, device=True),
+        _event(6, "stray_kernel", 80, 90, device=True),
+    ]
     ops = {}
     assert attribute_events(events, device=True, ops=ops) == {"optimizer": 55.0, "other": 10.0}
     assert ops[("optimizer", "_adam_kernel")] == 50.0
@@ -192,15 +282,17 @@ def test_the_adam_kernel_tied_to_no_op_counts_in_the_optimizer():
 def test_idle_gaps_sum_the_gpu_waits_by_the_kernel_that_ended_them():
     from benchmarks.phases import idle_gaps
 
-    events = [_event(1, "aten::mm", 0, 5),                              # a CPU op: not on the GPU timeline
-              _event(2, "gemm", 0, 100, device=True),
-              _event(3, "side_stream_kernel", 50, 150, device=True),   # overlaps: no gap before it
-              _event(4, "topk", 410, 420, device=True),                # waited 260 us
-              _event(5, "aten::mm", 500, 9000, device=True, annotation=True),
-              _event(6, "topk", 425, 430, device=True),                # 5 us: below the threshold
-              _event(7, "sum", 1430, 1440, device=True),               # waited 1000 us
-              _event(8, "Buffer Flush", 1500, 3000, device=True),
-              _event(9, "topk", 2440, 2450, device=True)]              # waited 1000 us
+    events = [
+        _event(1, "aten::mm", 0, 5),  # a CPU op: not on the GPU timeline
+        _event(2, "gemm", 0, 100, device=True),
+        _event(3, "side_stream_kernel", 50, 150, device=True),  # overlaps: no gap before it
+        _event(4, "topk", 410, 420, device=True),  # waited 260 us
+        _event(5, "aten::mm", 500, 9000, device=True, annotation=True),
+        _event(6, "topk", 425, 430, device=True),  # 5 us: below the threshold
+        _event(7, "sum", 1430, 1440, device=True),  # waited 1000 us
+        _event(8, "Buffer Flush", 1500, 3000, device=True),
+        _event(9, "topk", 2440, 2450, device=True),
+    ]  # waited 1000 us
     gaps = idle_gaps(events, per=2)  # two profiled steps
     assert gaps == {"total_ms": 1.13, "by_next_kernel": [["topk", 0.63], ["sum", 0.5]]}
 
@@ -208,10 +300,16 @@ def test_idle_gaps_sum_the_gpu_waits_by_the_kernel_that_ended_them():
 def test_top_ops_keeps_each_phases_costliest_ops_in_ms_per_step():
     from benchmarks.phases import top_ops
 
-    ops = {("norms", "aten::mul"): 3000.0, ("norms", "aten::_fused_rms_norm"): 5000.0, ("loss", "ce"): 800.0,
-           ("norms", "aten::sum"): 1000.0}
-    assert top_ops(ops, per=2, top=2) == {"norms": [["aten::_fused_rms_norm", 2.5], ["aten::mul", 1.5]],
-                                          "loss": [["ce", 0.4]]}
+    ops = {
+        ("norms", "aten::mul"): 3000.0,
+        ("norms", "aten::_fused_rms_norm"): 5000.0,
+        ("loss", "ce"): 800.0,
+        ("norms", "aten::sum"): 1000.0,
+    }
+    assert top_ops(ops, per=2, top=2) == {
+        "norms": [["aten::_fused_rms_norm", 2.5], ["aten::mul", 1.5]],
+        "loss": [["ce", 0.4]],
+    }
 
 
 def test_compiled_kernels_count_in_the_phase_that_launched_them():
@@ -227,21 +325,28 @@ def test_compiled_kernels_count_in_the_phase_that_launched_them():
 
 
 def test_host_sync_lines_name_the_busiest_lines_per_arm():
-    from benchmarks.report import host_sync_lines
+    from benchmarks.results import host_sync_lines
 
-    group = [dict(arm="moe-sft", host_syncs={"trainer/step.py:50": 8, "a.py:1": 2, "b.py:2": 1}),
-             dict(arm="transformers", host_syncs={}), dict(arm="cpu-run")]
+    group = [
+        dict(arm="moe-sft", host_syncs={"trainer/step.py:50": 8, "a.py:1": 2, "b.py:2": 1}),
+        dict(arm="transformers", host_syncs={}),
+        dict(arm="cpu-run"),
+    ]
     lines = host_sync_lines(group, top=2)
-    assert lines == ["", "- moe-sft: 11 host syncs in one step: trainer/step.py:50 x8, a.py:1 x2, 1 more lines",
-                     "- transformers: 0 host syncs in one step"]
+    assert lines == [
+        "",
+        "- moe-sft: 11 host syncs in one step: trainer/step.py:50 x8, a.py:1 x2, 1 more lines",
+        "- transformers: 0 host syncs in one step",
+    ]
 
 
 def test_one_time_work_is_named_with_the_step_it_slowed():
     from benchmarks.measure import _one_time_events
-    from benchmarks.report import one_time_event_lines
-    from moe_sft.layers import triton_launch
+    from benchmarks.results import one_time_event_lines
+    from moe_sft.kernels import triton_launch
 
     before = _one_time_events("cpu")
+
     def _rope_kernel():
         pass
 
@@ -252,20 +357,36 @@ def test_one_time_work_is_named_with_the_step_it_slowed():
     finally:
         del triton_launch._cache[key]
     # as read back from benchmark.json: the step index is a string
-    group = [dict(arm="moe-sft", gpus=1, step_seconds=[0.5, 1.2, 0.3], step_events={"1": {"triton _rope_kernel": 2}},
-                  step_real_tokens=[30000, 31000, 18000], step_model_flop=[1.6e14, 1.7e14, 0.8e14]),
-             dict(arm="transformers", step_seconds=[1.1], step_events={}), dict(arm="old-run")]
-    assert one_time_event_lines(group) == ["", "- moe-sft: one-time work in timed steps: step 2 (1.200 s): "
-                                               "triton _rope_kernel 2. The other 2 steps: 60,000 tokens/s/GPU, "
-                                               "300.0 TFLOP/s/GPU"]
+    group = [
+        dict(
+            arm="moe-sft",
+            gpus=1,
+            step_seconds=[0.5, 1.2, 0.3],
+            step_events={"1": {"triton _rope_kernel": 2}},
+            step_real_tokens=[30000, 31000, 18000],
+            step_model_flop=[1.6e14, 1.7e14, 0.8e14],
+        ),
+        dict(arm="transformers", step_seconds=[1.1], step_events={}),
+        dict(arm="old-run"),
+    ]
+    assert one_time_event_lines(group) == [
+        "",
+        "- moe-sft: one-time work in timed steps: step 2 (1.200 s): "
+        "triton _rope_kernel 2. The other 2 steps: 60,000 tokens/s/GPU, "
+        "300.0 TFLOP/s/GPU",
+    ]
 
 
 def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
-    from benchmarks.report import phase_detail_lines
+    from benchmarks.results import phase_detail_lines
 
-    run = dict(arm="moe-sft", phase_ops={"router": [["aten::topk", 4.4], ["aten::sum", 3.2]]},
-               gpu_idle={"total_ms": 12.5, "by_next_kernel": [["_rope_kernel", 6.0]],
-                         "host_ms_by_phase": {"router": 20.0}})
+    run = dict(
+        arm="moe-sft",
+        phase_ops={"router": [["aten::topk", 4.4], ["aten::sum", 3.2]]},
+        gpu_idle={"total_ms": 12.5, "by_next_kernel": [["_rope_kernel", 6.0]], "host_ms_by_phase": {"router": 20.0}},
+    )
     assert phase_detail_lines([run]) == [
-        "", "- moe-sft router: aten::topk 4.4, aten::sum 3.2; host 20.0 ms",
-        "- moe-sft: GPU idle 12.5 ms in the profiled step, before: _rope_kernel 6.0"]
+        "",
+        "- moe-sft router: aten::topk 4.4, aten::sum 3.2; host 20.0 ms",
+        "- moe-sft: GPU idle 12.5 ms in the profiled step, before: _rope_kernel 6.0",
+    ]

@@ -202,13 +202,25 @@ def test_tokenize_files_counts(tok, tmp_path):
     )
     docs, stats = tokenize_files(tok, [path], max_seq_len=40)
     assert [len(d) for d in docs] == [40, 20, 31]
-    assert (stats.rows, stats.samples, stats.truncated, stats.dropped, stats.tokens, stats.loss_tokens) == \
-        (3, 3, 1, 0, 91, 18)
+    assert (stats.rows, stats.samples, stats.truncated, stats.dropped, stats.tokens, stats.loss_tokens) == (
+        3,
+        3,
+        1,
+        0,
+        91,
+        18,
+    )
     assert stats.histogram[:2] == [2, 1]  # 20 and 31 tokens <= 32; 40 in 33-40
     assert docs[1].source == f"{path}:2"
     docs, stats = tokenize_files(tok, [path], max_seq_len=40, overlong="drop")
-    assert (stats.rows, stats.samples, stats.truncated, stats.dropped, stats.tokens, stats.loss_tokens) == \
-        (3, 2, 0, 1, 51, 12)
+    assert (stats.rows, stats.samples, stats.truncated, stats.dropped, stats.tokens, stats.loss_tokens) == (
+        3,
+        2,
+        0,
+        1,
+        51,
+        12,
+    )
 
 
 # ----------------------------------------------------------------------------- loss modes and weights
@@ -223,7 +235,9 @@ def test_last_turn_only_and_per_message_weights(tok, tok_plain, which):
     weighted[2]["weight"], weighted[4]["weight"] = 0.25, 2.0
     doc = tokenize_conversation(tokenizer, weighted, 1024)
     assert masked_runs(tokenizer, doc, with_weights=True) == [
-        ("Reversed: sun dog cat<|im_end|>", 0.25), ("Reversed: egg fox owl<|im_end|>", 2.0)]
+        ("Reversed: sun dog cat<|im_end|>", 0.25),
+        ("Reversed: egg fox owl<|im_end|>", 2.0),
+    ]
     assert doc.loss_weight_sum == pytest.approx(6 * 0.25 + 6 * 2.0) and doc.num_loss_tokens == 12
     # An explicit weight wins over last_assistant; weight 0 everywhere leaves nothing to learn.
     weighted[4]["weight"] = 0.0
@@ -248,9 +262,14 @@ def _with_tokens(tokens: list[str], template: str, eos: str | None = None, bos: 
     return tokenizer
 
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                                 "parameters": {"type": "object",
-                                                                "properties": {"city": {"type": "string"}}}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 TOOL_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 AGENT = [
     {"role": "system", "content": "You are a weather bot."},
@@ -282,7 +301,7 @@ QWEN25_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
@@ -304,7 +323,7 @@ LLAMA3_TEMPLATE = (
     "{%- if message.role == 'assistant' and message.tool_calls %}"
     "{%- set tool_call = message.tool_calls[0].function %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
-    "{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    '{{- \'{"name": "\' + tool_call.name + \'", "parameters": \' }}{{- tool_call.arguments | tojson }}'
     "{{- '}' }}{{- '<|eot_id|>' }}"
     "{%- elif message.role == 'tool' %}"
     "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' }}"
@@ -342,7 +361,7 @@ QWEN3_TEMPLATE = (
     "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
     "{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
     "{{- tool_call.arguments | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -378,7 +397,7 @@ def test_chatml_qwen25_template_with_tool_calls():
     messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in AGENT]
     doc = tokenize_conversation(tokenizer, messages, 4096, tools=[WEATHER_TOOL])
     text = tokenizer.decode(doc.input_ids, skip_special_tokens=False)
-    assert '<tools>\n{"type": "function"' in text and "<tool_response>\n{\"sky\": \"sunny\"}" in text
+    assert '<tools>\n{"type": "function"' in text and '<tool_response>\n{"sky": "sunny"}' in text
     # The tool call is produced by the model (trained); the tool's answer and the tools list are not.
     assert masked_runs(tokenizer, doc) == [
         f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>",
@@ -388,8 +407,12 @@ def test_chatml_qwen25_template_with_tool_calls():
 
 
 def test_llama3_header_template_trims_content():
-    tokenizer = _with_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                             LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>")
+    tokenizer = _with_tokens(
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        LLAMA3_TEMPLATE,
+        eos="<|eot_id|>",
+        bos="<|begin_of_text|>",
+    )
     messages = [dict(m) for m in CONVERSATION]
     messages[2]["content"] = "  Reversed: sun dog cat \n"  # the template trims; the mask follows the text
     doc = tokenize_conversation(tokenizer, messages, 4096)
@@ -399,7 +422,9 @@ def test_llama3_header_template_trims_content():
     call = [AGENT[1], {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}, AGENT[3], AGENT[4]]
     doc = tokenize_conversation(tokenizer, call, 4096)
     assert masked_runs(tokenizer, doc) == [
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny in Paris.<|eot_id|>"]
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+        "It is sunny in Paris.<|eot_id|>",
+    ]
 
 
 def test_qwen3_template_that_strips_earlier_reasoning():
@@ -424,12 +449,18 @@ def test_qwen3_template_that_strips_earlier_reasoning():
 
 
 def test_deepseek_r1_template_whose_prompt_opens_a_think_block():
-    tokenizer = _with_tokens(["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
-                             R1_TEMPLATE, eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>")
-    messages = [{"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
-                {"role": "user", "content": "3+3?"},
-                {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"}]
+    tokenizer = _with_tokens(
+        ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        R1_TEMPLATE,
+        eos="<｜end▁of▁sentence｜>",
+        bos="<｜begin▁of▁sentence｜>",
+    )
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"},
+    ]
     assert not _prefix_matches(tokenizer, messages, 1)
     doc = tokenize_conversation(tokenizer, messages, 4096)
     assert masked_runs(tokenizer, doc) == ["\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>"]
@@ -480,41 +511,112 @@ MIXTRAL_TEMPLATE = (
 
 THIRD_TURN = [AGENT[5], AGENT[6]]
 PLAIN_AGENT = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in AGENT]
-MISTRAL_AGENT = [*PLAIN_AGENT[:2], {"role": "assistant", "content": "", "tool_calls": [{**TOOL_CALL, "id": "call00001"}]},
-                 {**PLAIN_AGENT[3], "tool_call_id": "call00001"}, *PLAIN_AGENT[4:]]
-R1_CHAT = [{"role": "system", "content": "Think step by step."},
-           {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
-           {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"},
-           {"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "<think>\nonce more\n</think>\n\n8"}]
+MISTRAL_AGENT = [
+    *PLAIN_AGENT[:2],
+    {"role": "assistant", "content": "", "tool_calls": [{**TOOL_CALL, "id": "call00001"}]},
+    {**PLAIN_AGENT[3], "tool_call_id": "call00001"},
+    *PLAIN_AGENT[4:],
+]
+R1_CHAT = [
+    {"role": "system", "content": "Think step by step."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"},
+    {"role": "user", "content": "4+4?"},
+    {"role": "assistant", "content": "<think>\nonce more\n</think>\n\n8"},
+]
 
 # name: (special tokens, template, eos, bos, messages, tools, the trained text of each assistant turn).
 # The trained text is the assistant's output as rendered (reasoning where the template keeps it, tool
 # calls) plus the end-of-turn token; never a role header, system/user/tool text or the tools list.
 REAL_WORLD = {
-    "qwen3_strips_reasoning": ([], QWEN3_TEMPLATE, None, None, AGENT, None, [
-        f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>", "It is sunny in Paris.<|im_end|>",
-        "<think>\nNo forecast tool.\n</think>\n\nI cannot forecast.<|im_end|>"]),
-    "qwen25_tools": ([], QWEN25_TEMPLATE, None, None, PLAIN_AGENT, [WEATHER_TOOL], [
-        f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>", "It is sunny in Paris.<|im_end|>",
-        "I cannot forecast.<|im_end|>"]),
-    "llama3_headers": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                       LLAMA3_TEMPLATE, "<|eot_id|>", "<|begin_of_text|>", PLAIN_AGENT, None, [
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny in Paris.<|eot_id|>",
-        "I cannot forecast.<|eot_id|>"]),
-    "mistral_v3_tools": (["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
-                          "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
-                         MISTRAL_V3_TEMPLATE, "</s>", "<s>", MISTRAL_AGENT, [WEATHER_TOOL], [
-        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
-        " It is sunny in Paris.</s>", " I cannot forecast.</s>"]),
-    "mixtral_inst": (["<s>", "</s>", "[INST]", "[/INST]"], MIXTRAL_TEMPLATE, "</s>", "<s>",
-                     [*CONVERSATION, *THIRD_TURN], None, [
-        " Reversed: sun dog cat</s>", " Reversed: egg fox owl</s>", " I cannot forecast.</s>"]),
-    "deepseek_r1": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"], R1_TEMPLATE,
-                    "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", R1_CHAT, None, [
-        "\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>", "\n\n8<｜end▁of▁sentence｜>"]),
+    "qwen3_strips_reasoning": (
+        [],
+        QWEN3_TEMPLATE,
+        None,
+        None,
+        AGENT,
+        None,
+        [
+            f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>",
+            "It is sunny in Paris.<|im_end|>",
+            "<think>\nNo forecast tool.\n</think>\n\nI cannot forecast.<|im_end|>",
+        ],
+    ),
+    "qwen25_tools": (
+        [],
+        QWEN25_TEMPLATE,
+        None,
+        None,
+        PLAIN_AGENT,
+        [WEATHER_TOOL],
+        [
+            f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>",
+            "It is sunny in Paris.<|im_end|>",
+            "I cannot forecast.<|im_end|>",
+        ],
+    ),
+    "llama3_headers": (
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        LLAMA3_TEMPLATE,
+        "<|eot_id|>",
+        "<|begin_of_text|>",
+        PLAIN_AGENT,
+        None,
+        [
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+            "It is sunny in Paris.<|eot_id|>",
+            "I cannot forecast.<|eot_id|>",
+        ],
+    ),
+    "mistral_v3_tools": (
+        [
+            "<s>",
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+        MISTRAL_V3_TEMPLATE,
+        "</s>",
+        "<s>",
+        MISTRAL_AGENT,
+        [WEATHER_TOOL],
+        [
+            '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
+            " It is sunny in Paris.</s>",
+            " I cannot forecast.</s>",
+        ],
+    ),
+    "mixtral_inst": (
+        ["<s>", "</s>", "[INST]", "[/INST]"],
+        MIXTRAL_TEMPLATE,
+        "</s>",
+        "<s>",
+        [*CONVERSATION, *THIRD_TURN],
+        None,
+        [" Reversed: sun dog cat</s>", " Reversed: egg fox owl</s>", " I cannot forecast.</s>"],
+    ),
+    "deepseek_r1": (
+        ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        R1_TEMPLATE,
+        "<｜end▁of▁sentence｜>",
+        "<｜begin▁of▁sentence｜>",
+        R1_CHAT,
+        None,
+        ["\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>", "\n\n8<｜end▁of▁sentence｜>"],
+    ),
 }
-MODES = {"all_assistant": (None, [1.0, 1.0, 1.0]), "last_assistant": (None, [0.0, 0.0, 1.0]),
-         "per_message_weights": ([0.5, 0.0, 2.0], [0.5, 0.0, 2.0])}
+MODES = {
+    "all_assistant": (None, [1.0, 1.0, 1.0]),
+    "last_assistant": (None, [0.0, 0.0, 1.0]),
+    "per_message_weights": ([0.5, 0.0, 2.0], [0.5, 0.0, 2.0]),
+}
 
 
 def _expected_token_weights(tokenizer, text: str, messages, trained: list[str], weights: list[float]):
@@ -589,8 +691,11 @@ def _weights_reference(offsets, spans):
 
 
 @settings(max_examples=200, deadline=None)
-@given(cuts=st.lists(st.integers(0, 60), min_size=1, max_size=30), marks=st.lists(st.integers(0, 60), max_size=8),
-       data=st.data())
+@given(
+    cuts=st.lists(st.integers(0, 60), min_size=1, max_size=30),
+    marks=st.lists(st.integers(0, 60), max_size=8),
+    data=st.data(),
+)
 def test_weights_from_spans_matches_the_definition(cuts, marks, data):
     cuts = sorted(set(cuts) | {0})
     offsets = list(zip(cuts, cuts[1:])) + [(cuts[-1], cuts[-1])]  # contiguous tokens, one zero-width
@@ -603,5 +708,5 @@ def test_weights_from_spans_matches_the_definition(cuts, marks, data):
 @given(a=st.text("ab", max_size=40), text=st.text("ab", max_size=40), data=st.data())
 def test_common_suffix_matches_the_definition(a, text, data):
     end = data.draw(st.integers(0, len(text)))
-    n = next(k for k in range(min(len(a), end), -1, -1) if a[len(a) - k:] == text[end - k:end])
+    n = next(k for k in range(min(len(a), end), -1, -1) if a[len(a) - k :] == text[end - k : end])
     assert _common_suffix(a, text, end) == n

@@ -17,9 +17,19 @@ import torch
 from moe_sft.conversion import mcore_io
 from moe_sft.trainer import checkpoint_integrity as ci
 
-HF_CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "moe_intermediate_size": 128,
-             "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 688}
+HF_CONFIG = {
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 688,
+}
 
 
 def _write_ckpt(path: Path, source: str = "/models/a", seed: int = 0, **config) -> Path:
@@ -29,8 +39,16 @@ def _write_ckpt(path: Path, source: str = "/models/a", seed: int = 0, **config) 
     state = {f"w{i}": torch.randn(64, 64) for i in range(6)}
     path.mkdir(parents=True)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=2), no_dist=True)
-    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                    "common_backend": "torch", "common_backend_version": 1}))
+    (path / "metadata.json").write_text(
+        json.dumps(
+            {
+                "sharded_backend": "torch_dist",
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+                "common_backend_version": 1,
+            }
+        )
+    )
     torch.save({"world_size": 1}, path / "common.pt")
     ci.write_checksums(path)
     (path / "hf").mkdir()
@@ -56,21 +74,25 @@ def run(tmp_path):
 def test_checksums_record_every_megatron_file(run):
     ckpt = run / "step_0000002"
     sums = ci.read_checksums(ckpt)
-    assert set(sums) == {p.name for p in ckpt.iterdir() if p.is_file() and p.name != ci.CHECKSUM_FILE
-                         and p.name != mcore_io.META_FILE}
+    assert set(sums) == {
+        p.name for p in ckpt.iterdir() if p.is_file() and p.name != ci.CHECKSUM_FILE and p.name != mcore_io.META_FILE
+    }
     assert len(_shards(ckpt)) == 2 and all(sums[p.name]["size"] == p.stat().st_size for p in _shards(ckpt))
     assert ci.storage_problems(ckpt) == {}
     ci.verify_loadable(ckpt, "resume checkpoint", run, say=lambda _: None)  # intact: no error
 
 
-@pytest.mark.parametrize("damage, bad_file, why", [
-    ("truncate_shard", "__0_1.distcp", "truncated"),
-    ("delete_shard", "__0_0.distcp", "missing (listed in .metadata)"),
-    ("delete_common", "common.pt", "missing"),
-    ("garble_metadata_json", "metadata.json", "unreadable (JSONDecodeError"),
-    ("garble_dot_metadata", ".metadata", "unreadable ("),
-    ("flip_bit", "__0_1.distcp", "contents changed since the save"),
-])
+@pytest.mark.parametrize(
+    "damage, bad_file, why",
+    [
+        ("truncate_shard", "__0_1.distcp", "truncated"),
+        ("delete_shard", "__0_0.distcp", "missing (listed in .metadata)"),
+        ("delete_common", "common.pt", "missing"),
+        ("garble_metadata_json", "metadata.json", "unreadable (JSONDecodeError"),
+        ("garble_dot_metadata", ".metadata", "unreadable ("),
+        ("flip_bit", "__0_1.distcp", "contents changed since the save"),
+    ],
+)
 def test_damage_names_the_file_and_the_previous_complete_step(run, damage, bad_file, why):
     ckpt = run / "step_0000002"
     shard = _shards(ckpt)[-1]
@@ -114,8 +136,11 @@ def test_base_checkpoint_without_checksums_gets_the_file_list_check(tmp_path):
     assert said == []  # a converted checkpoint has no checksums: nothing to say
     shard = _shards(base)[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ci.CheckpointIntegrityError, match=r"model.mcore_path .*__0_0.distcp: truncated: 100 bytes.*"
-                                                          r"reconvert it"):
+    with pytest.raises(
+        ci.CheckpointIntegrityError,
+        match=r"model.mcore_path .*__0_0.distcp: truncated: 100 bytes.*"
+        r"reconvert it",
+    ):
         ci.verify_loadable(base, "model.mcore_path", say=said.append)
 
 
@@ -151,8 +176,12 @@ class _FakeDistOptimizer:
     def __init__(self, model_params):
         self.model_float16_groups = [list(model_params)]
         self.shard_fp32_from_float16_groups = [[p.detach().float().clone() for p in model_params]]
-        self.optimizer = SimpleNamespace(state={m: {"exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
-                                                for m in self.shard_fp32_from_float16_groups[0]})
+        self.optimizer = SimpleNamespace(
+            state={
+                m: {"exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+                for m in self.shard_fp32_from_float16_groups[0]
+            }
+        )
 
 
 def test_non_finite_parameters_main_params_and_moments_are_named():

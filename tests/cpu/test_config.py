@@ -73,18 +73,34 @@ def _error(fn, *args, **kwargs) -> str:
 
 
 def test_repo_groups_exist():
-    for group, option in [("parallel", "single"), ("parallel", "tp2_ep2_sp"), ("parallel", "pp2"),
-                          ("parallel", "ep2"), ("optimizer", "adamw_cosine")]:
+    for group, option in [
+        ("parallel", "single"),
+        ("parallel", "tp2_ep2_sp"),
+        ("parallel", "pp2"),
+        ("parallel", "ep2"),
+        ("optimizer", "adamw_cosine"),
+    ]:
         assert (CONFIGS_DIR / group / f"{option}.yaml").is_file()
 
 
 def test_defaults_list_groups_and_overrides_compose(recipe_dir):
-    cfg = _load(recipe_dir, "parallel=tp2_ep2_sp", "trainer.max_steps=20", "data.pack_length=8192",
-                "model.moe_router_dtype=null", "checkpoint.keep_last=5")
+    cfg = _load(
+        recipe_dir,
+        "parallel=tp2_ep2_sp",
+        "trainer.max_steps=20",
+        "data.pack_length=8192",
+        "model.moe_router_dtype=null",
+        "checkpoint.keep_last=5",
+    )
     assert isinstance(cfg, TrainConfig)
     p = cfg.parallel  # from configs/parallel/tp2_ep2_sp.yaml, chosen on the command line
-    assert (p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size,
-            p.sequence_parallel, p.pipeline_model_parallel_size) == (2, 2, 1, True, 1)
+    assert (
+        p.tensor_model_parallel_size,
+        p.expert_model_parallel_size,
+        p.expert_tensor_parallel_size,
+        p.sequence_parallel,
+        p.pipeline_model_parallel_size,
+    ) == (2, 2, 1, True, 1)
     assert cfg.optimizer.lr == 2e-5  # the recipe's own value wins over the group (_self_ last)
     assert (cfg.optimizer.min_lr, cfg.optimizer.weight_decay) == (1e-6, 0.1)  # from adamw_cosine
     assert cfg.trainer.max_steps == 20 and cfg.trainer.global_batch_size == 8  # override / default
@@ -153,8 +169,9 @@ def test_unknown_section_and_unknown_bare_key(recipe_dir):
 
 
 def test_wrong_types_name_field_value_and_type(recipe_dir):
-    msg = _error(_load, recipe_dir, "trainer.max_steps=abc", "parallel.sequence_parallel=maybe",
-                 "data.train_files=x.jsonl")
+    msg = _error(
+        _load, recipe_dir, "trainer.max_steps=abc", "parallel.sequence_parallel=maybe", "data.train_files=x.jsonl"
+    )
     assert "invalid configuration (3 problems)" in msg
     assert "wrong type for trainer.max_steps (set on the command line): got 'abc' (str), expected int" in msg
     assert "wrong type for parallel.sequence_parallel" in msg and "expected bool" in msg
@@ -210,8 +227,13 @@ def test_config_error_is_value_error():
 
 
 def test_save_then_load_round_trip(recipe_dir, tmp_path):
-    cfg = _load(recipe_dir, "parallel=pp2", "model.moe_aux_loss_coeff=0.001",
-                "model.moe_router_load_balancing_type=seq_aux_loss", "optimizer.adam_eps=1e-12")
+    cfg = _load(
+        recipe_dir,
+        "parallel=pp2",
+        "model.moe_aux_loss_coeff=0.001",
+        "model.moe_router_load_balancing_type=seq_aux_loss",
+        "optimizer.adam_eps=1e-12",
+    )
     out = tmp_path / "run" / "resolved.yaml"
     save_resolved_config(cfg, out)
     again = load_config(["--config-path", str(out.parent), "--config-name", "resolved"])
@@ -229,18 +251,24 @@ def good(tmp_path) -> TrainConfig:
     """A valid single-rank config, built without Hydra (fast) through the same typing path."""
     (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
     (tmp_path / "mcore").mkdir()
-    return config_from_dict({
-        "model": {"hf_path": str(tmp_path / "hf"), "mcore_path": str(tmp_path / "mcore")},
-        "data": {"train_files": [str(tmp_path / "train.jsonl")]},
-        "trainer": {"output_dir": str(tmp_path / "out"), "max_steps": 10},
-    })
+    return config_from_dict(
+        {
+            "model": {"hf_path": str(tmp_path / "hf"), "mcore_path": str(tmp_path / "mcore")},
+            "data": {"train_files": [str(tmp_path / "train.jsonl")]},
+            "trainer": {"output_dir": str(tmp_path / "out"), "max_steps": 10},
+        }
+    )
 
 
 def _with(cfg: TrainConfig, **changes) -> TrainConfig:
     """`_with(cfg, parallel__tensor_model_parallel_size=2)` -> a modified copy."""
-    cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s))
-                                      for s in ("model", "data", "parallel", "optimizer", "trainer",
-                                                "checkpoint")})
+    cfg = dataclasses.replace(
+        cfg,
+        **{
+            s: dataclasses.replace(getattr(cfg, s))
+            for s in ("model", "data", "parallel", "optimizer", "trainer", "checkpoint")
+        },
+    )
     for key, value in changes.items():
         section, field = key.split("__")
         assert hasattr(getattr(cfg, section), field), key
@@ -251,130 +279,266 @@ def _with(cfg: TrainConfig, **changes) -> TrainConfig:
 TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_parallel=True)
 
 
-@pytest.mark.parametrize("changes, world_size", [
-    ({}, 1),
-    ({}, 8),
-    ({**TP2_SP, "parallel__expert_model_parallel_size": 2, "parallel__expert_tensor_parallel_size": 1}, 4),
-    ({**TP2_SP, "parallel__expert_model_parallel_size": 4, "parallel__expert_tensor_parallel_size": 1}, 8),
-    ({"parallel__pipeline_model_parallel_size": 2, "parallel__virtual_pipeline_model_parallel_size": 2,
-      "trainer__global_batch_size": 4}, 4),
-    ({"parallel__context_parallel_size": 2, "data__pack_length": 4096}, 2),
-    ({"parallel__overlap_grad_reduce": True, "parallel__overlap_param_gather": True,
-      "model__recompute_granularity": "selective", "model__recompute_modules": ["core_attn", "moe"],
-      "optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 0.5}, 2),
-    # the loader pads each document to 2*cp: any pack_length works
-    ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2),
-    ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 16}, 4),
-    ({**TP2_SP, "parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4,
-      "parallel__expert_tensor_parallel_size": 1}, 4),
-    ({"trainer__cuda_graphs": True}, 8),  # data parallel is fine: each rank replays its own graphs
-])
+@pytest.mark.parametrize(
+    "changes, world_size",
+    [
+        ({}, 1),
+        ({}, 8),
+        ({**TP2_SP, "parallel__expert_model_parallel_size": 2, "parallel__expert_tensor_parallel_size": 1}, 4),
+        ({**TP2_SP, "parallel__expert_model_parallel_size": 4, "parallel__expert_tensor_parallel_size": 1}, 8),
+        (
+            {
+                "parallel__pipeline_model_parallel_size": 2,
+                "parallel__virtual_pipeline_model_parallel_size": 2,
+                "trainer__global_batch_size": 4,
+            },
+            4,
+        ),
+        ({"parallel__context_parallel_size": 2, "data__pack_length": 4096}, 2),
+        (
+            {
+                "parallel__overlap_grad_reduce": True,
+                "parallel__overlap_param_gather": True,
+                "model__recompute_granularity": "selective",
+                "model__recompute_modules": ["core_attn", "moe"],
+                "optimizer__optimizer_cpu_offload": True,
+                "optimizer__optimizer_offload_fraction": 0.5,
+            },
+            2,
+        ),
+        # the loader pads each document to 2*cp: any pack_length works
+        ({"parallel__context_parallel_size": 2, "data__pack_length": 4098}, 2),
+        ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 16}, 4),
+        (
+            {
+                **TP2_SP,
+                "parallel__context_parallel_size": 2,
+                "parallel__expert_model_parallel_size": 4,
+                "parallel__expert_tensor_parallel_size": 1,
+            },
+            4,
+        ),
+        ({"trainer__cuda_graphs": True}, 8),  # data parallel is fine: each rank replays its own graphs
+    ],
+)
 def test_good_configs_pass(good, changes, world_size):
     validate_config(_with(good, **changes), world_size)
 
 
-@pytest.mark.parametrize("changes, world_size, expected", [
-    ({"parallel__tensor_model_parallel_size": 0}, 1,
-     "[parallel_sizes_positive] parallel.tensor_model_parallel_size=0 must be >= 1"),
-    ({**TP2_SP, "parallel__pipeline_model_parallel_size": 2}, 6,
-     "[model_parallel_divides_world] parallel.tensor_model_parallel_size=2 x pipeline_model_parallel_size=2"
-     " x context_parallel_size=1 = 4 does not divide world_size=6"),
-    ({**TP2_SP, "parallel__expert_model_parallel_size": 4}, 4,
-     "[expert_layout] parallel.expert_tensor_parallel_size=2 (null = TP) x expert_model_parallel_size=4 x "
-     "pipeline_model_parallel_size=1 = 8 does not divide world_size=4"),
-    ({"parallel__expert_model_parallel_size": 4}, 6, "expert data-parallel size 6/4 is not an integer"),
-    ({"trainer__global_batch_size": 6}, 4,
-     "[global_batch_size] trainer.global_batch_size=6 is not divisible by the data-parallel size 4"),
-    ({"parallel__tensor_model_parallel_size": 2}, 2,
-     "[sequence_parallel] parallel.sequence_parallel=False with tensor_model_parallel_size=2"),
-    ({"parallel__virtual_pipeline_model_parallel_size": 2}, 1,
-     "[pipeline_options] parallel.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size>1"),
-    ({"parallel__pipeline_model_parallel_size": 2, "parallel__virtual_pipeline_model_parallel_size": 2,
-      "trainer__global_batch_size": 3}, 2, "interleaved (VPP) schedule needs a multiple of"),
-    ({"parallel__num_layers_in_last_pipeline_stage": 3}, 1,
-     "parallel.num_layers_in_last_pipeline_stage=3 needs pipeline_model_parallel_size>1"),
-    ({"data__max_seq_len": 8192}, 1, "[sequence_lengths] data.max_seq_len=8192 > data.pack_length=4096"),
-    ({**TP2_SP, "data__pack_length": 4097}, 2,
-     "data.pack_length=4097 must be a multiple of 2 (tensor_model_parallel_size (sequence_parallel)); use 4098"),
-    ({"parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4}, 2,
-     "etp*ep must divide world_size/pp=2 (= tensor x context_parallel_size=2 x data parallel)"),
-    ({**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 4}, 4,
-     "data.pad_documents_to=4 must be a positive multiple of 8, what context_parallel_size=2 (x TP under "
-     "sequence parallel) needs; use 8 or null"),
-    ({"parallel__context_parallel_size": 3}, 4,
-     "x context_parallel_size=3 = 3 does not divide world_size=4"),
-    ({"trainer__device": "tpu"}, 1, "[choices] trainer.device='tpu' is not one of auto | cuda | cpu"),
-    ({"trainer__precision": "fp16"}, 1, "trainer.precision='fp16' is not one of auto | bf16 | fp32"),
-    ({"model__backend": "apex"}, 1, "model.backend='apex' is not one of auto | te | torch"),
-    ({"data__overlong": "wrap"}, 1, "data.overlong='wrap' is not one of truncate | drop"),
-    ({"optimizer__lr_decay_style": "WSD"}, 1, "optimizer.lr_decay_style='WSD' is not one of"),
-    ({"checkpoint__resume": "always"}, 1, "checkpoint.resume='always' is not one of auto | never"),
-    ({"model__moe_token_dispatcher_type": "flex"}, 1, "model.moe_token_dispatcher_type='flex' is not one of"),
-    ({"model__moe_router_dtype": "bf16"}, 1, "model.moe_router_dtype='bf16' is not one of null | fp32 | fp64"),
-    ({"data__train_files": []}, 1, "[data_files] data.train_files=[] is empty"),
-    ({"data__train_files": ["/nonexistent/x.jsonl"]}, 1,
-     "data.train_files entry '/nonexistent/x.jsonl' does not exist"),
-    ({"trainer__eval_interval": 5}, 1, "trainer.eval_interval=5 but data.eval_files is empty"),
-    ({"data__train_files": ["/tmp/rows.csv"]}, 1,
-     "[data_options] data.train_files entry '/tmp/rows.csv' is not a .jsonl / .json / .parquet file"),
-    ({"data__train_weights": [1.0, 2.0]}, 1, "data.train_weights has 2 entries for 1 data.train_files"),
-    ({"data__train_weights": [0.0]}, 1, "data.train_weights=[0.0] must be >= 0 with at least one > 0"),
-    ({"data__eval_fraction": 1.0}, 1, "data.eval_fraction=1.0 must be in [0, 1)"),
-    ({"data__fields": {"speaker": "x"}}, 1, "data.fields has unknown keys ['speaker']; rename only messages"),
-    ({"data__chat_template": "/nonexistent/t.jinja"}, 1, "data.chat_template='/nonexistent/t.jinja' is not a file"),
-    ({"data__pack_window": 0}, 1, "data.pack_window=0 must be >= 1"),
-    ({"data__num_workers": -1}, 1, "data.num_workers=-1 must be >= 0"),
-    ({"data__on_error": "ignore"}, 1, "data.on_error='ignore' is not one of fail | skip"),
-    ({"data__loss_on": "all"}, 1, "data.loss_on='all' is not one of all_assistant | last_assistant"),
-    ({"data__format": "csv"}, 1, "data.format='csv' is not one of auto | messages | sharegpt"),
-    ({"optimizer__lr": 0.0}, 1, "[optimizer] optimizer.lr=0.0 must be > 0"),
-    ({"optimizer__min_lr": 1.0}, 1, "optimizer.min_lr=1.0 must be in [0, optimizer.lr="),
-    ({"optimizer__lr_warmup_steps": -1}, 1, "optimizer.lr_warmup_steps=-1 must be >= 0"),
-    ({"optimizer__optimizer_cpu_offload": True, "trainer__precision": "fp32"}, 1,
-     "optimizer.optimizer_cpu_offload needs trainer.precision=bf16"),
-    ({"optimizer__optimizer_cpu_offload": True, "trainer__device": "cpu"}, 1,
-     "with trainer.device=cpu turn it off"),
-    ({"optimizer__optimizer_cpu_offload": True, "parallel__use_distributed_optimizer": False}, 1,
-     "needs parallel.use_distributed_optimizer=true"),
-    ({"trainer__max_steps": 0}, 1, "[trainer] trainer.max_steps=0 must be > 0"),
-    ({"checkpoint__keep_last": 0}, 1, "checkpoint.keep_last=0 must be >= 1"),
-    ({"model__backend": "te", "trainer__device": "cpu"}, 1, "[model] model.backend='te' needs CUDA"),
-    ({"model__recompute_granularity": "full"}, 1,
-     "model.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers"),
-    ({"model__recompute_modules": ["moe"]}, 1,
-     "model.recompute_modules=['moe'] needs model.recompute_granularity=selective (got None)"),
-    ({"model__recompute_granularity": "selective", "model__recompute_modules": ["attention"]}, 1,
-     "model.recompute_modules has ['attention']; choose from ['core_attn'"),
-    ({"model__activation_offload_modules": ["attn_proj"], "trainer__device": "cuda"}, 1,
-     "attn_proj needs core_attn too"),
-    ({"model__activation_offload_modules": ["core_attn"], "model__backend": "torch"}, 1,
-     "needs Transformer Engine (megatron-core 0.16.1 offloads through TE's CPU offload"),
-    ({"model__activation_offload_modules": ["core_attn"], "trainer__device": "cpu"}, 1,
-     "with trainer.device=cpu set it to []"),
-    ({"model__activation_offload_modules": ["experts"]}, 1,
-     "model.activation_offload_modules has ['experts']; choose from"),
-    ({"parallel__overlap_param_gather": True}, 1,
-     "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true and "
-     "parallel.overlap_grad_reduce=true (got True, False)"),
-    ({"optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 1.5}, 1,
-     "optimizer.optimizer_offload_fraction=1.5 must be in (0, 1]"),
-    ({"trainer__offload_between_steps": True, "parallel__use_distributed_optimizer": False}, 1,
-     "trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true"),
-    ({"trainer__cuda_graphs": True, "trainer__device": "cpu"}, 1,
-     "[trainer] trainer.cuda_graphs=true: trainer.device=cpu: CUDA graphs need CUDA; or set trainer.cuda_graphs=false"),
-    ({"trainer__cuda_graphs": True, "parallel__expert_model_parallel_size": 2}, 2,
-     "trainer.cuda_graphs=true: parallel.expert_model_parallel_size=2: the graphed MoE half needs 1"),
-    ({"trainer__cuda_graphs": True, "parallel__pipeline_model_parallel_size": 2}, 2,
-     "trainer.cuda_graphs=true: parallel.pipeline_model_parallel_size=2: the graphed MoE half needs 1"),
-    ({"trainer__cuda_graphs": True, "model__recompute_granularity": "selective",
-      "model__recompute_modules": ["moe"]}, 1, "trainer.cuda_graphs=true: model.recompute_granularity=selective"),
-    ({"trainer__cuda_graphs": True, "trainer__offload_between_steps": True}, 1,
-     "trainer.cuda_graphs=true: trainer.offload_between_steps=true"),
-    ({"trainer__cuda_graphs": True, "parallel__overlap_grad_reduce": True}, 2,
-     "trainer.cuda_graphs=true: parallel.overlap_grad_reduce / overlap_param_gather=true"),
-    ({"model__mcore_path": None}, 1, "[model_paths] model.mcore_path is null"),
-    ({"model__mcore_path": "/nonexistent/mcore"}, 1, "model.mcore_path='/nonexistent/mcore' does not exist"),
-])
+@pytest.mark.parametrize(
+    "changes, world_size, expected",
+    [
+        (
+            {"parallel__tensor_model_parallel_size": 0},
+            1,
+            "[parallel_sizes_positive] parallel.tensor_model_parallel_size=0 must be >= 1",
+        ),
+        (
+            {**TP2_SP, "parallel__pipeline_model_parallel_size": 2},
+            6,
+            "[model_parallel_divides_world] parallel.tensor_model_parallel_size=2 x pipeline_model_parallel_size=2"
+            " x context_parallel_size=1 = 4 does not divide world_size=6",
+        ),
+        (
+            {**TP2_SP, "parallel__expert_model_parallel_size": 4},
+            4,
+            "[expert_layout] parallel.expert_tensor_parallel_size=2 (null = TP) x expert_model_parallel_size=4 x "
+            "pipeline_model_parallel_size=1 = 8 does not divide world_size=4",
+        ),
+        ({"parallel__expert_model_parallel_size": 4}, 6, "expert data-parallel size 6/4 is not an integer"),
+        (
+            {"trainer__global_batch_size": 6},
+            4,
+            "[global_batch_size] trainer.global_batch_size=6 is not divisible by the data-parallel size 4",
+        ),
+        (
+            {"parallel__tensor_model_parallel_size": 2},
+            2,
+            "[sequence_parallel] parallel.sequence_parallel=False with tensor_model_parallel_size=2",
+        ),
+        (
+            {"parallel__virtual_pipeline_model_parallel_size": 2},
+            1,
+            "[pipeline_options] parallel.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size>1",
+        ),
+        (
+            {
+                "parallel__pipeline_model_parallel_size": 2,
+                "parallel__virtual_pipeline_model_parallel_size": 2,
+                "trainer__global_batch_size": 3,
+            },
+            2,
+            "interleaved (VPP) schedule needs a multiple of",
+        ),
+        (
+            {"parallel__num_layers_in_last_pipeline_stage": 3},
+            1,
+            "parallel.num_layers_in_last_pipeline_stage=3 needs pipeline_model_parallel_size>1",
+        ),
+        ({"data__max_seq_len": 8192}, 1, "[sequence_lengths] data.max_seq_len=8192 > data.pack_length=4096"),
+        (
+            {**TP2_SP, "data__pack_length": 4097},
+            2,
+            "data.pack_length=4097 must be a multiple of 2 (tensor_model_parallel_size (sequence_parallel)); use 4098",
+        ),
+        (
+            {"parallel__context_parallel_size": 2, "parallel__expert_model_parallel_size": 4},
+            2,
+            "etp*ep must divide world_size/pp=2 (= tensor x context_parallel_size=2 x data parallel)",
+        ),
+        (
+            {**TP2_SP, "parallel__context_parallel_size": 2, "data__pad_documents_to": 4},
+            4,
+            "data.pad_documents_to=4 must be a positive multiple of 8, what context_parallel_size=2 (x TP under "
+            "sequence parallel) needs; use 8 or null",
+        ),
+        ({"parallel__context_parallel_size": 3}, 4, "x context_parallel_size=3 = 3 does not divide world_size=4"),
+        ({"trainer__device": "tpu"}, 1, "[choices] trainer.device='tpu' is not one of auto | cuda | cpu"),
+        ({"trainer__precision": "fp16"}, 1, "trainer.precision='fp16' is not one of auto | bf16 | fp32"),
+        ({"model__backend": "apex"}, 1, "model.backend='apex' is not one of auto | te | torch"),
+        ({"data__overlong": "wrap"}, 1, "data.overlong='wrap' is not one of truncate | drop"),
+        ({"optimizer__lr_decay_style": "WSD"}, 1, "optimizer.lr_decay_style='WSD' is not one of"),
+        ({"checkpoint__resume": "always"}, 1, "checkpoint.resume='always' is not one of auto | never"),
+        ({"model__moe_token_dispatcher_type": "flex"}, 1, "model.moe_token_dispatcher_type='flex' is not one of"),
+        ({"model__moe_router_dtype": "bf16"}, 1, "model.moe_router_dtype='bf16' is not one of null | fp32 | fp64"),
+        ({"data__train_files": []}, 1, "[data_files] data.train_files=[] is empty"),
+        (
+            {"data__train_files": ["/nonexistent/x.jsonl"]},
+            1,
+            "data.train_files entry '/nonexistent/x.jsonl' does not exist",
+        ),
+        ({"trainer__eval_interval": 5}, 1, "trainer.eval_interval=5 but data.eval_files is empty"),
+        (
+            {"data__train_files": ["/tmp/rows.csv"]},
+            1,
+            "[data_options] data.train_files entry '/tmp/rows.csv' is not a .jsonl / .json / .parquet file",
+        ),
+        ({"data__train_weights": [1.0, 2.0]}, 1, "data.train_weights has 2 entries for 1 data.train_files"),
+        ({"data__train_weights": [0.0]}, 1, "data.train_weights=[0.0] must be >= 0 with at least one > 0"),
+        ({"data__eval_fraction": 1.0}, 1, "data.eval_fraction=1.0 must be in [0, 1)"),
+        ({"data__fields": {"speaker": "x"}}, 1, "data.fields has unknown keys ['speaker']; rename only messages"),
+        ({"data__chat_template": "/nonexistent/t.jinja"}, 1, "data.chat_template='/nonexistent/t.jinja' is not a file"),
+        ({"data__pack_window": 0}, 1, "data.pack_window=0 must be >= 1"),
+        ({"data__num_workers": -1}, 1, "data.num_workers=-1 must be >= 0"),
+        ({"data__on_error": "ignore"}, 1, "data.on_error='ignore' is not one of fail | skip"),
+        ({"data__loss_on": "all"}, 1, "data.loss_on='all' is not one of all_assistant | last_assistant"),
+        ({"data__format": "csv"}, 1, "data.format='csv' is not one of auto | messages | sharegpt"),
+        ({"optimizer__lr": 0.0}, 1, "[optimizer] optimizer.lr=0.0 must be > 0"),
+        ({"optimizer__min_lr": 1.0}, 1, "optimizer.min_lr=1.0 must be in [0, optimizer.lr="),
+        ({"optimizer__lr_warmup_steps": -1}, 1, "optimizer.lr_warmup_steps=-1 must be >= 0"),
+        (
+            {"optimizer__optimizer_cpu_offload": True, "trainer__precision": "fp32"},
+            1,
+            "optimizer.optimizer_cpu_offload needs trainer.precision=bf16",
+        ),
+        (
+            {"optimizer__optimizer_cpu_offload": True, "trainer__device": "cpu"},
+            1,
+            "with trainer.device=cpu turn it off",
+        ),
+        (
+            {"optimizer__optimizer_cpu_offload": True, "parallel__use_distributed_optimizer": False},
+            1,
+            "needs parallel.use_distributed_optimizer=true",
+        ),
+        ({"trainer__max_steps": 0}, 1, "[trainer] trainer.max_steps=0 must be > 0"),
+        ({"checkpoint__keep_last": 0}, 1, "checkpoint.keep_last=0 must be >= 1"),
+        ({"model__backend": "te", "trainer__device": "cpu"}, 1, "[model] model.backend='te' needs CUDA"),
+        (
+            {"model__attention_dropout": 0.1},
+            1,
+            "[model] model.attention_dropout=0.1: the torch-native attention has "
+            "no dropout; set model.attention_dropout=0.0 (the SFT default) or model.backend=te",
+        ),
+        (
+            {"model__recompute_granularity": "full"},
+            1,
+            "model.recompute_granularity='full' needs recompute_method (uniform|block) and recompute_num_layers",
+        ),
+        (
+            {"model__recompute_modules": ["moe"]},
+            1,
+            "model.recompute_modules=['moe'] needs model.recompute_granularity=selective (got None)",
+        ),
+        (
+            {"model__recompute_granularity": "selective", "model__recompute_modules": ["attention"]},
+            1,
+            "model.recompute_modules has ['attention']; choose from ['core_attn'",
+        ),
+        (
+            {"model__activation_offload_modules": ["attn_proj"], "trainer__device": "cuda"},
+            1,
+            "attn_proj needs core_attn too",
+        ),
+        (
+            {"model__activation_offload_modules": ["core_attn"], "model__backend": "torch"},
+            1,
+            "needs Transformer Engine (megatron-core 0.16.1 offloads through TE's CPU offload",
+        ),
+        (
+            {"model__activation_offload_modules": ["core_attn"], "trainer__device": "cpu"},
+            1,
+            "with trainer.device=cpu set it to []",
+        ),
+        (
+            {"model__activation_offload_modules": ["experts"]},
+            1,
+            "model.activation_offload_modules has ['experts']; choose from",
+        ),
+        (
+            {"parallel__overlap_param_gather": True},
+            1,
+            "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true and "
+            "parallel.overlap_grad_reduce=true (got True, False)",
+        ),
+        (
+            {"optimizer__optimizer_cpu_offload": True, "optimizer__optimizer_offload_fraction": 1.5},
+            1,
+            "optimizer.optimizer_offload_fraction=1.5 must be in (0, 1]",
+        ),
+        (
+            {"trainer__offload_between_steps": True, "parallel__use_distributed_optimizer": False},
+            1,
+            "trainer.offload_between_steps=true needs parallel.use_distributed_optimizer=true",
+        ),
+        (
+            {"trainer__cuda_graphs": True, "trainer__device": "cpu"},
+            1,
+            "[trainer] trainer.cuda_graphs=true: trainer.device=cpu: CUDA graphs need CUDA; or set trainer.cuda_graphs=false",
+        ),
+        (
+            {"trainer__cuda_graphs": True, "parallel__expert_model_parallel_size": 2},
+            2,
+            "trainer.cuda_graphs=true: parallel.expert_model_parallel_size=2: the graphed MoE half needs 1",
+        ),
+        (
+            {"trainer__cuda_graphs": True, "parallel__pipeline_model_parallel_size": 2},
+            2,
+            "trainer.cuda_graphs=true: parallel.pipeline_model_parallel_size=2: the graphed MoE half needs 1",
+        ),
+        (
+            {
+                "trainer__cuda_graphs": True,
+                "model__recompute_granularity": "selective",
+                "model__recompute_modules": ["moe"],
+            },
+            1,
+            "trainer.cuda_graphs=true: model.recompute_granularity=selective",
+        ),
+        (
+            {"trainer__cuda_graphs": True, "trainer__offload_between_steps": True},
+            1,
+            "trainer.cuda_graphs=true: trainer.offload_between_steps=true",
+        ),
+        (
+            {"trainer__cuda_graphs": True, "parallel__overlap_grad_reduce": True},
+            2,
+            "trainer.cuda_graphs=true: parallel.overlap_grad_reduce / overlap_param_gather=true",
+        ),
+        ({"model__mcore_path": None}, 1, "[model_paths] model.mcore_path is null"),
+        ({"model__mcore_path": "/nonexistent/mcore"}, 1, "model.mcore_path='/nonexistent/mcore' does not exist"),
+    ],
+)
 def test_each_check_fires_with_field_value_and_fix(good, changes, world_size, expected):
     msg = _error(validate_config, _with(good, **changes), world_size)
     assert expected in msg, msg
@@ -416,25 +580,43 @@ QWEN3_30B = dict(num_layers=48, num_experts=128, num_attention_heads=32, num_que
 
 
 def test_model_checks_pass_for_a_real_layout(good):
-    cfg = _with(good, **TP2_SP, parallel__expert_model_parallel_size=8,
-                parallel__pipeline_model_parallel_size=2, parallel__virtual_pipeline_model_parallel_size=4)
+    cfg = _with(
+        good,
+        **TP2_SP,
+        parallel__expert_model_parallel_size=8,
+        parallel__pipeline_model_parallel_size=2,
+        parallel__virtual_pipeline_model_parallel_size=4,
+    )
     validate_against_model(cfg, **QWEN3_30B)
 
 
 def test_pipeline_must_divide_layers_and_suggestion_is_valid(good):
-    msg = _error(validate_against_model, _with(good, parallel__pipeline_model_parallel_size=4),
-                 num_layers=61, num_experts=256, num_attention_heads=128, num_query_groups=128, vocab_size=129280)
-    assert ("[pipeline_layers] parallel.pipeline_model_parallel_size=4 does not divide num_layers=61; "
-            "use one of 1, 61") in msg
+    msg = _error(
+        validate_against_model,
+        _with(good, parallel__pipeline_model_parallel_size=4),
+        num_layers=61,
+        num_experts=256,
+        num_attention_heads=128,
+        num_query_groups=128,
+        vocab_size=129280,
+    )
+    assert (
+        "[pipeline_layers] parallel.pipeline_model_parallel_size=4 does not divide num_layers=61; use one of 1, 61"
+    ) in msg
     assert "parallel.num_layers_in_last_pipeline_stage=16 (15 per other stage)" in msg
     fixed = _with(good, parallel__pipeline_model_parallel_size=4, parallel__num_layers_in_last_pipeline_stage=16)
-    validate_against_model(fixed, num_layers=61, num_experts=256, num_attention_heads=128,
-                           num_query_groups=128, vocab_size=129280)
+    validate_against_model(
+        fixed, num_layers=61, num_experts=256, num_attention_heads=128, num_query_groups=128, vocab_size=129280
+    )
 
 
 def test_uneven_stages_must_leave_an_even_middle(good):
-    cfg = _with(good, parallel__pipeline_model_parallel_size=4, parallel__num_layers_in_first_pipeline_stage=10,
-                parallel__num_layers_in_last_pipeline_stage=10)
+    cfg = _with(
+        good,
+        parallel__pipeline_model_parallel_size=4,
+        parallel__num_layers_in_first_pipeline_stage=10,
+        parallel__num_layers_in_last_pipeline_stage=10,
+    )
     msg = _error(validate_against_model, cfg, **{**QWEN3_30B, "num_layers": 61})
     assert "leave 41 of num_layers=61 for 2 middle stage(s)" in msg
 
@@ -446,10 +628,21 @@ def test_vpp_must_divide_layers_per_stage(good):
 
 
 def test_expert_heads_and_vocab_checks_collected(good):
-    cfg = _with(good, parallel__tensor_model_parallel_size=8, parallel__sequence_parallel=True,
-                parallel__expert_model_parallel_size=16)
-    msg = _error(validate_against_model, cfg, num_layers=48, num_experts=60, num_attention_heads=32,
-                 num_query_groups=4, vocab_size=32001)
+    cfg = _with(
+        good,
+        parallel__tensor_model_parallel_size=8,
+        parallel__sequence_parallel=True,
+        parallel__expert_model_parallel_size=16,
+    )
+    msg = _error(
+        validate_against_model,
+        cfg,
+        num_layers=48,
+        num_experts=60,
+        num_attention_heads=32,
+        num_query_groups=4,
+        vocab_size=32001,
+    )
     assert "[experts] parallel.expert_model_parallel_size=16 does not divide num_experts=60" in msg
     assert "[attention_heads] parallel.tensor_model_parallel_size=8 does not divide num_query_groups=4" in msg
     assert "[vocab] parallel.tensor_model_parallel_size=8 does not divide vocab_size=32001" in msg
@@ -457,17 +650,28 @@ def test_expert_heads_and_vocab_checks_collected(good):
 
 
 def test_dense_model_and_mha_defaults(good):
-    validate_against_model(good, num_layers=4, num_experts=None, num_attention_heads=4, num_query_groups=None,
-                           vocab_size=100)
+    validate_against_model(
+        good, num_layers=4, num_experts=None, num_attention_heads=4, num_query_groups=None, vocab_size=100
+    )
 
 
-@pytest.mark.parametrize("changes, world_size, expected", [
-    ({"trainer__global_batch_tokens": 40_000}, 1, 10),  # ceil(40000 / 4096)
-    ({"trainer__global_batch_tokens": 40_000}, 4, 12),  # DP 4
-    ({"trainer__global_batch_tokens": 4096, **TP2_SP}, 4, 2),  # DP 2: at least one per rank
-    ({"trainer__global_batch_tokens": 40_000, "parallel__pipeline_model_parallel_size": 2,
-      "parallel__virtual_pipeline_model_parallel_size": 2}, 4, 12),  # DP 2 x PP 2 for the interleaved schedule
-])
+@pytest.mark.parametrize(
+    "changes, world_size, expected",
+    [
+        ({"trainer__global_batch_tokens": 40_000}, 1, 10),  # ceil(40000 / 4096)
+        ({"trainer__global_batch_tokens": 40_000}, 4, 12),  # DP 4
+        ({"trainer__global_batch_tokens": 4096, **TP2_SP}, 4, 2),  # DP 2: at least one per rank
+        (
+            {
+                "trainer__global_batch_tokens": 40_000,
+                "parallel__pipeline_model_parallel_size": 2,
+                "parallel__virtual_pipeline_model_parallel_size": 2,
+            },
+            4,
+            12,
+        ),  # DP 2 x PP 2 for the interleaved schedule
+    ],
+)
 def test_global_batch_in_tokens_derives_the_micro_batch_count(good, changes, world_size, expected):
     from moe_sft.config.validate import resolve_global_batch
 

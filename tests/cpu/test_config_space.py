@@ -39,22 +39,35 @@ def test_mla_rope_theta_is_used(tmp_path):
 
 
 def test_mla_yarn_with_kimi_k2_rope(tmp_path):
-    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32,
-            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     _check(tmp_path, "deepseek_v3", _deepseek(rope_parameters=yarn))
 
 
 def test_yarn_mscale_without_mscale_all_dim(tmp_path):
     """transformers ignores mscale unless mscale_all_dim is non-zero too; megatron used the ratio."""
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-            "mscale": 0.707, "mscale_all_dim": 0.0}
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.0,
+    }
     _check(tmp_path, "deepseek_v3", _deepseek(rope_parameters=yarn))
 
 
 def test_group_limited_routing_ranks_groups_by_their_top_two(tmp_path):
     """8 groups, 4 kept, 6 experts per token: megatron ranked groups by their top 6 // 4 = 1."""
-    _check(tmp_path, "deepseek_v3", _deepseek(n_routed_experts=16, n_group=8, topk_group=4,
-                                              num_experts_per_tok=6))
+    _check(tmp_path, "deepseek_v3", _deepseek(n_routed_experts=16, n_group=8, topk_group=4, num_experts_per_tok=6))
 
 
 @pytest.mark.parametrize("topk,norm", [(3, False), (1, True)])
@@ -74,8 +87,10 @@ def test_mla_latent_norms_use_transformers_epsilon(tmp_path):
     _check(tmp_path, "deepseek_v3", _deepseek(rms_norm_eps=1e-2))
 
 
-@pytest.mark.parametrize("family_name,overrides", [
-    ("mixtral", {}), ("qwen3_moe", {"norm_topk_prob": True}), ("qwen3_moe", {"norm_topk_prob": False})])
+@pytest.mark.parametrize(
+    "family_name,overrides",
+    [("mixtral", {}), ("qwen3_moe", {"norm_topk_prob": True}), ("qwen3_moe", {"norm_topk_prob": False})],
+)
 def test_top1_routing(tmp_path, family_name, overrides):
     """megatron's config refused a renormalised softmax top-1 with a traceback."""
     family = registry.family_by_name(family_name)
@@ -111,7 +126,7 @@ def test_verify_default_catches_a_wrong_rope_base(tmp_path):
     family = registry.family_by_name("deepseek_v3")
     cfg = _deepseek(qk_rope_head_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     model = parity.perturbed_hf_model(family, cfg, seed=0)
-    with parity.compat.suspended():
+    with parity.cpu_compat.suspended():
         model.save_pretrained(str(tmp_path / "hf"))
     convert(tmp_path / "hf", tmp_path / "mcore")
     assert verify(tmp_path / "hf", tmp_path / "mcore") <= LOGIT_TOLERANCE

@@ -16,8 +16,12 @@ import torch.nn.functional as F
 
 from moe_sft.layers.attention import sdpa_varlen_reference
 from moe_sft.layers.context_parallel import (
-    attention_on_gathered_kv, local_token_index, plan_cp_attention, sdpa_bottom_right)
-from moe_sft.trainer import context_parallel as cpt
+    attention_on_gathered_kv,
+    local_token_index,
+    plan_cp_attention,
+    sdpa_bottom_right,
+)
+from moe_sft.trainer import cp_sharding as cpt
 
 DOCS = [13, 1, 29, 7, 22]  # odd lengths, one single-token document
 SCALE = 0.3
@@ -83,8 +87,9 @@ def _top_left_causal(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     for qs, qe, ks, ke in zip(qb[:-1], qb[1:], kb[:-1], kb[1:]):
         kd = k[ks:ke].transpose(0, 1).repeat_interleave(groups, 0)
         vd = v[ks:ke].transpose(0, 1).repeat_interleave(groups, 0)
-        out[qs:qe] = F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), kd, vd, is_causal=True,
-                                                    scale=scale).transpose(0, 1)
+        out[qs:qe] = F.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), kd, vd, is_causal=True, scale=scale
+        ).transpose(0, 1)
     return out
 
 
@@ -148,8 +153,9 @@ def test_megatron_thd_rope_uses_original_positions_under_cp(docs):
         ours = _apply_rotary_pos_emb_thd(t[keep], cu_t, freqs, cp_group=_FakeGroup(cp, r))
         torch.testing.assert_close(ours, full[keep], rtol=0, atol=1e-6)
         wrong = _contiguous_split(cu, cp, r)  # control: another split gets other positions
-        assert (_apply_rotary_pos_emb_thd(t[wrong], cu_t, freqs, cp_group=_FakeGroup(cp, r))
-                - full[wrong]).abs().max() > 1e-2
+        assert (
+            _apply_rotary_pos_emb_thd(t[wrong], cu_t, freqs, cp_group=_FakeGroup(cp, r)) - full[wrong]
+        ).abs().max() > 1e-2
 
 
 class _Doc:
@@ -162,8 +168,7 @@ def test_sharding_keeps_every_token_label_and_position(cp, tp, pad_to):
     from moe_sft.data.packing import build_micro_batch
 
     g = torch.Generator().manual_seed(3)
-    docs = [_Doc(torch.randint(1, 50, (n,), generator=g).tolist(), [i % 3 > 0 for i in range(n)])
-            for n in DOCS]
+    docs = [_Doc(torch.randint(1, 50, (n,), generator=g).tolist(), [i % 3 > 0 for i in range(n)]) for n in DOCS]
     mb = build_micro_batch(docs, pad_to=pad_to)
     total = cpt.padded_length(mb, cp, 2 * cp * tp)
     assert total % (2 * cp * tp) == 0 and total >= sum(DOCS)
@@ -173,8 +178,10 @@ def test_sharding_keeps_every_token_label_and_position(cp, tp, pad_to):
     assert all((b - a) % (2 * cp) == 0 for a, b in zip(cu[:-1], cu[1:]))
     assert all(len(s.tokens) == total // cp for s in shards)
     # put the shards back in global order: the real tokens are the micro-batch's, in order
-    glob = {name: torch.zeros(total, dtype=getattr(shards[0], name).dtype)
-            for name in ("tokens", "labels", "loss_mask", "position_ids", "padding")}
+    glob = {
+        name: torch.zeros(total, dtype=getattr(shards[0], name).dtype)
+        for name in ("tokens", "labels", "loss_mask", "position_ids", "padding")
+    }
     for r, s in enumerate(shards):
         keep = local_token_index(cu, cp, r)
         for name in glob:

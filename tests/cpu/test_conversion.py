@@ -29,21 +29,20 @@ if str(REPO) not in sys.path:
 import transformers  # noqa: E402
 
 from moe_sft.conversion import completeness, mapping  # noqa: E402
-from moe_sft.conversion import transforms as T  # noqa: E402
 from moe_sft.conversion.convert import convert  # noqa: E402
-from moe_sft.conversion.verify import verify  # noqa: E402
 from moe_sft.conversion.export import export, load_model_from_checkpoint  # noqa: E402
 from moe_sft.conversion.hf_reader import CheckpointError  # noqa: E402
 from moe_sft.conversion.mapping import MappingError  # noqa: E402
-from moe_sft.models import qwen3_moe  # noqa: E402
-from moe_sft.models import registry  # noqa: E402
+from moe_sft.conversion.verify import verify  # noqa: E402
+from moe_sft.models import qwen3_moe, registry  # noqa: E402
+from moe_sft.models import transforms as T  # noqa: E402
 from moe_sft.models.family import UnsupportedConfigError  # noqa: E402
 from moe_sft.models.forward import packed_logits  # noqa: E402
-from moe_sft.runtime import compat, distributed  # noqa: E402
+from moe_sft.runtime import cpu_compat, distributed  # noqa: E402
 from tests.scripts import load_tool  # noqa: E402
 
 FAMILY = qwen3_moe.FAMILY
-VOCAB = 300          # not a multiple of 128: megatron's embedding is padded to 384 rows
+VOCAB = 300  # not a multiple of 128: megatron's embedding is padded to 384 rows
 PADDED_VOCAB = 384
 DOC_LENGTHS = (17, 33, 9)
 # Sum of the tiny model's parameter counts × 4 bytes: embed+lm_head 2·300·128, final norm 128,
@@ -52,8 +51,8 @@ TINY_FP32_BYTES = 3_857_408
 
 
 def _new_hf_model(cfg, seed: int, save_to: Path):
-    """A random fp32 HF model, saved; HF code runs with torch unpatched (see compat.suspended)."""
-    with compat.suspended():
+    """A random fp32 HF model, saved; HF code runs with torch unpatched (see cpu_compat.suspended)."""
+    with cpu_compat.suspended():
         torch.manual_seed(seed)
         model = transformers.Qwen3MoeForCausalLM(cfg).eval()
         model.save_pretrained(str(save_to))
@@ -61,7 +60,7 @@ def _new_hf_model(cfg, seed: int, save_to: Path):
 
 
 def _hf_logits(model, tokens):
-    with compat.suspended(), torch.no_grad():
+    with cpu_compat.suspended(), torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
 
 
@@ -85,15 +84,23 @@ def tiny(tmp_path_factory):
     meta = convert(root / "hf", root / "mcore")
     # 1 MB shards: the 3.9 MB model spans several files, so the index is exercised.
     export(root / "mcore", root / "export", max_shard_bytes=1_000_000, dtype="fp32")
-    yield SimpleNamespace(root=root, cfg=cfg, hf=root / "hf", mcore=root / "mcore",
-                          exported=root / "export", meta=meta, hf_model=hf_model,
-                          tensors=_read_dir(root / "hf"))
+    yield SimpleNamespace(
+        root=root,
+        cfg=cfg,
+        hf=root / "hf",
+        mcore=root / "mcore",
+        exported=root / "export",
+        meta=meta,
+        hf_model=hf_model,
+        tensors=_read_dir(root / "hf"),
+    )
     distributed.destroy()  # leave no process group behind for other test modules
 
 
 # ------------------------------------------------------------------------------------------------
 # Mapping completeness
 # ------------------------------------------------------------------------------------------------
+
 
 def test_every_hf_tensor_is_in_exactly_one_entry(tiny):
     entries = mapping.expand(FAMILY, tiny.cfg)
@@ -103,9 +110,11 @@ def test_every_hf_tensor_is_in_exactly_one_entry(tiny):
     # 2 layers × 9 megatron tensors + embedding, final norm, output layer; 69 HF tensors.
     assert (len(entries), len(counts), tiny.meta["hf_tensors"]) == (21, 69, 69)
     fc1 = next(e for e in entries if e.mcore == "decoder.layers.1.mlp.experts.weight1")
-    assert fc1.hf[:3] == ("model.layers.1.mlp.experts.0.gate_proj.weight",
-                          "model.layers.1.mlp.experts.0.up_proj.weight",
-                          "model.layers.1.mlp.experts.1.gate_proj.weight")
+    assert fc1.hf[:3] == (
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.1.mlp.experts.1.gate_proj.weight",
+    )
     assert len(fc1.hf) == 16 and fc1.transform is T.EXPERTS_FC1
 
 
@@ -115,8 +124,9 @@ def test_every_megatron_parameter_is_produced(tiny):
     produced = {e.mcore for e in mapping.expand(FAMILY, tiny.cfg)}
     assert mapping.model_parameter_names(state) == produced
     # Dropping one entry must be caught by the gate, naming the parameter left unproduced.
-    entries = [e for e in mapping.expand(FAMILY, tiny.cfg)
-               if e.mcore != "decoder.layers.0.self_attention.q_layernorm.weight"]
+    entries = [
+        e for e in mapping.expand(FAMILY, tiny.cfg) if e.mcore != "decoder.layers.0.self_attention.q_layernorm.weight"
+    ]
     ctx = mapping.transform_context(FAMILY, tiny.cfg)
     with pytest.raises(MappingError, match=r"decoder\.layers\.0\.self_attention\.q_layernorm\.weight"):
         mapping.load_hf_into_state(entries, tiny.tensors.__getitem__, ctx, state)
@@ -140,18 +150,20 @@ def test_dropped_list_is_respected(tiny):
 # Bit-exact round trip and the exported directory
 # ------------------------------------------------------------------------------------------------
 
+
 def test_round_trip_is_bit_exact(tiny):
     exported = _read_dir(tiny.exported)
     assert set(exported) == set(tiny.tensors)
-    unequal = [n for n, t in tiny.tensors.items()
-               if exported[n].dtype != t.dtype or not torch.equal(exported[n], t)]
+    unequal = [n for n, t in tiny.tensors.items() if exported[n].dtype != t.dtype or not torch.equal(exported[n], t)]
     assert unequal == []
 
 
 def test_padded_vocab_rows_stay_in_megatron(tiny):
     state = load_model_from_checkpoint(tiny.mcore).state_dict()
-    for mcore_name, hf_name in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-                                ("output_layer.weight", "lm_head.weight")):
+    for mcore_name, hf_name in (
+        ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("output_layer.weight", "lm_head.weight"),
+    ):
         assert tuple(state[mcore_name].shape) == (PADDED_VOCAB, 128)
         assert torch.equal(state[mcore_name][:VOCAB], tiny.tensors[hf_name])
         assert torch.count_nonzero(state[mcore_name][VOCAB:]).item() == 0
@@ -174,9 +186,10 @@ def test_index_json_matches_the_shards(tiny):
 
 
 def test_exported_dir_loads_in_transformers_with_same_logits(tiny):
-    with compat.suspended():
+    with cpu_compat.suspended():
         loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tiny.exported), dtype=torch.float32, output_loading_info=True)
+            str(tiny.exported), dtype=torch.float32, output_loading_info=True
+        )
     assert {k: sorted(v) for k, v in info.items() if v} == {}  # nothing missing/unexpected/mismatched
     assert type(loaded) is transformers.Qwen3MoeForCausalLM
     doc = _docs(VOCAB, (40,))[0]
@@ -190,8 +203,7 @@ def test_exported_dir_loads_in_transformers_with_same_logits(tiny):
 # ------------------------------------------------------------------------------------------------
 
 # G=2 query groups, R=3 query heads per group, D=4 head dim, H=8 hidden, E=3 experts, F=5 ffn.
-CTX = dict(num_query_groups=2, head_dim=4, num_experts=3, vocab_size=10, padded_vocab_size=16,
-           num_mtp_layers=2)
+CTX = dict(num_query_groups=2, head_dim=4, num_experts=3, vocab_size=10, padded_vocab_size=16, num_mtp_layers=2)
 G, R, D, H, E, F = 2, 3, 4, 8, 3, 5
 
 
@@ -233,8 +245,8 @@ def test_transform_layouts_match_megatron():
     qkv = T.QKV_INTERLEAVE.from_hf([q, k, v], CTX)
     # Group 1's block starts after group 0's R query heads, its k head and its v head.
     block = (R + 2) * D
-    assert torch.equal(qkv[:R * D], q[:R * D]) and torch.equal(qkv[R * D:(R + 1) * D], k[:D])
-    assert torch.equal(qkv[(R + 1) * D:block], v[:D]) and torch.equal(qkv[block:block + R * D], q[R * D:])
+    assert torch.equal(qkv[: R * D], q[: R * D]) and torch.equal(qkv[R * D : (R + 1) * D], k[:D])
+    assert torch.equal(qkv[(R + 1) * D : block], v[:D]) and torch.equal(qkv[block : block + R * D], q[R * D :])
     fc1 = T.EXPERTS_FC1.from_hf(ups := _hf_inputs("experts_gate_up_stack", g), CTX)
     assert tuple(fc1.shape) == (H, E * 2 * F)
     w1_EH2F = fc1.view(E, H, 2 * F)  # how GroupedMLP reads weight1
@@ -249,6 +261,7 @@ def test_transform_layouts_match_megatron():
 # ------------------------------------------------------------------------------------------------
 # Logit parity with transformers (fp32, CPU)
 # ------------------------------------------------------------------------------------------------
+
 
 def test_verify_reports_fp32_parity(tiny):
     # Measured 4.5e-7 (fp32 summation order differs between the two attention/MoE kernels).
@@ -267,13 +280,14 @@ def test_packed_documents_match_each_document_alone(tiny):
     # Non-trivial: run as one undivided sequence, documents 2 and 3 see their predecessors and
     # their logits move far beyond the tolerance, so the packed match above proves the boundary.
     joined = _hf_logits(tiny.hf_model, [t for d in docs for t in d])
-    second = joined[DOC_LENGTHS[0]:DOC_LENGTHS[0] + DOC_LENGTHS[1]]
+    second = joined[DOC_LENGTHS[0] : DOC_LENGTHS[0] + DOC_LENGTHS[1]]
     assert (second - refs[1]).abs().max().item() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------------
 # A dense (mlp_only_layers) layer, and generation_config.json created when the source has none
 # ------------------------------------------------------------------------------------------------
+
 
 def test_dense_layer_converts_and_round_trips(tmp_path):
     cfg = qwen3_moe.tiny_hf_config(vocab_size=VOCAB, mlp_only_layers=[0])
@@ -301,6 +315,7 @@ def test_dense_layer_converts_and_round_trips(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Unusable input: each error names the file / tensor / field
 # ------------------------------------------------------------------------------------------------
+
 
 def _write_checkpoint(path: Path, tensors: dict, config: dict, shards: int = 1) -> Path:
     """An HF directory with `tensors` split over `shards` files plus an index when sharded."""
@@ -345,8 +360,14 @@ def test_directory_without_config_json(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v99"])  # known / unknown to transformers
 def test_unsupported_model_type_lists_supported(tmp_path, tiny, model_type):
     bad = _write_checkpoint(tmp_path / "hf", tiny.tensors, _config(tiny, model_type=model_type))
-    msg = _convert_fails(tmp_path, bad, UnsupportedConfigError, str(bad / "config.json"), repr(model_type),
-                         "supported: " + ", ".join(registry.supported_model_types()))
+    msg = _convert_fails(
+        tmp_path,
+        bad,
+        UnsupportedConfigError,
+        str(bad / "config.json"),
+        repr(model_type),
+        "supported: " + ", ".join(registry.supported_model_types()),
+    )
     assert "qwen3_moe" in msg and "deepseek_v3" in msg and "mixtral" in msg
     assert "not supported" in msg
 
@@ -354,8 +375,9 @@ def test_unsupported_model_type_lists_supported(tmp_path, tiny, model_type):
 def test_index_naming_a_missing_shard(tmp_path, tiny):
     bad = _write_checkpoint(tmp_path / "hf", tiny.tensors, _config(tiny), shards=2)
     (bad / "model-00002-of-00002.safetensors").unlink()
-    _convert_fails(tmp_path, bad, CheckpointError, "model.safetensors.index.json",
-                   "model-00002-of-00002.safetensors", "missing")
+    _convert_fails(
+        tmp_path, bad, CheckpointError, "model.safetensors.index.json", "model-00002-of-00002.safetensors", "missing"
+    )
 
 
 def test_truncated_safetensors(tmp_path, tiny):
@@ -374,8 +396,7 @@ def test_missing_expert_tensor_is_listed(tmp_path, tiny):
 
 def test_unknown_extra_tensor_is_listed(tmp_path, tiny):
     extra = "model.layers.0.mlp.shared_expert.up_proj.weight"
-    bad = _write_checkpoint(tmp_path / "hf", dict(tiny.tensors, **{extra: torch.zeros(4, 4)}),
-                            _config(tiny))
+    bad = _write_checkpoint(tmp_path / "hf", dict(tiny.tensors, **{extra: torch.zeros(4, 4)}), _config(tiny))
     _convert_fails(tmp_path, bad, MappingError, extra, "neither loads nor lists as dropped")
 
 
@@ -386,8 +407,7 @@ def test_untied_embeddings_without_lm_head(tmp_path, tiny):
 
 
 def test_sliding_window_is_refused(tmp_path, tiny):
-    bad = _write_checkpoint(tmp_path / "hf", tiny.tensors,
-                            _config(tiny, use_sliding_window=True, sliding_window=64))
+    bad = _write_checkpoint(tmp_path / "hf", tiny.tensors, _config(tiny, use_sliding_window=True, sliding_window=64))
     _convert_fails(tmp_path, bad, UnsupportedConfigError, "config.json", "use_sliding_window=true")
 
 
@@ -395,18 +415,15 @@ def test_mixed_dtypes_across_shards(tmp_path, tiny):
     tensors = dict(tiny.tensors)
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)
     bad = _write_checkpoint(tmp_path / "hf", tensors, _config(tiny), shards=2)
-    norm_file = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][
-        "model.norm.weight"]
-    _convert_fails(tmp_path, bad, CheckpointError, str(bad), "mix floating dtypes", "BF16", "F32",
-                   norm_file)
+    norm_file = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    _convert_fails(tmp_path, bad, CheckpointError, str(bad), "mix floating dtypes", "BF16", "F32", norm_file)
 
 
 # ------------------------------------------------------------------------------------------------
 # The command-line tools
 # ------------------------------------------------------------------------------------------------
 
-_NOT_INHERITED = ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT")
+_NOT_INHERITED = ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _start_tool(script: str, *args: str, cwd: Path) -> subprocess.Popen:
@@ -416,8 +433,14 @@ def _start_tool(script: str, *args: str, cwd: Path) -> subprocess.Popen:
     inherited them would rendezvous on the parent's port, so they are removed like torchrun's.
     """
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-    return subprocess.Popen([sys.executable, str(REPO / "tools" / script), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / script), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> SimpleNamespace:
@@ -431,11 +454,29 @@ def _run_tool(script: str, *args: str, cwd: Path) -> SimpleNamespace:
 
 def test_cli_convert_verify_and_export(tmp_path, tiny):
     # Both tools at once (export reads the fixture's checkpoint): each spends ~10 s importing.
-    exporting = _start_tool("export_mcore_to_hf.py", "--mcore-path", str(tiny.mcore), "--output",
-                            str(tmp_path / "out"), "--dtype", "bf16", "--max-shard-size", "1MB",
-                            cwd=tmp_path)
-    converting = _start_tool("convert_hf_to_mcore.py", "--hf-path", str(tiny.hf), "--output",
-                             str(tmp_path / "mcore"), "--verify", "--tolerance", "1e-4", cwd=tmp_path)
+    exporting = _start_tool(
+        "export_mcore_to_hf.py",
+        "--mcore-path",
+        str(tiny.mcore),
+        "--output",
+        str(tmp_path / "out"),
+        "--dtype",
+        "bf16",
+        "--max-shard-size",
+        "1MB",
+        cwd=tmp_path,
+    )
+    converting = _start_tool(
+        "convert_hf_to_mcore.py",
+        "--hf-path",
+        str(tiny.hf),
+        "--output",
+        str(tmp_path / "mcore"),
+        "--verify",
+        "--tolerance",
+        "1e-4",
+        cwd=tmp_path,
+    )
     proc = _finish(converting)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff = float(re.search(r"max abs logit difference: (\S+) \(tolerance 0.0001\)", proc.stdout)[1])
@@ -452,12 +493,14 @@ def test_cli_convert_verify_and_export(tmp_path, tiny):
 
 
 def test_cli_bad_path_is_one_line_exit_2(tmp_path):
-    proc = _run_tool("convert_hf_to_mcore.py", "--hf-path", str(tmp_path / "nope"), "--output",
-                     str(tmp_path / "mcore"), cwd=tmp_path)
+    proc = _run_tool(
+        "convert_hf_to_mcore.py", "--hf-path", str(tmp_path / "nope"), "--output", str(tmp_path / "mcore"), cwd=tmp_path
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == f"error: {tmp_path / 'nope'}: HF checkpoint directory does not exist\n"
-    proc = _run_tool("export_mcore_to_hf.py", "--mcore-path", str(tmp_path / "nope"), "--output",
-                     str(tmp_path / "hf"), cwd=tmp_path)
+    proc = _run_tool(
+        "export_mcore_to_hf.py", "--mcore-path", str(tmp_path / "nope"), "--output", str(tmp_path / "hf"), cwd=tmp_path
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr == f"error: {tmp_path / 'nope'}: moe-sft checkpoint directory does not exist\n"
 
@@ -469,8 +512,9 @@ def _load_tool(script: str):
 def test_cli_exit_codes_in_process(tmp_path, tiny, capsys):
     convert_tool, export_tool = _load_tool("convert_hf_to_mcore.py"), _load_tool("export_mcore_to_hf.py")
     # A tolerance below the measured 4.5e-7 must fail the verification with exit status 1.
-    status = convert_tool.main(["--hf-path", str(tiny.hf), "--output", str(tmp_path / "m"),
-                                "--verify", "--tolerance", "1e-12"])
+    status = convert_tool.main(
+        ["--hf-path", str(tiny.hf), "--output", str(tmp_path / "m"), "--verify", "--tolerance", "1e-12"]
+    )
     captured = capsys.readouterr()
     assert status == 1 and "tolerance 1e-12" in captured.out
     assert "error:" in captured.err and "> 1e-12" in captured.err
@@ -493,5 +537,8 @@ def test_export_replaces_a_previous_output(tmp_path, tiny):
     (out / "stale.safetensors").write_bytes(b"x")
     export(tiny.mcore, out, dtype="fp32", overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
-        "model.safetensors.index.json"]
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]

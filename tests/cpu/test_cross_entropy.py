@@ -1,4 +1,4 @@
-"""moe_sft.layers.cross_entropy against torch's cross entropy: losses and logit gradients, with a
+"""moe_sft.kernels.cross_entropy against torch's cross entropy: losses and logit gradients, with a
 TP-padded vocabulary and targets that are masked out. (The tensor-parallel split is checked end to
 end by tests/dist/test_layouts.py: TP2 losses and grad norms equal one rank's; the compiled CUDA
 kernels by tests/gpu/test_gpu_loss.py.)"""
@@ -7,14 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_sft.layers.cross_entropy import vocab_parallel_cross_entropy
+from moe_sft.kernels.cross_entropy import vocab_parallel_cross_entropy
 
 
 def _reference(logits, target, vocab_size):
     """torch's CE over the true vocabulary; padded columns get no gradient."""
     logits = logits.detach().clone().requires_grad_(True)
-    loss = F.cross_entropy(logits[..., :vocab_size].reshape(-1, vocab_size), target.clamp(min=0).reshape(-1),
-                           reduction="none").view(target.shape)
+    loss = F.cross_entropy(
+        logits[..., :vocab_size].reshape(-1, vocab_size), target.clamp(min=0).reshape(-1), reduction="none"
+    ).view(target.shape)
     return loss, logits
 
 
@@ -54,4 +55,4 @@ def test_masked_targets_and_bf16_logits():
     torch.testing.assert_close(ours * mask, expected * mask, rtol=1e-5, atol=1e-5)
     assert logits.grad.dtype == torch.bfloat16
     assert torch.count_nonzero(logits.grad[0, ::3]) == 0
-    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.bfloat16().float(), rtol=0, atol=2 ** -9)
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.bfloat16().float(), rtol=0, atol=2**-9)

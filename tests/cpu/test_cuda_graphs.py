@@ -52,8 +52,13 @@ def test_dispatch_replays_only_matching_training_calls(monkeypatch):
     layer._moe_sft_graph = None
     x = torch.randn(6, 1, 4, requires_grad=True)
     layer._forward_mlp(x)  # no graph: eager, not counted
-    graph = cuda_graphs._LayerGraph(eager=layer._moe_sft_eager_mlp, params=[], fused=[layer.mlp.weight],
-                                    static_in=torch.zeros(6, 1, 4), static_mask=torch.zeros(1, 6, dtype=torch.bool))
+    graph = cuda_graphs._LayerGraph(
+        eager=layer._moe_sft_eager_mlp,
+        params=[],
+        fused=[layer.mlp.weight],
+        static_in=torch.zeros(6, 1, 4),
+        static_mask=torch.zeros(1, 6, dtype=torch.bool),
+    )
     layer._moe_sft_graph = graph
     replayed = []
     monkeypatch.setattr(cuda_graphs._Replay, "apply", lambda g, h, mask, *p: replayed.append(mask) or h)

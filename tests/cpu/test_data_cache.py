@@ -58,8 +58,12 @@ def test_cache_holds_the_in_memory_documents_and_is_reused(rows, tmp_path):
         assert doc.source == docs[i].source == f"{rows}:{i + 1}"
     assert cache.lengths(np.arange(600)).tolist() == [len(d) for d in docs]
     assert np.allclose(cache.loss_sums(np.arange(600)), [d.loss_weight_sum for d in docs])
-    assert (cache.stats.samples, cache.stats.tokens, cache.stats.loss_tokens, cache.stats.histogram) == \
-        (stats.samples, stats.tokens, stats.loss_tokens, stats.histogram)
+    assert (cache.stats.samples, cache.stats.tokens, cache.stats.loss_tokens, cache.stats.histogram) == (
+        stats.samples,
+        stats.tokens,
+        stats.loss_tokens,
+        stats.histogram,
+    )
     # Another run (or rank) opens it without tokenizing again.
     again = open_or_build(rows, spec(), tmp_path, log=log)
     assert again.dir == cache.dir and log.built() == 1
@@ -104,7 +108,6 @@ def test_worker_processes_build_the_same_cache(rows, tmp_path, monkeypatch):
     assert pooled.stats == serial.stats
 
 
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_builder_streams_rows_in_bounded_chunks(rows, tmp_path, monkeypatch, workers):
     """Datasets larger than RAM: when the first chunk reaches the writer, the reader has read at most the
@@ -126,6 +129,7 @@ def test_builder_streams_rows_in_bounded_chunks(rows, tmp_path, monkeypatch, wor
     assert len(first["lengths"]) == 32 and first["lines"].tolist() == list(range(1, 33))
     assert len(read) == 32 * max(1, 2 * workers)
     chunks.close()
+
 
 def test_one_builder_among_concurrent_ranks(rows, tmp_path):
     logs, results = [Log() for _ in range(3)], [None] * 3
@@ -153,8 +157,9 @@ def _dead_pid() -> int:
 def test_stale_lock_of_a_dead_builder_is_taken_over(rows, tmp_path):
     final = cache_dir_for(rows, spec(), tmp_path)
     tmp_path.mkdir(exist_ok=True)
-    final.with_name(final.name + ".lock").write_text(json.dumps(
-        {"host": socket.gethostname(), "pid": _dead_pid(), "nonce": "old"}))
+    final.with_name(final.name + ".lock").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "nonce": "old"})
+    )
     log = Log()
     cache = open_or_build(rows, spec(), tmp_path, log=log)
     assert "removing the stale lock" in log[0] and "process gone" in log[0] and log.built() == 1 and len(cache) == 600

@@ -11,8 +11,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from moe_sft.data.chat import TokenizedDoc, tokenize_files
-from moe_sft.data.formats import (DataFormatError, RowError, RowFormat, decode_payload, iter_records,
-                                  read_conversations, to_conversation)
+from moe_sft.data.formats import (
+    DataFormatError,
+    RowError,
+    RowFormat,
+    decode_payload,
+    iter_records,
+    read_conversations,
+    to_conversation,
+)
 from moe_sft.data.loader import DataPlanError, PackedLoader
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo"
@@ -33,24 +40,39 @@ def write_rows(path: Path, lines: list[str]) -> Path:
     "bad_line, expected",
     [
         ('{"messages": [', r"invalid JSON .*one complete JSON object"),
-        ('{"conversation": []}', r"""row matches no known format \(keys \['conversation'\]\); expected "messages" \(OpenAI"""),
-        ('[1, 2]', r"a row must be a JSON object, got list"),
+        (
+            '{"conversation": []}',
+            r"""row matches no known format \(keys \['conversation'\]\); expected "messages" \(OpenAI""",
+        ),
+        ("[1, 2]", r"a row must be a JSON object, got list"),
         ('{"messages": []}', r'"messages" must be a non-empty list'),
         ('{"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}', r"messages\[0\]: missing role;"),
         ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', r"messages\[0\]: missing content;"),
-        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}',
-         r"messages\[1\]: unknown role 'bot'; allowed roles: system, user, assistant, tool"),
-        ('{"messages": [{"role": "user", "content": ["a", "b"]}, {"role": "assistant", "content": "x"}]}',
-         r"messages\[0\]: content must be a string or a list of .*text.* parts, got list"),
-        ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}',
-         r"conversation has no assistant message.*add an .*assistant.* turn or remove the row"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}',
+            r"messages\[1\]: unknown role 'bot'; allowed roles: system, user, assistant, tool",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": ["a", "b"]}, {"role": "assistant", "content": "x"}]}',
+            r"messages\[0\]: content must be a string or a list of .*text.* parts, got list",
+        ),
+        (
+            '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}',
+            r"conversation has no assistant message.*add an .*assistant.* turn or remove the row",
+        ),
         ('{"messages": ["hello"]}', r"messages\[0\]: must be an object"),
-        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}',
-         r"messages\[1\] is an assistant message with empty content \(and no tool_calls\)"),
-        ('{"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "x"}]}',
-         r"messages\[0\] \(user\) has a weight; weights apply to assistant messages only"),
-        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "weight": "1"}]}',
-         r"messages\[1\] weight='1' must be a number >= 0"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}',
+            r"messages\[1\] is an assistant message with empty content \(and no tool_calls\)",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "x"}]}',
+            r"messages\[0\] \(user\) has a weight; weights apply to assistant messages only",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "weight": "1"}]}',
+            r"messages\[1\] weight='1' must be a number >= 0",
+        ),
     ],
 )
 def test_bad_row_names_file_and_line(tmp_path, bad_line, expected):
@@ -86,8 +108,12 @@ def test_good_rows_keep_order_source_and_extra_keys(tmp_path):
 
 def test_overlong_rows_are_truncated_or_dropped_and_counted(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
-    long_row = {"messages": [{"role": "user", "content": "Reverse: " + " ".join(["cat"] * 40)},
-                             {"role": "assistant", "content": "Reversed: " + " ".join(["cat"] * 40)}]}
+    long_row = {
+        "messages": [
+            {"role": "user", "content": "Reverse: " + " ".join(["cat"] * 40)},
+            {"role": "assistant", "content": "Reversed: " + " ".join(["cat"] * 40)},
+        ]
+    }
     prompt_too_long = {
         "messages": [{"role": "user", "content": " ".join(["dog"] * 80)}, {"role": "assistant", "content": "ok"}]
     }
@@ -131,7 +157,7 @@ def _bad_file(path: Path) -> tuple[Path, dict[str, int]]:
         ("wrong_shape", b'{"text": "plain pretraining text"}'),
         ("unknown_role", json.dumps(_msgs(("user", "hi"), ("bot", "x"))).encode()),
         ("good", good),
-        ("empty_assistant", json.dumps(_msgs(("user", "hi"), ("assistant", "")) ).encode()),
+        ("empty_assistant", json.dumps(_msgs(("user", "hi"), ("assistant", ""))).encode()),
         ("no_assistant", json.dumps(_msgs(("system", "s"), ("user", "hi"))).encode()),
         ("template_error", json.dumps(_msgs(("assistant", "I start"), ("user", "hi"), ("assistant", "x"))).encode()),
         ("no_trainable_tokens", json.dumps(_msgs(("user", "hi"), ("assistant", "x"), **{"1": {"weight": 0}})).encode()),
@@ -158,14 +184,15 @@ def _spec(template_file: Path, max_seq_len: int = 48):
     from moe_sft.data.cache import CacheSpec
     from moe_sft.data.chat import ChatOptions, read_chat_template
 
-    return CacheSpec(str(DEMO / "tokenizer"), ChatOptions(max_seq_len, "truncate", chat_template=read_chat_template(
-        template_file)))
+    return CacheSpec(
+        str(DEMO / "tokenizer"), ChatOptions(max_seq_len, "truncate", chat_template=read_chat_template(template_file))
+    )
 
 
 def test_every_bad_row_is_counted_and_reported_with_file_and_line(tmp_path, plain_template):
     from moe_sft.data.cache import open_or_build
     from moe_sft.data.formats import ROW_ERRORS
-    from moe_sft.data.report import format_summary
+    from moe_sft.data.stats import format_summary
 
     path, lines = _bad_file(tmp_path / "mixed.jsonl")
     cache = open_or_build(path, _spec(plain_template), tmp_path / "cache", on_error="skip", log=lambda m: None)
@@ -203,8 +230,15 @@ def test_fail_fast_stops_at_the_first_bad_row_and_writes_no_cache(tmp_path, plai
 def test_json_array_file_reports_bad_elements_by_line(tmp_path):
     good = json.dumps(GOOD, indent=1)
     path = tmp_path / "rows.json"
-    path.write_bytes(b"[\n" + good.encode() + b",\n" + b'{"messages": [{"role": "user", "content": "caf\xe9"}]},\n'
-                     + b'"just a string",\n' + good.encode() + b"\n]\n")
+    path.write_bytes(
+        b"[\n"
+        + good.encode()
+        + b",\n"
+        + b'{"messages": [{"role": "user", "content": "caf\xe9"}]},\n'
+        + b'"just a string",\n'
+        + good.encode()
+        + b"\n]\n"
+    )
     rows = list(iter_records(path))
     assert [line for line, _ in rows] == [2, 14, 15, 16]  # the good row spans lines 2-13
     assert isinstance(rows[1][1], RowError) and rows[1][1].category == "non_utf8"

@@ -1,11 +1,11 @@
-"""moe_sft/layers/dense_wgrad.py: which layers get megatron's gradient accumulation fusion, and
+"""moe_sft/kernels/dense_wgrad.py: which layers get megatron's gradient accumulation fusion, and
 the accumulation itself where CPU can run it (fp32; the bf16 -> fp32 GEMM is CUDA's:
 tests/gpu/test_gpu_parity.py compares main grads with and without it under DDP)."""
 
 import torch
 from megatron.core.tensor_parallel import layers as tp_layers
 
-from moe_sft.layers import dense_wgrad
+from moe_sft.kernels import dense_wgrad
 
 
 def test_fp32_accumulation_adds_the_weight_gradient_into_main_grad():
@@ -38,7 +38,6 @@ def test_only_trainable_dense_linears_with_a_main_grad_are_fused_and_only_on_cud
     assert tp_layers.fused_weight_gradient_mlp_cuda is dense_wgrad.TORCH_WGRAD_ACCUM
     assert dense_wgrad.fuse_dense_wgrad([chunk], "cuda", enable=False) == 1
     assert not chunk[0].gradient_accumulation_fusion
-
 
 
 class _Group:

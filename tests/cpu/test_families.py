@@ -15,7 +15,7 @@ from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.models import registry
 from moe_sft.models.forward import packed_logits
-from moe_sft.runtime import compat
+from moe_sft.runtime import cpu_compat
 from tests.train_steps import adam_steps, random_batches
 
 FAMILIES = [f.name for f in registry.FAMILIES]
@@ -25,7 +25,7 @@ PARITY_TOL = 1e-4
 
 
 def _hf_model(family, cfg, path: Path, seed=0):
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(seed)
         model = family.hf_model_class(cfg).eval()
         for name, buf in model.named_buffers():
@@ -71,7 +71,7 @@ def test_logit_parity_with_packed_documents(converted):
     family, hf, tmp = converted
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (19, 40, 7)]
-    with compat.suspended(), torch.no_grad():
+    with cpu_compat.suspended(), torch.no_grad():
         refs = [hf(torch.tensor([d])).logits[0].float() for d in docs]
     model = load_model_from_checkpoint(tmp / "mcore").eval()
     ours = packed_logits(model, docs, VOCAB)
@@ -92,7 +92,7 @@ def test_tied_embeddings_convert_and_export(tmp_path, family_name):
     assert torch.equal(out["model.embed_tokens.weight"], hf.model.embed_tokens.weight.detach())
     model = load_model_from_checkpoint(tmp_path / "mcore").eval()
     doc = list(range(3, 30))
-    with compat.suspended(), torch.no_grad():
+    with cpu_compat.suspended(), torch.no_grad():
         ref = hf(torch.tensor([doc])).logits[0]
     assert (packed_logits(model, [doc], VOCAB)[0] - ref).abs().max().item() <= PARITY_TOL
 
@@ -108,14 +108,22 @@ def test_a_few_training_steps_lower_the_loss(converted):
 def test_deepseek_v3_yarn_and_no_q_lora_variants(tmp_path):
     """YaRN rope with mscale (as DeepSeek-V3's config) and the q_lora_rank=None (V2-Lite-style) path."""
     family = registry.family_by_name("deepseek_v3")
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
-            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     for name, overrides in {"yarn": {"rope_parameters": yarn}, "no_q_lora": {"q_lora_rank": None}}.items():
         cfg = family.tiny_hf_config(vocab_size=VOCAB, **overrides)
         hf = _hf_model(family, cfg, tmp_path / name / "hf")
         convert(tmp_path / name / "hf", tmp_path / name / "mcore")
         docs = [list(range(5, 105)), list(range(7, 40))]  # beyond original_max_position_embeddings
-        with compat.suspended(), torch.no_grad():
+        with cpu_compat.suspended(), torch.no_grad():
             refs = [hf(torch.tensor([d])).logits[0].float() for d in docs]
         model = load_model_from_checkpoint(tmp_path / name / "mcore").eval()
         worst = max((r - o).abs().max().item() for r, o in zip(refs, packed_logits(model, docs, VOCAB)))

@@ -21,8 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from moe_sft.data.packing import build_micro_batch
 from moe_sft.models import registry
 from moe_sft.models.builder import ModelOptions, build_transformer_config, padded_vocab_size
-from moe_sft.models.forward import pack_documents
-from moe_sft.runtime import compat
+from moe_sft.models.forward import packed_batch
+from moe_sft.runtime import cpu_compat
 from moe_sft.trainer import flops
 from tests.train_steps import PromptedDoc
 
@@ -51,9 +51,11 @@ def _sdpa_cpu_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs):
     return sdpa_backward_flop_count(grad_out, q, k, v)
 
 
-_CPU_KERNELS = {torch.ops.aten._grouped_mm: _grouped_mm,
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward}
+_CPU_KERNELS = {
+    torch.ops.aten._grouped_mm: _grouped_mm,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+}
 
 
 def _shape(family, hf_cfg, vocab=VOCAB, run_mtp=False):
@@ -67,7 +69,7 @@ def test_formula_equals_flop_counter_on_transformers_models(name, overrides):
     hf_cfg = family.tiny_hf_config(vocab_size=VOCAB, **overrides)
     hf_cfg._attn_implementation = "eager"
     hf_cfg._experts_implementation = "eager"  # grouped_mm would hide the experts from the counter
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(0)
         model = family.hf_model_class(hf_cfg)
     forward = backward = 0
@@ -77,7 +79,9 @@ def test_formula_equals_flop_counter_on_transformers_models(name, overrides):
         forward += _counted(lambda: out.setdefault("loss", model(ids).logits.float().square().mean()))
         backward += _counted(lambda: out["loss"].backward())
     formula = flops.forward_flops(_shape(family, hf_cfg), LENGTHS, causal=False)
-    print(f"{name}{overrides}: FlopCounter {forward} vs formula {formula} forward FLOPs; backward/forward {backward / forward}")
+    print(
+        f"{name}{overrides}: FlopCounter {forward} vs formula {formula} forward FLOPs; backward/forward {backward / forward}"
+    )
     assert forward == formula
     assert backward == 2 * forward  # so a training step is 3x forward
 
@@ -91,10 +95,10 @@ def test_formula_equals_flop_counter_on_our_packed_model_with_mtp():
     model = single_rank_model(family, hf_cfg)
     model.run_mtp = True
     g = torch.Generator().manual_seed(1)
-    tokens, positions, params = pack_documents([torch.randint(0, VOCAB, (n,), generator=g).tolist()
-                                                for n in LENGTHS])
-    forward = _counted(lambda: model(input_ids=tokens, position_ids=positions, attention_mask=None,
-                                     packed_seq_params=params))
+    tokens, positions, params = packed_batch([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS])
+    forward = _counted(
+        lambda: model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
+    )
     padded = _shape(family, hf_cfg, vocab=padded_vocab_size(VOCAB), run_mtp=True)
     assert forward == flops.forward_flops(padded, LENGTHS, causal=False)
     without_mtp = flops.forward_flops(_shape(family, hf_cfg, run_mtp=False), LENGTHS, causal=False)
@@ -108,8 +112,11 @@ def test_packed_micro_batches_count_documents_not_pack_length():
     padded = build_micro_batch(docs, pad_to=128)  # 66 real tokens + a 62-token padding segment
     assert flops.document_lengths(padded) == list(LENGTHS)
     # per-document padding (context parallelism): real lengths come from cu_seqlens_unpadded
-    per_doc = SimpleNamespace(cu_seqlens=torch.tensor([0, 24, 64, 72, 128]), num_padding=62,
-                              cu_seqlens_unpadded=torch.tensor([0, 19, 59, 66, 66]))
+    per_doc = SimpleNamespace(
+        cu_seqlens=torch.tensor([0, 24, 64, 72, 128]),
+        num_padding=62,
+        cu_seqlens_unpadded=torch.tensor([0, 19, 59, 66, 66]),
+    )
     assert flops.document_lengths(per_doc) == list(LENGTHS)
     assert flops.attention_pairs([3]) == 6 and flops.attention_pairs([3], causal=False) == 9
     step = flops.train_step_flops(shape, [padded])
@@ -121,13 +128,25 @@ def test_per_token_parts_of_a_full_size_config():
     """Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, moe ffn 768, 32 q / 4 kv heads of
     128, vocab 151936), by hand; its active weights match the model card's count."""
     family = registry.family_by_name("qwen3_moe")
-    hf_cfg = family.tiny_hf_config(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-                                   num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                   num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    hf_cfg = family.tiny_hf_config(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    )
     parts = flops.forward_flops_per_token(_shape(family, hf_cfg, vocab=151936))
-    attn = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048   # q, k, v, o weights per layer
-    moe = 2048 * 128 + 8 * 3 * 2048 * 768                  # router + 8 active SwiGLU experts
-    assert parts == {"attention_projections": 2 * 48 * attn, "dense_mlp": 0, "moe_mlp": 2 * 48 * moe,
-                     "lm_head": 2 * 2048 * 151936}
+    attn = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048  # q, k, v, o weights per layer
+    moe = 2048 * 128 + 8 * 3 * 2048 * 768  # router + 8 active SwiGLU experts
+    assert parts == {
+        "attention_projections": 2 * 48 * attn,
+        "dense_mlp": 0,
+        "moe_mlp": 2 * 48 * moe,
+        "lm_head": 2 * 2048 * 151936,
+    }
     active = 48 * (attn + moe) + 2 * 2048 * 151936  # + the input embedding, which costs no FLOPs
     assert 3.3e9 < active < 3.4e9  # the model card: 3.3B activated (measured here: 3.35B)

@@ -8,11 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from moe_sft.data.formats import (DataFormatError, RowError, RowFormat, decode_payload, file_kind, iter_records, read_conversations,
-                                  to_conversation)
+from moe_sft.data.formats import (
+    DataFormatError,
+    RowError,
+    RowFormat,
+    decode_payload,
+    file_kind,
+    iter_records,
+    read_conversations,
+    to_conversation,
+)
 
-REVERSE = [{"role": "user", "content": "Reverse: cat dog sun"},
-           {"role": "assistant", "content": "Reversed: sun dog cat"}]
+REVERSE = [
+    {"role": "user", "content": "Reverse: cat dog sun"},
+    {"role": "assistant", "content": "Reversed: sun dog cat"},
+]
 SYSTEM = {"role": "system", "content": "Be brief."}
 
 
@@ -20,16 +30,32 @@ def convert(row, fmt=RowFormat(), where="f.jsonl:1"):
     return to_conversation(decode_payload(row, where), fmt, where)
 
 
-@pytest.mark.parametrize("row", [
-    {"messages": [SYSTEM, *REVERSE]},
-    {"conversations": [{"from": "human", "value": "Reverse: cat dog sun"},
-                       {"from": "gpt", "value": "Reversed: sun dog cat"}], "system": "Be brief."},
-    {"instruction": "Reverse:", "input": "cat dog sun", "output": "Reversed: sun dog cat", "system": "Be brief."},
-    {"prompt": "Reverse: cat dog sun", "completion": "Reversed: sun dog cat", "system": "Be brief."},
-    {"prompt": [SYSTEM, REVERSE[0]], "completion": [REVERSE[1]]},
-    {"messages": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "Reverse: "},
-                                                       {"type": "text", "text": "cat dog sun"}]}, REVERSE[1]]},
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"messages": [SYSTEM, *REVERSE]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Reverse: cat dog sun"},
+                {"from": "gpt", "value": "Reversed: sun dog cat"},
+            ],
+            "system": "Be brief.",
+        },
+        {"instruction": "Reverse:", "input": "cat dog sun", "output": "Reversed: sun dog cat", "system": "Be brief."},
+        {"prompt": "Reverse: cat dog sun", "completion": "Reversed: sun dog cat", "system": "Be brief."},
+        {"prompt": [SYSTEM, REVERSE[0]], "completion": [REVERSE[1]]},
+        {
+            "messages": [
+                SYSTEM,
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Reverse: "}, {"type": "text", "text": "cat dog sun"}],
+                },
+                REVERSE[1],
+            ]
+        },
+    ],
+)
 def test_every_format_gives_the_same_conversation(row):
     messages = convert(json.dumps(row).encode()).messages
     expected = [SYSTEM, *REVERSE]
@@ -41,10 +67,15 @@ def test_every_format_gives_the_same_conversation(row):
 def test_tool_calls_and_tools_pass_through():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    row = {"messages": [REVERSE[0], {"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "tool", "content": "42", "tool_call_id": "c1"},
-                        {"role": "assistant", "content": "It is 42.", "weight": 0.5}],
-           "tools": json.dumps(tools)}  # some datasets store the schemas as a JSON string
+    row = {
+        "messages": [
+            REVERSE[0],
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            {"role": "assistant", "content": "It is 42.", "weight": 0.5},
+        ],
+        "tools": json.dumps(tools),
+    }  # some datasets store the schemas as a JSON string
     conv = convert(row)
     assert conv.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
     assert conv.messages[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
@@ -54,26 +85,35 @@ def test_tool_calls_and_tools_pass_through():
 def test_renamed_fields_and_forced_format():
     fmt = RowFormat.make("messages", {"messages": "chat", "role": "speaker", "content": "text", "weight": "w"})
     row = {"chat": [{"speaker": "user", "text": "hi"}, {"speaker": "assistant", "text": "hello", "w": 2}]}
-    assert convert(row, fmt).messages == [{"role": "user", "content": "hi"},
-                                          {"role": "assistant", "content": "hello", "weight": 2}]
+    assert convert(row, fmt).messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "weight": 2},
+    ]
     with pytest.raises(RowError, match=r'f\.jsonl:1: "chat" must be a non-empty list') as err:
         convert({"messages": REVERSE}, fmt)
     assert err.value.category == "wrong_shape"
     sharegpt = RowFormat.make("auto", {"conversations": "turns", "from": "speaker", "value": "text"})
-    assert convert({"turns": [{"speaker": "human", "text": "hi"}, {"speaker": "gpt", "text": "yo"}]},
-                   sharegpt).messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert convert(
+        {"turns": [{"speaker": "human", "text": "hi"}, {"speaker": "gpt", "text": "yo"}]}, sharegpt
+    ).messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     with pytest.raises(ValueError, match=r"data\.fields has unknown keys \['speaker'\]"):
         RowFormat.make("auto", {"speaker": "x"})
 
 
-@pytest.mark.parametrize("row, category, message", [
-    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]}, "unknown_role",
-     r"conversations\[1\]: unknown role 'robot'; ShareGPT roles: system, human"),
-    ({"instruction": "x", "output": 3}, "wrong_shape", r'alpaca "output" must be a string, got int'),
-    ({"prompt": "x", "completion": None}, "wrong_shape", r'"completion" must be a string or a non-empty list'),
-    ({"conversations": [{"from": "human", "value": "hi"}]}, "no_assistant", "conversation has no assistant"),
-    ({"messages": REVERSE, "tools": "{not json"}, "wrong_shape", r'"tools" is a string but not JSON'),
-])
+@pytest.mark.parametrize(
+    "row, category, message",
+    [
+        (
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]},
+            "unknown_role",
+            r"conversations\[1\]: unknown role 'robot'; ShareGPT roles: system, human",
+        ),
+        ({"instruction": "x", "output": 3}, "wrong_shape", r'alpaca "output" must be a string, got int'),
+        ({"prompt": "x", "completion": None}, "wrong_shape", r'"completion" must be a string or a non-empty list'),
+        ({"conversations": [{"from": "human", "value": "hi"}]}, "no_assistant", "conversation has no assistant"),
+        ({"messages": REVERSE, "tools": "{not json"}, "wrong_shape", r'"tools" is a string but not JSON'),
+    ],
+)
 def test_format_errors_have_categories(row, category, message):
     with pytest.raises(RowError, match=rf"^f\.jsonl:1: .*{message}") as err:
         convert(row)
@@ -81,8 +121,11 @@ def test_format_errors_have_categories(row, category, message):
 
 
 def _rows():
-    return [{"messages": [SYSTEM, *REVERSE]}, {"messages": REVERSE},
-            {"messages": [REVERSE[0], {"role": "assistant", "content": "Reversed: sun dog cat", "weight": 0.5}]}]
+    return [
+        {"messages": [SYSTEM, *REVERSE]},
+        {"messages": REVERSE},
+        {"messages": [REVERSE[0], {"role": "assistant", "content": "Reversed: sun dog cat", "weight": 0.5}]},
+    ]
 
 
 def test_file_kinds_give_identical_conversations(tmp_path):

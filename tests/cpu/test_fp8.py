@@ -17,7 +17,7 @@ from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export
 from moe_sft.conversion.hf_reader import CheckpointError
 from moe_sft.models import qwen3_moe
-from moe_sft.runtime import compat
+from moe_sft.runtime import cpu_compat
 from tests.safe_open_reader import SafeOpenHFReader
 
 
@@ -35,7 +35,7 @@ def _reference_dequant(weight, scale_inv, block=128):
 def fp8_checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8")
     cfg = qwen3_moe.tiny_hf_config(vocab_size=300, num_hidden_layers=1)
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(0)
         qwen3_moe.FAMILY.hf_model_class(cfg).save_pretrained(str(tmp / "bf16"))
     tensors = load_file(str(tmp / "bf16" / "model.safetensors"))
@@ -50,8 +50,12 @@ def fp8_checkpoint(tmp_path_factory):
     (tmp / "fp8").mkdir()
     save_file(quantised, str(tmp / "fp8" / "model.safetensors"))
     config = json.loads((tmp / "bf16" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                     "activation_scheme": "dynamic"}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
     (tmp / "fp8" / "config.json").write_text(json.dumps(config))
     return tmp, quantised, expected
 

@@ -81,8 +81,15 @@ def test_dp_ranks_partition_the_global_batch(docs, dp_size):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 120), gbs=st.integers(1, 6), dp=st.sampled_from([1, 2, 3]), window=st.integers(1, 80),
-       pack_length=st.sampled_from([40, 64, 100]), seed=st.integers(0, 3), data=st.data())
+@given(
+    n=st.integers(1, 120),
+    gbs=st.integers(1, 6),
+    dp=st.sampled_from([1, 2, 3]),
+    window=st.integers(1, 80),
+    pack_length=st.sampled_from([40, 64, 100]),
+    seed=st.integers(0, 3),
+    data=st.data(),
+)
 def test_each_epoch_is_sharded_without_duplicates_or_gaps(n, gbs, dp, window, pack_length, seed, data):
     gbs *= dp
     docs = make_docs(n, seed=seed)
@@ -102,7 +109,7 @@ def test_each_epoch_is_sharded_without_duplicates_or_gaps(n, gbs, dp, window, pa
             batches, _ = loader.batches_for_step(step, rank, dp)
             seen += [d for mb in batches for d in doc_ids(mb)]
     packs = loader.epoch_packs(epoch)
-    dropped = [int(d) for p in packs[steps * gbs:] for d in p.docs]
+    dropped = [int(d) for p in packs[steps * gbs :] for d in p.docs]
     assert len(seen) == len(set(seen))  # no document twice in an epoch, across ranks and steps
     assert sorted(seen + dropped) == list(range(n))  # no gap: only the dropped last incomplete step is missing
     assert len(packs) - steps * gbs < gbs
@@ -181,9 +188,19 @@ def test_state_round_trips_and_guards_resume(docs):
     state = json.loads(json.dumps(loader.state_dict()))
     assert loader.steps_in_epoch(0) == 17  # step 23 is step 6 of epoch 1: micro-batch 24 of its only window
     assert state == {
-        "version": 2, "next_step": 23, "cursor": [1, 0, 24], "seed": 3, "shuffle": True, "pack_length": 64,
-        "global_batch_size": 4, "window": 8192, "doc_multiple": 1, "weights": [1.0], "eval_fraction": 0.0,
-        "num_docs": [200], "fingerprint": loader.store.fingerprint,
+        "version": 2,
+        "next_step": 23,
+        "cursor": [1, 0, 24],
+        "seed": 3,
+        "shuffle": True,
+        "pack_length": 64,
+        "global_batch_size": 4,
+        "window": 8192,
+        "doc_multiple": 1,
+        "weights": [1.0],
+        "eval_fraction": 0.0,
+        "num_docs": [200],
+        "fingerprint": loader.store.fingerprint,
     }
     fresh = PackedLoader(docs, pack_length=64, global_batch_size=4, seed=3, pad_to=8)  # pad_to may change
     fresh.load_state_dict(state)
@@ -236,8 +253,10 @@ def test_prefetch_gives_the_same_batches(docs):
     for step in range(20):
         batches = loader.batches_for_step(step, 1, 2)
         loader.prefetch(step + 1, 1, 2)
-        assert same_batches(batches[0], direct.batches_for_step(step, 1, 2)[0]) and batches[1] == \
-            direct.batches_for_step(step, 1, 2)[1]
+        assert (
+            same_batches(batches[0], direct.batches_for_step(step, 1, 2)[0])
+            and batches[1] == direct.batches_for_step(step, 1, 2)[1]
+        )
 
 
 def test_eval_batches_cover_the_set_once_with_equal_counts_per_rank(docs):
@@ -251,7 +270,8 @@ def test_eval_batches_cover_the_set_once_with_equal_counts_per_rank(docs):
         seen = [t // 1000 for mb in batches for t in mb.tokens.tolist() if t]
         assert sorted(set(seen)) == sorted({d if f == 0 else 150 + d for f, d in refs})
         assert sum(mb.loss_weight_sum for mb in batches) == pytest.approx(
-            sum(store.doc(f, d).loss_weight_sum for f, d in refs))
+            sum(store.doc(f, d).loss_weight_sum for f, d in refs)
+        )
         assert all(mb.tokens.numel() % 8 == 0 for mb in batches)
 
 
@@ -295,5 +315,7 @@ def test_per_document_multiple_for_context_parallelism():
     from moe_sft.config.validate import doc_multiple_for
 
     # CP splits each document into 2*CP chunks; with SP each CP share is split again over TP.
-    assert [doc_multiple_for(tp, cp, sp) for tp, cp, sp in
-            ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 4, False))] == [1, 1, 4, 8, 8]
+    assert [
+        doc_multiple_for(tp, cp, sp)
+        for tp, cp, sp in ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 4, False))
+    ] == [1, 1, 4, 8, 8]

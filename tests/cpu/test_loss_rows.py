@@ -34,10 +34,10 @@ def _weighted_docs(seed: int, lengths):
 @pytest.mark.parametrize("pad_to,doc_multiple", [(1, 1), (64, 1), (16, 8)])
 @pytest.mark.parametrize("depths", [0, 1, 3])
 def test_rows_are_the_nonzero_entries_of_the_shifted_targets(pad_to, doc_multiple, depths):
-    mb = build_micro_batch(_weighted_docs(depths + pad_to, (21, 2, 40, 9, 1)), pad_to=pad_to,
-                           doc_multiple=doc_multiple)
-    rows, targets, weights, counts = loss_rows.host_loss_rows(mb.labels.numpy(), mb.loss_mask.numpy(),
-                                                              mb.cu_seqlens.numpy(), depths)
+    mb = build_micro_batch(_weighted_docs(depths + pad_to, (21, 2, 40, 9, 1)), pad_to=pad_to, doc_multiple=doc_multiple)
+    rows, targets, weights, counts = loss_rows.host_loss_rows(
+        mb.labels.numpy(), mb.loss_mask.numpy(), mb.cu_seqlens.numpy(), depths
+    )
     length, params = len(mb.labels), packed_seq_params(mb.cu_seqlens, mb.max_seqlen)
     labels, mask = mb.labels[None], mb.loss_mask[None]
     start = 0
@@ -46,17 +46,18 @@ def test_rows_are_the_nonzero_entries_of_the_shifted_targets(pad_to, doc_multipl
             labels, mask = shift_targets(labels, mask, params)
         picked = torch.nonzero(mask[0]).flatten()
         assert counts[k] == len(picked) > 0
-        assert rows[start:start + counts[k]].tolist() == (picked + k * length).tolist()
-        assert targets[start:start + counts[k]].tolist() == labels[0, picked].tolist()
-        assert weights[start:start + counts[k]].tolist() == mask[0, picked].tolist()
+        assert rows[start : start + counts[k]].tolist() == (picked + k * length).tolist()
+        assert targets[start : start + counts[k]].tolist() == labels[0, picked].tolist()
+        assert weights[start : start + counts[k]].tolist() == mask[0, picked].tolist()
         start += counts[k]
     assert start == len(rows)
 
 
 def test_a_micro_batch_without_loss_keeps_one_row_of_weight_zero():
     mb = build_micro_batch([TokenizedDoc(list(range(12)), [0.0] * 12)], pad_to=16)
-    rows, targets, weights, counts = loss_rows.host_loss_rows(mb.labels.numpy(), mb.loss_mask.numpy(),
-                                                              mb.cu_seqlens.numpy(), 1)
+    rows, targets, weights, counts = loss_rows.host_loss_rows(
+        mb.labels.numpy(), mb.loss_mask.numpy(), mb.cu_seqlens.numpy(), 1
+    )
     assert rows.tolist() == [0] and weights.tolist() == [0.0] and counts == (1, 0)
 
 

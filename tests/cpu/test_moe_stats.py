@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-
 from megatron.core.transformer.moe import moe_utils
 
 from moe_sft.data.packing import build_micro_batch
@@ -52,8 +51,12 @@ def test_layer_stats_of_known_counts():
 
 def test_summary_over_layers_skips_layers_without_tokens():
     counts = torch.tensor([[4.0, 0.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
-    out = routing_metrics(counts, torch.tensor([1.0, 0.0, 2.0]), torch.tensor([4.0, 0.0, 4.0]),
-                          drift=torch.tensor([[0.5, 0.4], [0.0, 0.0], [0.2, 0.1]]))
+    out = routing_metrics(
+        counts,
+        torch.tensor([1.0, 0.0, 2.0]),
+        torch.tensor([4.0, 0.0, 4.0]),
+        drift=torch.tensor([[0.5, 0.4], [0.0, 0.0], [0.2, 0.1]]),
+    )
     assert "moe/layer_1/max_load_ratio" not in out  # a dense layer: no row
     assert out["moe/max_load_ratio"] == 2.0 and out["moe/dead_experts"] == 1.0
     assert out["moe/router_entropy"] == pytest.approx((1 / 4 + 2 / 4) / 2 / math.log(4))
@@ -150,8 +153,17 @@ def test_one_training_step_logs_loads_flops_and_progress(qwen, capsys):
     g = torch.Generator().manual_seed(2)
     docs = [PromptedDoc(torch.randint(0, 300, (n,), generator=g).tolist()) for n in (30, 45, 9)]
     batches = [build_micro_batch(docs[:2], pad_to=128), build_micro_batch(docs[2:])]
-    tel = Telemetry(config=model.config, model_chunks=[model], vocab_size=300, run_mtp=False,
-                    device="cpu", precision="fp32", peak_tflops=100.0, log_interval=2, max_steps=4)
+    tel = Telemetry(
+        config=model.config,
+        model_chunks=[model],
+        vocab_size=300,
+        run_mtp=False,
+        device="cpu",
+        precision="fp32",
+        peak_tflops=100.0,
+        log_interval=2,
+        max_steps=4,
+    )
     for step in range(2):
         run_forward_backward([model], batches, 70, "cpu", 300, seq_length=0)
         metrics = tel.step_metrics(step, batches, seconds=0.5)

@@ -14,10 +14,10 @@ from moe_sft.conversion import mapping
 from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.models import registry
-from moe_sft.models.forward import pack_documents
+from moe_sft.models.forward import packed_batch
 from tests.cpu.test_families import PARITY_TOL, _all_tensors
-from tests.train_steps import PromptedDoc, adam_steps, random_batches
 from tests.deepseek_mtp import converted_tiny_deepseek_with_mtp, reference_logits, write_tiny_deepseek_with_mtp
+from tests.train_steps import PromptedDoc, adam_steps, random_batches
 
 VOCAB = 300
 DOC_LENGTHS = (19, 40, 7)
@@ -35,7 +35,7 @@ def _docs():
 
 def _packed_outputs(model, docs):
     """Per document: (main logits [T, V], MTP logits [T - 1, V]) from one packed forward."""
-    tokens, positions, params = pack_documents(docs)
+    tokens, positions, params = packed_batch(docs)
     out = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
     out = out[0, :, :VOCAB].float()
     total = tokens.shape[1]
@@ -72,7 +72,7 @@ def test_mtp_logits_match_the_reference_with_packed_documents(mtp_ckpt):
     assert main_diff <= PARITY_TOL and mtp_diff <= PARITY_TOL, (main_diff, mtp_diff)
     model.run_mtp = False  # eval / verify: the main logits only
     with torch.no_grad():
-        tokens, positions, params = pack_documents(docs)
+        tokens, positions, params = packed_batch(docs)
         plain = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
     assert plain.shape[1] == tokens.shape[1]
 
@@ -88,8 +88,9 @@ def test_mtp_loss_term_is_weighted_and_normalised_like_the_main_loss(mtp_ckpt):
     tokens = int(batch.loss_mask.sum())
     model = load_model_from_checkpoint(tmp / "mcore").eval()
     model.run_mtp = True
-    total = run_forward_backward([model], [batch], tokens, "cpu", VOCAB, seq_length=0, forward_only=True,
-                                 mtp_weight=0.3)
+    total = run_forward_backward(
+        [model], [batch], tokens, "cpu", VOCAB, seq_length=0, forward_only=True, mtp_weight=0.3
+    )
     main_sum = mtp_sum = 0.0
     for d in docs:
         main, mtp = reference_logits(hf, ref, d)
@@ -112,8 +113,16 @@ def test_training_with_mtp_lowers_both_losses_and_updates_the_mtp_layer(mtp_ckpt
     def mtp_layer_gets_gradient(m):
         assert m.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
 
-    main, mtp = adam_steps(model, random_batches(VOCAB, (24, 31)), VOCAB, "cpu", steps=5, lr=3e-3,
-                           mtp_weight=0.3, after_backward=mtp_layer_gets_gradient)
+    main, mtp = adam_steps(
+        model,
+        random_batches(VOCAB, (24, 31)),
+        VOCAB,
+        "cpu",
+        steps=5,
+        lr=3e-3,
+        mtp_weight=0.3,
+        after_backward=mtp_layer_gets_gradient,
+    )
     assert main[-1] < main[0] - 0.5 and mtp[-1] < mtp[0] - 0.5, (main, mtp)
     after = model.state_dict()
     assert not torch.equal(before["mtp.layers.0.eh_proj.weight"], after["mtp.layers.0.eh_proj.weight"])
@@ -132,7 +141,7 @@ def test_mtp_copies_that_differ_name_the_tensors(tmp_path):
 
 def test_full_recompute_with_mtp_and_packed_documents_gives_the_same_gradients(mtp_ckpt):
     """megatron-core 0.16.1 crashed here ("save_for_backward can only save variables": the MTP layer
-    checkpointed its PackedSeqParams); runtime/compat.py binds it outside the checkpoint."""
+    checkpointed its PackedSeqParams); runtime/megatron_fixes.py binds it outside the checkpoint."""
     _, _, tmp = mtp_ckpt
     docs = _docs()
 
@@ -158,7 +167,7 @@ def test_full_recompute_with_mtp_and_packed_documents_gives_the_same_gradients(m
 def test_sync_free_packed_roll_equals_megatron(lengths, shape):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from moe_sft.models import mtp
+    from moe_sft.kernels import mtp_roll as mtp
 
     cu = torch.tensor((0, *torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)

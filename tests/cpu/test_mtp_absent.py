@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from moe_sft.conversion import mapping, mcore_io
 from moe_sft.conversion.convert import convert
-from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.export import export, load_model_from_checkpoint
+from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.models import deepseek_v3
 from moe_sft.models.forward import packed_logits
-from moe_sft.runtime import compat
+from moe_sft.runtime import cpu_compat
 from tests.cpu.test_families import PARITY_TOL, _all_tensors
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
 
@@ -35,7 +35,7 @@ def saved_by_transformers(tmp_path_factory):
     converted to tmp/mcore."""
     tmp = tmp_path_factory.mktemp("mtp_absent")
     cfg = deepseek_v3.tiny_hf_config(vocab_size=VOCAB, num_nextn_predict_layers=1)
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(0)
         hf = deepseek_v3.FAMILY.hf_model_class(cfg).eval()
         for name, buf in hf.named_buffers():
@@ -66,8 +66,10 @@ def test_converts_without_mtp_and_says_so_once(saved_by_transformers):
     assert meta["mtp_dropped_from_config"] == {FIELD: 1}
     assert mcore_io.read_meta(tmp / "mcore")["mtp_dropped_from_config"] == {FIELD: 1}
     said = [r.getMessage() for r in records if FIELD in r.getMessage()]
-    assert said == [f"config.json declares {FIELD}=1 but the checkpoint holds no MTP tensors (saved by "
-                    "transformers, which has no MTP module): converting without MTP"], said
+    assert said == [
+        f"config.json declares {FIELD}=1 but the checkpoint holds no MTP tensors (saved by "
+        "transformers, which has no MTP module): converting without MTP"
+    ], said
     assert mcore_io.checkpoint_problems(tmp / "mcore") == []
 
 
@@ -83,7 +85,7 @@ def test_the_converted_dir_says_no_mtp_to_every_reader(saved_by_transformers):
     model = load_model_from_checkpoint(tmp / "mcore").eval()
     assert not [k for k in model.state_dict() if k.startswith("mtp.")]
     seq = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    with compat.suspended(), torch.no_grad():
+    with cpu_compat.suspended(), torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0].float()
     ours = packed_logits(model, [seq], VOCAB)[0]
     assert (ref - ours).abs().max().item() < PARITY_TOL
@@ -104,7 +106,8 @@ def test_some_mtp_tensors_but_not_all_is_refused_naming_them(tmp_path):
     gone = ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"]
     assert all(name in extra for name in gone) and len(extra) > len(gone)
     save_file({k: v for k, v in extra.items() if k not in gone}, str(tmp_path / "hf" / "mtp.safetensors"))
-    with pytest.raises(mapping.MappingError, match=r"lacks 2 tensor\(s\).*" + r", ".join(
-            n.replace(".", r"\.") for n in gone)):
+    with pytest.raises(
+        mapping.MappingError, match=r"lacks 2 tensor\(s\).*" + r", ".join(n.replace(".", r"\.") for n in gone)
+    ):
         convert(tmp_path / "hf", tmp_path / "mcore")
     assert not (tmp_path / "mcore").exists()

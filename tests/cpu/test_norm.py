@@ -68,11 +68,11 @@ def test_keeps_the_input_and_one_fp32_per_row_and_equals_torch_rms_norm(dtype):
     g = torch.randn_like(y)
     y.backward(g)
     reference.backward(g)
-    tol = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=2**-7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, xb.grad, **tol)
     # dw sums 30 products with cancellation: bound by a rounding of each term (bf16: 2^-8 relative)
     # plus one of the result
     y_hat = F.rms_norm(xb.detach(), (256,), eps=1e-6)
     terms = (g.double() * y_hat.double()).reshape(-1, 256).abs().sum(0)
-    unit = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-20
     assert ((weight.grad.double() - wb.grad.double()).abs() <= unit * (terms + wb.grad.double().abs())).all()

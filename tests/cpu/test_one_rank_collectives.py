@@ -1,11 +1,11 @@
-"""moe_sft/layers/one_rank_collectives.py: a one-rank group gets its input back with no autograd
+"""moe_sft/kernels/one_rank_collectives.py: a one-rank group gets its input back with no autograd
 node in between; larger groups go to megatron's functions."""
 
 import torch
 from megatron.core.tensor_parallel import layers
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from moe_sft.layers import one_rank_collectives as ours
+from moe_sft.kernels import one_rank_collectives as ours
 
 
 class _Group:
@@ -17,9 +17,12 @@ class _Group:
 
 
 def test_installed_where_megatron_imported_the_names():
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import install
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     assert token_dispatcher.all_to_all is ours.all_to_all
     assert moe_utils.reduce_from_tensor_model_parallel_region is ours.reduce_from_tensor_model_parallel_region
     assert layers.copy_to_tensor_model_parallel_region is ours.copy_to_tensor_model_parallel_region
@@ -35,8 +38,9 @@ def test_one_rank_returns_the_input_and_two_ranks_call_megatron(monkeypatch):
     assert ours.reduce_from_tensor_model_parallel_region(y, group=one) is y
     calls = []
     monkeypatch.setitem(ours._megatron, "all_to_all", lambda *a: calls.append(a) or "megatron")
-    monkeypatch.setitem(ours._megatron, "reduce_from_tensor_model_parallel_region",
-                        lambda *a: calls.append(a) or "megatron")
+    monkeypatch.setitem(
+        ours._megatron, "reduce_from_tensor_model_parallel_region", lambda *a: calls.append(a) or "megatron"
+    )
     two = _Group(2)
     assert ours.all_to_all(two, y, [1, 3], [2, 2]) == "megatron"
     assert ours.reduce_from_tensor_model_parallel_region(y, group=two) == "megatron"

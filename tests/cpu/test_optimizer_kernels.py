@@ -7,16 +7,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_sft.runtime import compat
-from moe_sft.trainer.optimizer_kernels import use_fused_adam
+from moe_sft.config import KernelsConfig
+from moe_sft.kernels import install
+from moe_sft.kernels.optimizer import use_fused_adam
+from moe_sft.runtime import cpu_compat, megatron_fixes
 
 
 @pytest.fixture
 def megatron_on_this_machine():
     """megatron's fallbacks put their result on "cuda": map that to the CPU where CUDA is absent."""
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     if not torch.cuda.is_available():
-        compat.apply_cpu_compat()
+        cpu_compat.apply_cpu_compat()
 
 
 def _params(seed=0):
@@ -37,8 +40,9 @@ def test_fused_updates_equal_the_default_implementation_and_survive_a_load():
     ref_params, fused_params = _params(), _params()
     reference = torch.optim.AdamW(ref_params, **kw)
     inner = torch.optim.AdamW(fused_params, **kw)
-    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner),
-                                                  SimpleNamespace(optimizer=object())])  # e.g. a hybrid offload
+    chained = SimpleNamespace(
+        chained_optimizers=[SimpleNamespace(optimizer=inner), SimpleNamespace(optimizer=object())]
+    )  # e.g. a hybrid offload
     assert use_fused_adam(chained) == 1
     assert all(g["fused"] and not g["foreach"] for g in inner.param_groups)
     for a, b in zip(_run(reference, ref_params), _run(inner, fused_params)):
@@ -53,8 +57,12 @@ def test_fused_updates_equal_the_default_implementation_and_survive_a_load():
 
 
 def test_integer_parameters_are_left_alone():
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
-                             torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
+    opt = torch.optim.AdamW(
+        [
+            torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+            torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False),
+        ]
+    )
     assert use_fused_adam(SimpleNamespace(optimizer=opt)) == 0
     assert not opt.param_groups[0].get("fused")
 
@@ -62,7 +70,7 @@ def test_integer_parameters_are_left_alone():
 def test_foreach_grad_norm_and_scale_equal_megatron_local_fallbacks(megatron_on_this_machine):
     from megatron.core import utils
 
-    from moe_sft.trainer.optimizer_kernels import _foreach_l2_norm, _foreach_scale
+    from moe_sft.kernels.optimizer import _foreach_l2_norm, _foreach_scale
 
     grads = [t.clone() for t in _params(3)]
     ref, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
@@ -78,10 +86,10 @@ def test_foreach_grad_norm_and_scale_equal_megatron_local_fallbacks(megatron_on_
         torch.testing.assert_close(b, c)
 
 
-def test_megatron_clip_grads_uses_them_after_the_fixes(megatron_on_this_machine):
+def test_megatron_clip_grads_uses_them_once_installed(megatron_on_this_machine):
     from megatron.core.optimizer import clip_grads
 
-    from moe_sft.trainer import optimizer_kernels
+    from moe_sft.kernels import optimizer as optimizer_kernels
 
     assert clip_grads.l2_norm_impl is optimizer_kernels._foreach_l2_norm
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
@@ -99,18 +107,32 @@ def test_megatron_clip_grads_uses_them_after_the_fixes(megatron_on_this_machine)
 STAND_IN_MODEL_WRITES = []
 
 
-def _kernel_stand_in(param, grad, exp_avg, exp_avg_sq, step, hyper, *, decoupled, weight_decay, grad_coeff,
-                     model_param=None):
+def _kernel_stand_in(
+    param, grad, exp_avg, exp_avg_sq, step, hyper, *, decoupled, weight_decay, grad_coeff, model_param=None
+):
     """adam_kernel.adam_step's contract (clip multiply in fp32, then torch's fused Adam math, the
     step already counted, the result cast into `model_param`) through torch's CPU kernels: the Triton
     kernel itself needs a GPU (tests/gpu/test_gpu_adam.py); this checks what megatron's step hands it."""
-    from moe_sft.trainer import adam_kernel as k
+    from moe_sft.kernels import adam as k
 
     h = hyper.tolist()
     g = grad * torch.tensor(h[k.GRAD_COEFF], dtype=torch.float32) if grad_coeff else grad
     update = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    update([param], [g], [exp_avg], [exp_avg_sq], [], [step], lr=h[k.LR], beta1=h[k.BETA1], beta2=h[k.BETA2],
-           weight_decay=h[k.WEIGHT_DECAY] if weight_decay else 0.0, eps=h[k.EPS], amsgrad=False, maximize=False)
+    update(
+        [param],
+        [g],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step],
+        lr=h[k.LR],
+        beta1=h[k.BETA1],
+        beta2=h[k.BETA2],
+        weight_decay=h[k.WEIGHT_DECAY] if weight_decay else 0.0,
+        eps=h[k.EPS],
+        amsgrad=False,
+        maximize=False,
+    )
     if model_param is not None:
         model_param.copy_(param)
         STAND_IN_MODEL_WRITES.append(model_param.numel())
@@ -133,11 +155,22 @@ def two_megatron_optimizers(request):
     for _ in range(2):
         torch.manual_seed(0)
         module = build_single_rank_model(family, family.tiny_hf_config(num_hidden_layers=2), request.param)
-        ddp = DistributedDataParallel(config=module.config, module=module, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True))
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                     use_distributed_optimizer=True,
-                                                     bf16=request.param == "bf16"), [ddp])
+        ddp = DistributedDataParallel(
+            config=module.config,
+            module=module,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        )
+        opt = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-2,
+                weight_decay=0.1,
+                clip_grad=1.0,
+                use_distributed_optimizer=True,
+                bf16=request.param == "bf16",
+            ),
+            [ddp],
+        )
         use_fused_adam(opt)
         pairs.append((ddp, opt))
     return pairs
@@ -150,7 +183,9 @@ def _set_grads(ddp, seed: int, scale: float) -> None:
 
 
 def test_the_clip_handed_to_the_kernel_gives_megatrons_step(two_megatron_optimizers, monkeypatch, recwarn):
-    from moe_sft.trainer import adam_kernel, guard, optimizer_kernels
+    from moe_sft.kernels import adam as adam_kernel
+    from moe_sft.kernels import optimizer as optimizer_kernels
+    from moe_sft.trainer import guard
 
     (ref_model, reference), (model, optimizer) = two_megatron_optimizers
     assert not optimizer_kernels.use_triton_adam(optimizer), "CPU parameters: the kernel path stays off"
@@ -164,8 +199,11 @@ def test_the_clip_handed_to_the_kernel_gives_megatrons_step(two_megatron_optimiz
     copies = []  # megatron's main-to-model copy, by step: skipped when the kernel wrote every slice
     for inner in optimizer.chained_optimizers:
         original = type(inner)._copy_main_params_to_model_params
-        monkeypatch.setattr(type(inner), "_copy_main_params_to_model_params",
-                            lambda self, original=original: copies.append(step) or original(self))
+        monkeypatch.setattr(
+            type(inner),
+            "_copy_main_params_to_model_params",
+            lambda self, original=original: copies.append(step) or original(self),
+        )
     STAND_IN_MODEL_WRITES.clear()
     # scales: clipped (norm ~100), unclipped (norm < 1), a non-finite norm (skipped), clipped again
     for step, scale in enumerate((1.0, 1e-3, float("nan"), 0.3)):

@@ -17,7 +17,7 @@ from moe_sft.conversion.export import export
 from moe_sft.conversion.hf_reader import CheckpointError
 from moe_sft.conversion.workers import RUN_STAMP
 from moe_sft.models import registry
-from moe_sft.runtime import compat
+from moe_sft.runtime import cpu_compat
 from tests.scripts import load_tool  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,10 +49,11 @@ def tiny(tmp_path_factory):
 
     family = registry.family_by_name("qwen3_moe")
     root = tmp_path_factory.mktemp("tiny")
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(0)
         family.hf_model_class(family.tiny_hf_config(vocab_size=64, num_hidden_layers=1)).save_pretrained(
-            str(root / "hf"))
+            str(root / "hf")
+        )
     convert(root / "hf", root / "mcore")
     return root
 
@@ -60,8 +61,11 @@ def tiny(tmp_path_factory):
 def test_convert_refuses_a_foreign_or_converted_dir_and_leaves_it_intact(tiny, tmp_path):
     out = tmp_path / "mine"
     before = _foreign(out)
-    with pytest.raises(CheckpointError, match=rf"^--output {out} is not empty: it holds 3 files: a\.txt, "
-                                                      r"b\.bin, sub/; pass --overwrite .* or pick another --output"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^--output {out} is not empty: it holds 3 files: a\.txt, "
+        r"b\.bin, sub/; pass --overwrite .* or pick another --output",
+    ):
         convert(tiny / "hf", out)
     assert _snapshot(out) == before and not out.with_name("mine.tmp").exists()
 
@@ -93,8 +97,11 @@ def test_an_interrupted_conversion_is_replaced_a_foreign_tmp_dir_is_not(tiny, tm
 
     out2 = tmp_path / "x"
     before = _foreign(tmp_path / "x.tmp")
-    with pytest.raises(CheckpointError, match=r"x\.tmp \(where --output .*x is staged\) holds 3 files: .*"
-                                                      r"not an interrupted moe-sft write"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"x\.tmp \(where --output .*x is staged\) holds 3 files: .*"
+        r"not an interrupted moe-sft write",
+    ):
         convert(tiny / "hf", out2)
     assert _snapshot(tmp_path / "x.tmp") == before and not out2.exists()
 
@@ -127,8 +134,11 @@ def test_exporting_an_interrupted_save_names_the_latest_complete_step(tiny, tmp_
     for step in ("step_0000002", "step_0000010"):
         shutil.copytree(tiny / "mcore", ckpts / step)
     shutil.copytree(tiny / "mcore", ckpts / "step_0000012.tmp", ignore=shutil.ignore_patterns(mcore_io.META_FILE))
-    with pytest.raises(FileNotFoundError, match=rf"step_0000012\.tmp: an interrupted save \(step 12 was not "
-                                                rf"committed\); export {ckpts / 'step_0000010'} \(the latest complete"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"step_0000012\.tmp: an interrupted save \(step 12 was not "
+        rf"committed\); export {ckpts / 'step_0000010'} \(the latest complete",
+    ):
         export(ckpts / "step_0000012.tmp", tmp_path / "out")
     lone = tmp_path / "lone" / "step_0000003.tmp"
     lone.mkdir(parents=True)
@@ -142,8 +152,10 @@ def test_both_tools_refuse_with_exit_2_and_overwrite(tiny, tmp_path, capsys):
     before = _foreign(out)
     assert convert_tool.main(["--hf-path", str(tiny / "hf"), "--output", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: --output {out} is not empty: it holds 3 files: a.txt, b.bin, sub/; pass --overwrite "
-                   "(overwrite=True) to replace it, or pick another --output\n")
+    assert err == (
+        f"error: --output {out} is not empty: it holds 3 files: a.txt, b.bin, sub/; pass --overwrite "
+        "(overwrite=True) to replace it, or pick another --output\n"
+    )
     assert export_tool.main(["--mcore-path", str(tiny / "mcore"), "--output", str(out)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --output {out} is not empty: it holds 3 files")
     assert _snapshot(out) == before

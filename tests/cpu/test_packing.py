@@ -8,8 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_sft.data.chat import TokenizedDoc
-from moe_sft.data.packing import (PackingError, best_fit_decreasing, build_micro_batch, first_fit, pack_documents,
-                                  padded_length)
+from moe_sft.data.packing import (
+    PackingError,
+    best_fit_decreasing,
+    build_micro_batch,
+    first_fit,
+    pack_documents,
+    padded_length,
+)
 
 
 def naive_first_fit(lengths, capacity, order):
@@ -198,7 +204,7 @@ def test_micro_batch_with_per_document_padding(docs, doc_multiple, pad_factor):
     real = [b - a for a, b in zip(cu_real, cu_real[1:])]
     # CP needs every segment (documents and the trailing padding) to be a multiple of doc_multiple.
     assert all(s % doc_multiple == 0 for s in seg)
-    assert real[: len(docs)] == [len(d) for d in docs] and all(r == 0 for r in real[len(docs):])
+    assert real[: len(docs)] == [len(d) for d in docs] and all(r == 0 for r in real[len(docs) :])
     assert all(s - r < doc_multiple for s, r in zip(seg[: len(docs)], real)) and len(seg) - len(docs) <= 1
     # The real tokens, in order, exactly where padding_mask is False; padding is the rest.
     assert mb.num_padding == T - n_real == int(mb.padding_mask.sum())

@@ -26,8 +26,7 @@ def _no_decay_names(model, patterns) -> set[str]:
     oc = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1)
     overrides, _ = freeze.weight_decay_overrides(oc, [model], patterns, "cpu")
     names = {param: name for name, param in freeze.global_named_parameters(model)}
-    return {names[p] for g in _get_param_groups([model], oc, overrides) if g["wd_mult"] == 0.0
-            for p in g["params"]}
+    return {names[p] for g in _get_param_groups([model], oc, overrides) if g["wd_mult"] == 0.0 for p in g["params"]}
 
 
 def test_patterns_add_to_megatrons_default_exclusions(model):
@@ -37,11 +36,14 @@ def test_patterns_add_to_megatrons_default_exclusions(model):
     more = _no_decay_names(model, ["*word_embeddings*", "*.router.*"])
     added = more - default
     assert "embedding.word_embeddings.weight" in added
-    assert {n for n in added if ".router." in n} == {"decoder.layers.0.mlp.router.weight",
-                                                      "decoder.layers.1.mlp.router.weight"}
+    assert {n for n in added if ".router." in n} == {
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.1.mlp.router.weight",
+    }
     assert all("word_embeddings" in n or ".router." in n for n in added)
-    assert any(n.endswith("linear_qkv.weight") for n, _ in freeze.global_named_parameters(model)
-               if n not in more)  # the rest still decays
+    assert any(
+        n.endswith("linear_qkv.weight") for n, _ in freeze.global_named_parameters(model) if n not in more
+    )  # the rest still decays
 
 
 def test_a_pattern_matching_nothing_is_an_error(model):

@@ -1,11 +1,11 @@
-"""moe_sft.layers.permute against megatron-core's own permute/unpermute: same rows, same order,
+"""moe_sft.kernels.permute against megatron-core's own permute/unpermute: same rows, same order,
 same gradients."""
 
 import pytest
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from moe_sft.layers import permute as ours
+from moe_sft.kernels import permute as ours
 
 
 def _routing(num_tokens=37, num_experts=8, topk=3, seed=0):
@@ -13,9 +13,9 @@ def _routing(num_tokens=37, num_experts=8, topk=3, seed=0):
     scores = torch.rand(num_tokens, num_experts, generator=g)
     chosen = scores.topk(topk, dim=1).indices
     routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, chosen, True)
-    routing_map[::5] = False            # padding tokens: routed nowhere
+    routing_map[::5] = False  # padding tokens: routed nowhere
     routing_map[3, :] = False
-    routing_map[3, 1] = True            # a token with fewer rows than top-k (a local-expert slice)
+    routing_map[3, 1] = True  # a token with fewer rows than top-k (a local-expert slice)
     probs = torch.softmax(scores, dim=1) * routing_map
     return routing_map, probs
 
@@ -78,8 +78,9 @@ def test_exact_topk_path_refuses_a_token_with_another_count():
     routing_map, _ = _topk_routing()
     routing_map[5, routing_map[5].nonzero()[0]] = False
     with pytest.raises(RuntimeError, match="exactly top-k"):
-        ours.permute(torch.randn(routing_map.shape[0], 4), routing_map,
-                     num_out_tokens=ours.TopKRows(routing_map.shape[0] * 3))
+        ours.permute(
+            torch.randn(routing_map.shape[0], 4), routing_map, num_out_tokens=ours.TopKRows(routing_map.shape[0] * 3)
+        )
 
 
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
@@ -97,7 +98,7 @@ def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
 
 
 def test_gather_sum_adds_the_named_rows_in_slot_order_and_skips_empty_slots():
-    from moe_sft.layers.gather_sum import gather_sum
+    from moe_sft.kernels.gather_sum import gather_sum
 
     src = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     index = torch.tensor([[4, -1, 0], [-1, -1, -1], [5, 5, 2]])
@@ -121,9 +122,12 @@ def test_identity_chunk_order_is_not_copied_and_other_orders_are_megatron_s():
 
 
 def test_the_dispatchers_use_it_once_megatron_fixes_are_applied():
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import install
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     assert token_dispatcher.permute is ours.permute
     assert token_dispatcher.unpermute is ours.unpermute
     assert token_dispatcher.sort_chunks_by_idxs is ours.sort_chunks_by_idxs
@@ -150,8 +154,9 @@ def _moe_layers(dispatcher: str, layers: int = 1):
     from tests.cpu.test_plan import build_rank
 
     torch.manual_seed(0)
-    model = build_rank(qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(num_hidden_layers=layers), 0, 1,
-                       dispatcher=dispatcher)[0]
+    model = build_rank(
+        qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(num_hidden_layers=layers), 0, 1, dispatcher=dispatcher
+    )[0]
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
@@ -161,18 +166,19 @@ def _moe_layer_output_and_grads(dispatcher: str, num_tokens: int, moe=None):
     x = torch.randn(num_tokens, 1, moe.config.hidden_size, generator=g).to(torch.bfloat16).requires_grad_(True)
     out, _ = moe(x)
     out.float().square().sum().backward()
-    grads = {n: p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-             for n, p in moe.named_parameters()}
+    grads = {n: p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for n, p in moe.named_parameters()}
     return moe.token_dispatcher, out, x.grad, grads
 
 
 def test_alltoall_dispatcher_at_ep1_skips_the_host_copy_and_matches_allgather():
     """megatron's alltoall dispatcher (the GPU default) at EP x TP = 1: dropless row count tagged,
     no device-to-host copy or wait scheduled; same output and gradients as the allgather one."""
+    from moe_sft.kernels import install as kernels_install
     from moe_sft.runtime import device as rdevice
     from tests.cpu.test_plan import _reset_world
 
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    kernels_install.install()
     try:
         a2a, out, x_grad, grads = _moe_layer_output_and_grads("alltoall", 23)
         assert isinstance(a2a.num_out_tokens, ours.TopKRows)
@@ -190,10 +196,12 @@ def test_alltoall_dispatcher_at_ep1_skips_the_host_copy_and_matches_allgather():
 def test_a_deeper_model_built_later_trains_with_megatron_s_aux_loss_tracker():
     """megatron's aux-loss tracker is process-global and sized by the first model that logs; the
     builder resets it, else layer 2 of a later, deeper model indexes past its end."""
+    from moe_sft.kernels import install as kernels_install
     from moe_sft.runtime import device as rdevice
     from tests.cpu.test_plan import _reset_world
 
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    kernels_install.install()
     try:
         for layers in (1, 2):
             for moe in _moe_layers("allgather", layers):
@@ -205,12 +213,14 @@ def test_a_deeper_model_built_later_trains_with_megatron_s_aux_loss_tracker():
 def test_the_pipeline_schedule_trains_after_a_backward_outside_it():
     """A MoE backward outside megatron's schedule leaves a 0-d aux-loss scale behind; a model built
     afterwards must still train through the schedule (the builder resets it)."""
+    from moe_sft.kernels import install as kernels_install
     from moe_sft.models import qwen3_moe
     from moe_sft.runtime import device as rdevice
     from tests.cpu.test_plan import _reset_world, build_rank
     from tests.train_steps import adam_steps, random_batches
 
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    kernels_install.install()
     try:
         _moe_layer_output_and_grads("allgather", 9)
         model = build_rank(qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(vocab_size=300), 0, 1)[0]

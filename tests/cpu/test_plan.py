@@ -28,7 +28,7 @@ RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 PRODUCTION = ("deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _recipe(name: str, *overrides: str):
     """A composed recipe (cached: Hydra's compose takes ~0.5 s; plans do not mutate configs)."""
     return load_config(["--config-path", str(REPO / "recipes"), "--config-name", name, *overrides])
@@ -52,7 +52,7 @@ def test_optimizer_offload_plans_with_its_measured_fragmentation(monkeypatch):
     """Offload churns the allocator more (measured reserved/allocated 1.12 vs 1.01-1.03 on H200 with
     expandable segments): its total counts 15% over allocated, not 10%, and the report says which."""
     from moe_sft.plan import memory
-    from moe_sft.plan.report import format_plan
+    from moe_sft.plan.plan_text import format_plan
 
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -81,8 +81,13 @@ def test_shipped_configs_match_the_families_translation():
     from moe_sft.plan.shapes import SUPPORTED_MODEL_TYPES
 
     assert sorted(SUPPORTED_MODEL_TYPES) == registry.supported_model_types()
-    billions = {"deepseek_v3": 682.6, "qwen3_235b_a22b": 235.1, "qwen3_30b_a3b": 30.5, "mixtral_8x7b": 46.7,
-                "mixtral_8x22b": 140.6}  # DeepSeek-V3: 671B + the MTP layer (its embedding/head shared)
+    billions = {
+        "deepseek_v3": 682.6,
+        "qwen3_235b_a22b": 235.1,
+        "qwen3_30b_a3b": 30.5,
+        "mixtral_8x7b": 46.7,
+        "mixtral_8x22b": 140.6,
+    }  # DeepSeek-V3: 671B + the MTP layer (its embedding/head shared)
     for name in known_models():
         family, hf = load_hf_config(REPO / "recipes" / "models" / name)
         kw = family.transformer_config_kwargs(hf)
@@ -105,24 +110,46 @@ def _errors(name: str, gpus: int, *overrides: str) -> str:
 
 
 def test_ep_must_fit_the_ranks_of_one_pipeline_stage():
-    msg = _errors("qwen3_235b_a22b", 64, "parallel.pipeline_model_parallel_size=16",
-                  "parallel.virtual_pipeline_model_parallel_size=null", "parallel.expert_model_parallel_size=32",
-                  "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null")
+    msg = _errors(
+        "qwen3_235b_a22b",
+        64,
+        "parallel.pipeline_model_parallel_size=16",
+        "parallel.virtual_pipeline_model_parallel_size=null",
+        "parallel.expert_model_parallel_size=32",
+        "parallel.num_layers_in_first_pipeline_stage=null",
+        "parallel.num_layers_in_last_pipeline_stage=null",
+    )
     assert "expert_model_parallel_size=32" in msg and "pipeline_model_parallel_size=16" in msg
     assert "world_size=64" in msg and "world_size/pp=4" in msg
 
 
 def test_heads_layers_and_memory_errors_name_values_and_fix():
-    msg = _errors("qwen3_235b_a22b_h200", 64, "parallel.tensor_model_parallel_size=8",
-                  "parallel.sequence_parallel=true", "parallel.expert_model_parallel_size=8")
+    msg = _errors(
+        "qwen3_235b_a22b_h200",
+        64,
+        "parallel.tensor_model_parallel_size=8",
+        "parallel.sequence_parallel=true",
+        "parallel.expert_model_parallel_size=8",
+    )
     assert "tensor_model_parallel_size=8 does not divide num_query_groups=4" in msg and "use one of 1, 2, 4" in msg
-    msg = _errors("qwen3_235b_a22b_h200", 64, "parallel.num_layers_in_first_pipeline_stage=null",
-                  "parallel.num_layers_in_last_pipeline_stage=null", "parallel.pipeline_model_parallel_size=8",
-                  "parallel.expert_model_parallel_size=8")
+    msg = _errors(
+        "qwen3_235b_a22b_h200",
+        64,
+        "parallel.num_layers_in_first_pipeline_stage=null",
+        "parallel.num_layers_in_last_pipeline_stage=null",
+        "parallel.pipeline_model_parallel_size=8",
+        "parallel.expert_model_parallel_size=8",
+    )
     assert "pipeline_model_parallel_size=8 does not divide num_layers=94" in msg
     assert "num_layers_in_last_pipeline_stage=" in msg  # the uneven split that would work
-    msg = _errors("deepseek_v3", 8, "parallel.pipeline_model_parallel_size=1", "parallel.expert_model_parallel_size=8",
-                  "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null")
+    msg = _errors(
+        "deepseek_v3",
+        8,
+        "parallel.pipeline_model_parallel_size=1",
+        "parallel.expert_model_parallel_size=8",
+        "parallel.num_layers_in_first_pipeline_stage=null",
+        "parallel.num_layers_in_last_pipeline_stage=null",
+    )
     assert "[memory] stage 0 needs" in msg and "GiB per GPU, more than the 79.1 GiB" in msg
 
 
@@ -142,13 +169,26 @@ def test_layers_and_rank_coordinates_match_megatron():
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    for layers, pp, vpp, first, last in [(8, 2, None, None, None), (8, 2, 2, None, None), (94, 4, None, 23, 23),
-                                         (94, 4, 2, 24, 22), (61, 8, None, 8, 5), (12, 4, 3, None, None),
-                                         (10, 3, None, 4, None), (10, 3, None, None, 2)]:
-        cfg = SimpleNamespace(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                              num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
-                              num_layers=layers, pipeline_model_parallel_layout=None,
-                              account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+    for layers, pp, vpp, first, last in [
+        (8, 2, None, None, None),
+        (8, 2, 2, None, None),
+        (94, 4, None, 23, 23),
+        (94, 4, 2, 24, 22),
+        (61, 8, None, 8, 5),
+        (12, 4, 3, None, None),
+        (10, 3, None, 4, None),
+        (10, 3, None, None, 2),
+    ]:
+        cfg = SimpleNamespace(
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last,
+            num_layers=layers,
+            pipeline_model_parallel_layout=None,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+        )
         lay = Layout(world=pp, tp=1, pp=pp, vpp=vpp, cp=1, ep=1, etp=1, first=first, last=last)
         for r in range(pp):
             for v in range(vpp or 1):
@@ -156,12 +196,24 @@ def test_layers_and_rank_coordinates_match_megatron():
                 start = get_transformer_layer_offset(cfg, vp_stage=vs, pp_rank=r)
                 want = range(start, start + get_num_layers_to_build(cfg, vp_stage=vs, pp_rank=r))
                 assert chunk_layers(layers, lay, r, v) == want, (layers, pp, vpp, first, last, r, v)
-    for world, tp, pp, cp, ep, etp in [(16, 2, 2, 1, 4, 1), (64, 1, 4, 1, 16, 1), (32, 2, 2, 2, 2, 2), (8, 1, 2, 1, 2, 2)]:
+    for world, tp, pp, cp, ep, etp in [
+        (16, 2, 2, 1, 4, 1),
+        (64, 1, 4, 1, 16, 1),
+        (32, 2, 2, 2, 2, 2),
+        (8, 1, 2, 1, 2, 2),
+    ]:
         lay = Layout(world=world, tp=tp, pp=pp, vpp=None, cp=cp, ep=ep, etp=etp)
         dense = RankGenerator(tp=tp, ep=1, dp=lay.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
         expert = RankGenerator(tp=etp, ep=ep, dp=lay.edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-        for gen, token, key in [(dense, "tp", "tp"), (dense, "pp", "pp"), (dense, "dp", "dp"), (dense, "cp", "cp"),
-                                (expert, "ep", "ep"), (expert, "tp", "etp"), (expert, "dp", "edp")]:
+        for gen, token, key in [
+            (dense, "tp", "tp"),
+            (dense, "pp", "pp"),
+            (dense, "dp", "dp"),
+            (dense, "cp", "cp"),
+            (expert, "ep", "ep"),
+            (expert, "tp", "etp"),
+            (expert, "dp", "edp"),
+        ]:
             for group in gen.get_ranks(token):
                 assert [rank_coords(r, lay)[key] for r in group] == list(range(len(group))), (token, group)
 
@@ -179,8 +231,21 @@ def _reset_world() -> None:
         dist.destroy_process_group()
 
 
-def build_rank(family, hf, rank, world, tp=1, pp=1, vpp=None, ep=1, etp=None, first=None, last=None,
-               dispatcher="auto", recompute=None):
+def build_rank(
+    family,
+    hf,
+    rank,
+    world,
+    tp=1,
+    pp=1,
+    vpp=None,
+    ep=1,
+    etp=None,
+    first=None,
+    last=None,
+    dispatcher="auto",
+    recompute=None,
+):
     """The model chunks of `rank` of a `world`-rank layout, built in this process: torch's 'fake'
     process group (collectives are no-ops) under megatron's parallel state."""
     import torch.distributed as dist
@@ -192,26 +257,46 @@ def build_rank(family, hf, rank, world, tp=1, pp=1, vpp=None, ep=1, etp=None, fi
     _reset_world()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, create_gloo_process_groups=False)
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1)
-    extra = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
-                               ("num_layers_in_last_pipeline_stage", last)) if v is not None}
-    opts = ModelOptions(precision="bf16", backend="torch", device="cpu", tensor_model_parallel_size=tp,
-                        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                        sequence_parallel=tp > 1, moe_token_dispatcher_type=dispatcher,
-                        recompute_granularity=recompute, extra=extra)
+    extra = {
+        k: v
+        for k, v in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last))
+        if v is not None
+    }
+    opts = ModelOptions(
+        precision="bf16",
+        backend="torch",
+        device="cpu",
+        transformer=dict(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp if etp is None else etp,
+            sequence_parallel=tp > 1,
+            moe_token_dispatcher_type=dispatcher,
+            recompute_granularity=recompute,
+            **extra,
+        ),
+    )
     config = build_transformer_config(family, hf, opts)
     return build_model_chunks(family, hf, config, opts)
 
 
 @pytest.fixture(scope="module")
 def fake_world():
+    from moe_sft.kernels import install as kernels_install
     from moe_sft.runtime import device as rdevice
 
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    kernels_install.install()
     _reset_world()  # a group left by another test module
     yield build_rank
     _reset_world()
@@ -222,20 +307,39 @@ def test_parameter_counts_per_rank_are_exact(fake_world):
     from moe_sft.plan.params import stage_params
 
     cases = [
-        (deepseek_v3.FAMILY, deepseek_v3.tiny_hf_config(num_nextn_predict_layers=1, num_hidden_layers=4), 8,
-         dict(tp=2, pp=2, ep=2, etp=1)),
-        (deepseek_v3.FAMILY, deepseek_v3.tiny_hf_config(num_hidden_layers=4, q_lora_rank=None), 8,
-         dict(tp=2, pp=2, vpp=2, ep=2, etp=2)),
-        (qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(num_hidden_layers=8, tie_word_embeddings=True,
-                                                    mlp_only_layers=[1]), 8,
-         dict(pp=4, vpp=2, ep=2, first=2, last=2)),
+        (
+            deepseek_v3.FAMILY,
+            deepseek_v3.tiny_hf_config(num_nextn_predict_layers=1, num_hidden_layers=4),
+            8,
+            dict(tp=2, pp=2, ep=2, etp=1),
+        ),
+        (
+            deepseek_v3.FAMILY,
+            deepseek_v3.tiny_hf_config(num_hidden_layers=4, q_lora_rank=None),
+            8,
+            dict(tp=2, pp=2, vpp=2, ep=2, etp=2),
+        ),
+        (
+            qwen3_moe.FAMILY,
+            qwen3_moe.tiny_hf_config(num_hidden_layers=8, tie_word_embeddings=True, mlp_only_layers=[1]),
+            8,
+            dict(pp=4, vpp=2, ep=2, first=2, last=2),
+        ),
         (mixtral.FAMILY, mixtral.tiny_hf_config(num_hidden_layers=2), 4, dict(tp=2, ep=2, etp=2)),
     ]
     for family, hf, world, par in cases:
         shape = shape_from_hf_dict(hf.to_dict())
-        lay = Layout(world=world, tp=par.get("tp", 1), pp=par.get("pp", 1), vpp=par.get("vpp"), cp=1,
-                     ep=par.get("ep", 1), etp=par.get("etp") or par.get("tp", 1), first=par.get("first"),
-                     last=par.get("last"))
+        lay = Layout(
+            world=world,
+            tp=par.get("tp", 1),
+            pp=par.get("pp", 1),
+            vpp=par.get("vpp"),
+            cp=1,
+            ep=par.get("ep", 1),
+            etp=par.get("etp") or par.get("tp", 1),
+            first=par.get("first"),
+            last=par.get("last"),
+        )
         for stage in range(lay.pp):
             rank = stage * (world // lay.pp)
             chunks = fake_world(family, hf, rank, world, **par)
@@ -267,7 +371,7 @@ def _saved_bytes_by_scope(model, tokens: int) -> dict:
     'decoder' for the block itself (full recompute saves each layer's input there)."""
     import torch
 
-    from moe_sft.models.forward import pack_documents
+    from moe_sft.models.forward import packed_batch
 
     stack, seen = ["top"], {}
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: stack.append(n) and None) for n, m in model.named_modules()]
@@ -278,7 +382,7 @@ def _saved_bytes_by_scope(model, tokens: int) -> dict:
         seen.setdefault(t.untyped_storage().data_ptr(), (stack[-1], t.untyped_storage().nbytes()))
         return t
 
-    ids, pos, psp = pack_documents([list(range(1, tokens // 2 + 1))] * 2)
+    ids, pos, psp = packed_batch([list(range(1, tokens // 2 + 1))] * 2)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp)
     for h in hooks:
@@ -307,8 +411,13 @@ def test_activation_formula_matches_saved_tensors(fake_world, monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _FlashLike.apply)
-    monkeypatch.setattr(attention.VarlenCoreAttention, "_thd", lambda self, q, k, v, cu, n: attention._varlen_cuda(
-        q, k, v, cu.to(torch.int32), cu.to(torch.int32), n, n, self.softmax_scale))
+    monkeypatch.setattr(
+        attention.VarlenCoreAttention,
+        "_thd",
+        lambda self, q, k, v, cu, n: attention._varlen_cuda(
+            q, k, v, cu.to(torch.int32), cu.to(torch.int32), n, n, self.softmax_scale
+        ),
+    )
     cases = [  # (family, HF config, TP): GQA with qk-norm + a dense layer; GQA under TP2 + SP; MLA
         (qwen3_moe.FAMILY, qwen3_moe.tiny_hf_config(head_dim=48, mlp_only_layers=[1]), 1),
         (mixtral.FAMILY, mixtral.tiny_hf_config(head_dim=48, num_hidden_layers=1), 2),
@@ -339,14 +448,31 @@ def test_activation_formula_matches_saved_tensors(fake_world, monkeypatch):
 
 
 def test_dry_run_prints_every_rank_without_torch_distributed(tmp_path):
-    code = ("import sys; from moe_sft.train import main; rc = main(sys.argv[1:]); "
-            "td = sys.modules.get('torch.distributed'); "
-            "print('DIST_INITIALISED', bool(td and td.is_initialized())); sys.exit(rc)")
+    code = (
+        "import sys; from moe_sft.train import main; rc = main(sys.argv[1:]); "
+        "td = sys.modules.get('torch.distributed'); "
+        "print('DIST_INITIALISED', bool(td and td.is_initialized())); sys.exit(rc)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-c", code, "--config-path", "recipes", "--config-name",
-                           "qwen3_235b_a22b_h200", "trainer.dry_run=true", "hardware.nodes=16"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "--config-path",
+            "recipes",
+            "--config-name",
+            "qwen3_235b_a22b_h200",
+            "trainer.dry_run=true",
+            "hardware.nodes=16",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "DIST_INITIALISED False" in out and "no GPU touched" in out
@@ -368,9 +494,16 @@ def _fake_checkpoint(path: Path, model: str, **meta) -> Path:
         (path / name).write_text("x")
     hf = json.loads((REPO / "recipes/models" / model / "config.json").read_text())
     (path / "hf/config.json").write_text(json.dumps(hf))
-    (path / "moe_sft_meta.json").write_text(json.dumps(dict(
-        dict(family=hf["model_type"], model_type=hf["model_type"], vocab_size=hf["vocab_size"], format_version=1),
-        **meta)))
+    (path / "moe_sft_meta.json").write_text(
+        json.dumps(
+            dict(
+                dict(
+                    family=hf["model_type"], model_type=hf["model_type"], vocab_size=hf["vocab_size"], format_version=1
+                ),
+                **meta,
+            )
+        )
+    )
     return path
 
 
@@ -403,8 +536,11 @@ def test_partial_corrupt_and_foreign_checkpoints_stop_before_gpu_work(tmp_path, 
     ckpts = tmp_path / "run2" / "checkpoints"
     ckpts.mkdir(parents=True)
     (ckpts / "latest").write_text("40")
-    cfg = _recipe("qwen3_30b_a3b", f"model.mcore_path={_fake_checkpoint(tmp_path / 'ok', 'qwen3_30b_a3b')}",
-                  f"trainer.output_dir={tmp_path / 'run2'}")
+    cfg = _recipe(
+        "qwen3_30b_a3b",
+        f"model.mcore_path={_fake_checkpoint(tmp_path / 'ok', 'qwen3_30b_a3b')}",
+        f"trainer.output_dir={tmp_path / 'run2'}",
+    )
     with pytest.raises(ConfigError, match="names step 40 but .*step_0000040 does not exist"):
         trainer_preflight(cfg)
     assert preflight._step_dir(ckpts, 40) == step_dir(ckpts, 40)
@@ -416,22 +552,34 @@ def test_partial_corrupt_and_foreign_checkpoints_stop_before_gpu_work(tmp_path, 
 SLURM = REPO / "recipes" / "slurm"
 FAKES = {
     "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then printf "n1\\nn2\\n"; '
-                'else echo "scontrol $*" >> "$FAKE_LOG"; [ "$1" = requeue ] && kill "$(cat "$FAKE_PID")"; fi\n',
+    'else echo "scontrol $*" >> "$FAKE_LOG"; [ "$1" = requeue ] && kill "$(cat "$FAKE_PID")"; fi\n',
     "srun": '#!/usr/bin/env bash\necho "srun $*" >> "$FAKE_LOG"\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
     "torchrun": '#!/usr/bin/env bash\necho $$ > "$FAKE_PID"\nprintf "torchrun" >> "$FAKE_LOG"\n'
-                'printf " [%s]" "$@" >> "$FAKE_LOG"\necho >> "$FAKE_LOG"\n'
-                # the trainer: at the STOP file it checkpoints, removes the file and exits 0
-                'for i in $(seq $((${FAKE_SLEEP:-0} * 10))); do\n'
-                '  if [ -e "$RUN_DIR/STOP" ]; then rm "$RUN_DIR/STOP"; echo stopped >> "$FAKE_LOG"; exit 0; fi\n'
-                '  sleep 0.1\ndone\n',
+    'printf " [%s]" "$@" >> "$FAKE_LOG"\necho >> "$FAKE_LOG"\n'
+    # the trainer: at the STOP file it checkpoints, removes the file and exits 0
+    "for i in $(seq $((${FAKE_SLEEP:-0} * 10))); do\n"
+    '  if [ -e "$RUN_DIR/STOP" ]; then rm "$RUN_DIR/STOP"; echo stopped >> "$FAKE_LOG"; exit 0; fi\n'
+    "  sleep 0.1\ndone\n",
 }
 
 
 def test_sbatch_scripts_parse_and_hold_the_required_pieces():
     common = (SLURM / "train_common.sh").read_text()
-    for piece in ("srun --ntasks-per-node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT",
-                  "scontrol requeue", "trap request_stop USR1", 'touch "$RUN_DIR/STOP"', "python -m moe_sft.plan", "--strict", "NCCL_IB_TIMEOUT",
-                  "NCCL_SOCKET_IFNAME", "UCX_TLS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "trainer.output_dir=$RUN_DIR"):
+    for piece in (
+        "srun --ntasks-per-node=1",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT",
+        "scontrol requeue",
+        "trap request_stop USR1",
+        'touch "$RUN_DIR/STOP"',
+        "python -m moe_sft.plan",
+        "--strict",
+        "NCCL_IB_TIMEOUT",
+        "NCCL_SOCKET_IFNAME",
+        "UCX_TLS",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "trainer.output_dir=$RUN_DIR",
+    ):
         assert piece in common, piece
     for script in sorted(SLURM.glob("*.sbatch")) + [SLURM / "train_common.sh"]:
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
@@ -439,9 +587,17 @@ def test_sbatch_scripts_parse_and_hold_the_required_pieces():
     for model in PRODUCTION:
         text = (SLURM / f"{model}.sbatch").read_text()
         nodes = _recipe(model).hardware.nodes
-        for piece in (f"#SBATCH --nodes={nodes}", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@", "--open-mode=append",
-                      "#SBATCH --output=logs/", f"RECIPE:-{model}", f"RECIPE={model}_h200", "convert.sbatch",
-                      "train_common.sh"):
+        for piece in (
+            f"#SBATCH --nodes={nodes}",
+            "#SBATCH --requeue",
+            "#SBATCH --signal=B:USR1@",
+            "--open-mode=append",
+            "#SBATCH --output=logs/",
+            f"RECIPE:-{model}",
+            f"RECIPE={model}_h200",
+            "convert.sbatch",
+            "train_common.sh",
+        ):
             assert piece in text, (model, piece)
 
 
@@ -454,20 +610,40 @@ def _fake_slurm_env(tmp_path: Path, mcore: Path, **extra) -> dict:
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")
     # a rendezvous left in the environment (another test's process group) would override the job's
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(tmp_path / "fake.log"), FAKE_PID=str(tmp_path / "pid"),
-               SLURM_JOB_ID="77", SLURM_NNODES="8", SLURM_JOB_NODELIST="n[1-8]", SLURM_SUBMIT_DIR=str(REPO),
-               SLURM_JOB_NAME="sft-test", RUN_DIR=str(tmp_path / "run"), MCORE_PATH=str(mcore), DATA=str(data),
-               RECIPE="qwen3_235b_a22b_h200", **extra)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        FAKE_LOG=str(tmp_path / "fake.log"),
+        FAKE_PID=str(tmp_path / "pid"),
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="8",
+        SLURM_JOB_NODELIST="n[1-8]",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_NAME="sft-test",
+        RUN_DIR=str(tmp_path / "run"),
+        MCORE_PATH=str(mcore),
+        DATA=str(data),
+        RECIPE="qwen3_235b_a22b_h200",
+        **extra,
+    )
     return env
 
 
 def test_sbatch_preflight_torchrun_and_requeue_with_fake_slurm(tmp_path):
     mcore = _fake_checkpoint(tmp_path / "mcore", "qwen3_235b_a22b")
     env = _fake_slurm_env(tmp_path, mcore, FAKE_SLEEP="60")
-    proc = subprocess.Popen(["bash", str(SLURM / "qwen3_235b_a22b.sbatch")], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(SLURM / "qwen3_235b_a22b.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log = tmp_path / "fake.log"
     deadline = time.time() + 90
     while time.time() < deadline and not (log.is_file() and "torchrun" in log.read_text()):
@@ -478,16 +654,29 @@ def test_sbatch_preflight_torchrun_and_requeue_with_fake_slurm(tmp_path):
     assert "stopped" in calls and "scontrol requeue 77" in calls and "requeueing job 77" in out, out
     assert calls.index("stopped") < calls.index("scontrol requeue")  # requeue after the checkpoint
     argv = next(line for line in calls.splitlines() if line.startswith("torchrun"))
-    for piece in ("[--nnodes=8]", "[--nproc_per_node=8]", "[--rdzv_endpoint=n1:20077]", "[--config-name]",
-                  "[qwen3_235b_a22b_h200]", f"[model.mcore_path={mcore}]", f"[trainer.output_dir={tmp_path / 'run'}]"):
+    for piece in (
+        "[--nnodes=8]",
+        "[--nproc_per_node=8]",
+        "[--rdzv_endpoint=n1:20077]",
+        "[--config-name]",
+        "[qwen3_235b_a22b_h200]",
+        f"[model.mcore_path={mcore}]",
+        f"[trainer.output_dir={tmp_path / 'run'}]",
+    ):
         assert piece in argv, (piece, argv)
     assert "-> fits" in (tmp_path / "run" / "plan-77.txt").read_text()
 
 
 def test_sbatch_preflight_stops_a_job_whose_checkpoint_is_missing(tmp_path):
     env = _fake_slurm_env(tmp_path, tmp_path / "missing-mcore")
-    proc = subprocess.run(["bash", str(SLURM / "qwen3_235b_a22b.sbatch")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(SLURM / "qwen3_235b_a22b.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "model.mcore_path=" in proc.stdout + proc.stderr
     assert not (tmp_path / "fake.log").is_file() or "srun" not in (tmp_path / "fake.log").read_text()
 
@@ -502,22 +691,54 @@ def test_calibration_script_parses_logs_and_plans_its_layouts(tmp_path, capsys, 
         import plan_calibration as cal
     finally:
         sys.path.pop(0)
-    log = ("step 1/4 loss=12 tokens_per_s=1000\nstep 2/4 loss=11 tokens_per_s=3000\nstep 3/4 loss=10 tokens_per_s=5000\n"
-           "[moe-sft] peak memory per rank (GiB allocated/reserved): 0:10.00/12.00 1:11.50/13.00 2:20.25/22.00 3:19.00/21.00\n")
+    log = (
+        "step 1/4 loss=12 tokens_per_s=1000\nstep 2/4 loss=11 tokens_per_s=3000\nstep 3/4 loss=10 tokens_per_s=5000\n"
+        "[moe-sft] peak memory per rank (GiB allocated/reserved): 0:10.00/12.00 1:11.50/13.00 2:20.25/22.00 3:19.00/21.00\n"
+    )
     peaks = cal.parse_peaks(log)
     assert peaks == [(10.0, 12.0), (11.5, 13.0), (20.25, 22.0), (19.0, 21.0)]
     assert cal.stage_peaks(peaks, [0, 0, 1, 1]) == {0: (11.5, 13.0), 1: (20.25, 22.0)}
     assert cal.parse_steps(log)[3]["tokens_per_s"] == 5000
     breakdown = dict(weights=1, grads=2, optimizer=3, activations=4, working=1, logits=0.5)
-    table = cal.markdown([dict(name="x", gpus=2, status="ok", tokens_per_s=4000, stages=[
-        dict(stage=0, measured_gib=11.5, reserved_gib=13.0, predicted_gib=12.0, fragmentation=0.15,
-             breakdown=breakdown)]),
-        dict(name="y", gpus=4, status="timeout")], "H200")
+    table = cal.markdown(
+        [
+            dict(
+                name="x",
+                gpus=2,
+                status="ok",
+                tokens_per_s=4000,
+                stages=[
+                    dict(
+                        stage=0,
+                        measured_gib=11.5,
+                        reserved_gib=13.0,
+                        predicted_gib=12.0,
+                        fragmentation=0.15,
+                        breakdown=breakdown,
+                    )
+                ],
+            ),
+            dict(name="y", gpus=4, status="timeout"),
+        ],
+        "H200",
+    )
     assert "| x | 2 | 0 | 12.00 | 11.50 | +4.3% | 13.00 | 13.80 |" in table and "| y | 4 | | | timeout |" in table
     assert "Stages within 10%: 1/1" in table
-    assert cal.main(["--dry-run", "--work", str(tmp_path), "--out", str(tmp_path),
-                     "--only", "qwen_pp2,mixtral_tp2_ep2,dsv3_pp2_ep2,recipe_qwen3_235b,recipe_mixtral_8x22b,"
-                     "recipe_deepseek_v3,recipe_qwen3_30b,recipe_mixtral_8x7b"]) == 0
+    assert (
+        cal.main(
+            [
+                "--dry-run",
+                "--work",
+                str(tmp_path),
+                "--out",
+                str(tmp_path),
+                "--only",
+                "qwen_pp2,mixtral_tp2_ep2,dsv3_pp2_ep2,recipe_qwen3_235b,recipe_mixtral_8x22b,"
+                "recipe_deepseek_v3,recipe_qwen3_30b,recipe_mixtral_8x7b",
+            ]
+        )
+        == 0
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[calibration]")]
     assert len(lines) == 8 and not any("ERRORS" in line for line in lines), lines
     assert "predicted GiB per stage 0:" in lines[0] and " 1:" in lines[0]  # two pipeline stages
@@ -544,10 +765,18 @@ def test_recipe_shard_layouts_give_each_gpu_the_recipe_s_local_experts_and_shape
         opts = dict(o.split("=", 1) for o in overrides)
         ep = int(opts["parallel.expert_model_parallel_size"])
         assert num_experts(SimpleNamespace(**shard)) // ep == (
-            num_experts(SimpleNamespace(**full)) // recipe.parallel.expert_model_parallel_size), layout
+            num_experts(SimpleNamespace(**full)) // recipe.parallel.expert_model_parallel_size
+        ), layout
         assert int(opts["data.pack_length"]) == recipe.data.pack_length, layout
         assert opts["model.recompute_granularity"] == recipe.model.recompute_granularity == "full", layout
-        for key in ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads",
-                    "num_key_value_heads", "kv_lora_rank", "q_lora_rank"):
+        for key in (
+            "hidden_size",
+            "moe_intermediate_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "kv_lora_rank",
+            "q_lora_rank",
+        ):
             assert shard.get(key) == full.get(key), (layout, key)
         assert gpus == ep

@@ -19,8 +19,9 @@ def test_the_family_recipes_are_shipped():
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_loads_with_overrides(name, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
-    cfg = load_config(["--config-path", "recipes", "--config-name", name,
-                       "trainer.output_dir=/tmp/x", "trainer.max_steps=7"])
+    cfg = load_config(
+        ["--config-path", "recipes", "--config-name", name, "trainer.output_dir=/tmp/x", "trainer.max_steps=7"]
+    )
     assert cfg.trainer.output_dir == "/tmp/x" and cfg.trainer.max_steps == 7
     assert cfg.model.moe_expert_capacity_factor is None  # dropless unless asked
     # each family's own balancing: aux loss (Qwen3, Mixtral); bias + sequence aux (DeepSeek-V3)

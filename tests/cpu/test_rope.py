@@ -1,4 +1,4 @@
-"""moe_sft.layers.rope against megatron-core's own THD rotary embedding: the same values."""
+"""moe_sft.kernels.rope against megatron-core's own THD rotary embedding: the same values."""
 
 import types
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from moe_sft.layers import rope
+from moe_sft.kernels import rope
 
 CP1 = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
 
@@ -19,8 +19,9 @@ def _freqs(rows: int, dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("lengths", [(5, 11, 3, 1), (20,), (4, 0, 9, 0, 7)])
 @pytest.mark.parametrize("freq_rows", ["longest document", "one per token"])
-@pytest.mark.parametrize("variant", [dict(), dict(rotary_interleaved=True), dict(multi_latent_attention=True),
-                                     dict(mscale=0.7)])
+@pytest.mark.parametrize(
+    "variant", [dict(), dict(rotary_interleaved=True), dict(multi_latent_attention=True), dict(mscale=0.7)]
+)
 def test_sync_free_rope_equals_megatron(lengths, freq_rows, variant):
     cu_seqlens = torch.tensor((0, *torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
     tokens, dim = int(cu_seqlens[-1]), 16
@@ -38,9 +39,12 @@ def test_positions_restart_in_every_document():
 
 
 def test_megatron_uses_it_once_fixes_are_applied():
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import install
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     assert rope_utils._apply_rotary_pos_emb_thd is rope.apply_rope_thd
 
 

@@ -1,16 +1,19 @@
-"""moe_sft/layers/router_gemm.py on CPU: the installed function, the fallback, the gradient split
+"""moe_sft/kernels/router_gemm.py on CPU: the installed function, the fallback, the gradient split
 (the bf16 GEMMs themselves run on CUDA only: tests/gpu/test_gpu_router.py)."""
 
 import torch
 from megatron.core.transformer.moe import moe_utils, router
 
-from moe_sft.layers import router_gemm
+from moe_sft.kernels import router_gemm
 
 
 def test_the_router_uses_it_after_megatron_fixes_and_cpu_tensors_take_megatron_s_path():
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import install
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     assert router.router_gating_linear is router_gemm.router_gating_linear
     x = torch.randn(6, 1, 16).to(torch.bfloat16).requires_grad_(True)
     w = torch.randn(4, 16).to(torch.bfloat16).requires_grad_(True)
@@ -24,4 +27,4 @@ def test_the_gradient_split_keeps_16_significant_bits():
     g = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 4000)
     hi, lo = router_gemm._split_bf16(g)
     assert hi.dtype == lo.dtype == torch.bfloat16
-    assert ((hi.float() + lo.float() - g).abs() <= g.abs() * 2 ** -16).all()
+    assert ((hi.float() + lo.float() - g).abs() <= g.abs() * 2**-16).all()

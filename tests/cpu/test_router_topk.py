@@ -1,16 +1,19 @@
-"""moe_sft/layers/router_topk.py on CPU: where it is installed and when megatron's code runs instead
+"""moe_sft/kernels/router_topk.py on CPU: where it is installed and when megatron's code runs instead
 (the Triton kernels run on CUDA only: tests/gpu/test_gpu_router.py compares them with megatron's)."""
 
 import torch
 from megatron.core.transformer.moe import router
 
-from moe_sft.layers import router_topk
+from moe_sft.kernels import router_topk
 
 
 def test_the_router_uses_both_functions_after_megatron_fixes():
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import install
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     assert router.topk_routing_with_score_function is router_topk.topk_routing_with_score_function
     assert router.compute_routing_scores_for_aux_loss is router_topk.compute_routing_scores_for_aux_loss
 
@@ -29,8 +32,8 @@ def test_cpu_logits_take_megatron_s_path_with_the_same_results():
 
 
 def test_the_kernel_s_grouped_choice_needs_power_of_two_groups_tiling_the_experts():
-    assert router_topk._groups_fit(256, 8, 8, 4)          # DeepSeek-V3
-    assert router_topk._groups_fit(60, 4, None, None)     # no groups: any expert count
-    assert not router_topk._groups_fit(160, 6, 8, 3)      # 160 experts: not a power of two
-    assert not router_topk._groups_fit(256, 8, 6, 4)      # 6 groups
-    assert not router_topk._groups_fit(256, 6, 8, 4)      # top-k not a multiple of the groups kept
+    assert router_topk._groups_fit(256, 8, 8, 4)  # DeepSeek-V3
+    assert router_topk._groups_fit(60, 4, None, None)  # no groups: any expert count
+    assert not router_topk._groups_fit(160, 6, 8, 3)  # 160 experts: not a power of two
+    assert not router_topk._groups_fit(256, 8, 6, 4)  # 6 groups
+    assert not router_topk._groups_fit(256, 6, 8, 4)  # top-k not a multiple of the groups kept

@@ -37,9 +37,14 @@ HOLDER = textwrap.dedent("""
 
 
 def _holder(out: Path, end: str = "release") -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), end], cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out), end],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout.readline().strip() == "locked"
     return proc
 

@@ -30,14 +30,13 @@ def model_and_batches():
     def doc(n, loss_from):
         return _Doc(torch.randint(0, 300, (n,), generator=g).tolist(), [i >= loss_from for i in range(n)])
 
-    mb_small = build_micro_batch([doc(20, 17)])              # 2 loss tokens
+    mb_small = build_micro_batch([doc(20, 17)])  # 2 loss tokens
     mb_large = build_micro_batch([doc(30, 5), doc(25, 1)])  # 25 + 24 loss tokens
     return model, hf_cfg, [mb_small, mb_large]
 
 
 def _grads(model):
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
-                      for p in model.parameters()])
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
 
 
 def _reference_loss(model, batches, vocab_size, per_microbatch_mean=False):
@@ -45,8 +44,12 @@ def _reference_loss(model, batches, vocab_size, per_microbatch_mean=False):
 
     total, count = 0.0, sum(int(b.loss_mask.sum()) for b in batches)
     for b in batches:
-        logits = model(input_ids=b.tokens[None], position_ids=b.position_ids[None], attention_mask=None,
-                       packed_seq_params=packed_seq_params(b.cu_seqlens, b.max_seqlen))[0, :, :vocab_size]
+        logits = model(
+            input_ids=b.tokens[None],
+            position_ids=b.position_ids[None],
+            attention_mask=None,
+            packed_seq_params=packed_seq_params(b.cu_seqlens, b.max_seqlen),
+        )[0, :, :vocab_size]
         token_losses = torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="none")
         summed = (token_losses * b.loss_mask).sum()
         total = total + (summed / b.loss_mask.sum() / len(batches) if per_microbatch_mean else summed / count)
@@ -97,8 +100,7 @@ def test_padding_is_kept_out_of_routing_and_aux_loss(model_and_batches):
     model, hf_cfg, _ = model_and_batches
     model.config.moe_aux_loss_coeff = 0.01  # the aux loss is what padding used to disturb
     g = torch.Generator().manual_seed(2)
-    docs = [_Doc(torch.randint(0, 300, (n,), generator=g).tolist(), [i >= 3 for i in range(n)])
-            for n in (40, 23)]
+    docs = [_Doc(torch.randint(0, 300, (n,), generator=g).tolist(), [i >= 3 for i in range(n)]) for n in (40, 23)]
     grads = []
     for pad_to in (1, 128):
         batch = build_micro_batch(docs, pad_to=pad_to)
@@ -129,8 +131,12 @@ def test_float_loss_weights_are_normalised_by_their_sum(model_and_batches):
     model.zero_grad(set_to_none=True)
     from moe_sft.models.forward import packed_seq_params
 
-    logits = model(input_ids=batch.tokens[None], position_ids=batch.position_ids[None], attention_mask=None,
-                   packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.max_seqlen))[0, :, :hf_cfg.vocab_size]
+    logits = model(
+        input_ids=batch.tokens[None],
+        position_ids=batch.position_ids[None],
+        attention_mask=None,
+        packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.max_seqlen),
+    )[0, :, : hf_cfg.vocab_size]
     ce = torch.nn.functional.cross_entropy(logits.float(), batch.labels, reduction="none")
     ref = (ce * batch.loss_mask).sum() / batch.loss_mask.sum()
     ref.backward()

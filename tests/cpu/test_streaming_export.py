@@ -31,15 +31,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from moe_sft.conversion import completeness, export_plan, mapping, mcore_io  # noqa: E402
-from moe_sft.conversion import transforms as T  # noqa: E402
 from moe_sft.conversion.convert import convert  # noqa: E402
-from moe_sft.conversion.hf_source import load_hf_config  # noqa: E402
 from moe_sft.conversion.dcp_reader import DistCheckpointReader, IncompleteCheckpointError  # noqa: E402
 from moe_sft.conversion.export import export, export_with_stats, load_model_from_checkpoint  # noqa: E402
+from moe_sft.conversion.hf_source import load_hf_config  # noqa: E402
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter, WriteError  # noqa: E402
 from moe_sft.conversion.mapping import MappingError  # noqa: E402
-from tests.cpu.test_streaming_convert import TINY_CHUNK, _write_hf  # noqa: E402
+from moe_sft.models import transforms as T  # noqa: E402
 from tests import peak_rss  # noqa: E402
+from tests.cpu.test_streaming_convert import TINY_CHUNK, _write_hf  # noqa: E402
 from tests.dist.launch import clean_env  # noqa: E402
 
 SHARD = 1_000_000  # bytes: the tiny models span several shards
@@ -54,8 +54,9 @@ def _whole_model_export(ckpt: Path, out: Path, max_shard_bytes: int, dtype: str)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     out.mkdir(parents=True)
     shards, pending, size = [], {}, 0
-    for name, tensor in mapping.state_to_hf(mapping.expand(family, hf_cfg), model.state_dict(),
-                                            mapping.transform_context(family, hf_cfg)):
+    for name, tensor in mapping.state_to_hf(
+        mapping.expand(family, hf_cfg), model.state_dict(), mapping.transform_context(family, hf_cfg)
+    ):
         nbytes = tensor.numel() * torch_dtype.itemsize
         if pending and size + nbytes > max_shard_bytes:
             shards.append(pending)
@@ -80,16 +81,19 @@ def _whole_model_export(ckpt: Path, out: Path, max_shard_bytes: int, dtype: str)
 def _same_files(a: Path, b: Path) -> list[str]:
     """Names of files that differ (or exist on one side only); [] when the directories are equal."""
     names = sorted({p.name for p in a.iterdir()} | {p.name for p in b.iterdir()})
-    return [n for n in names if not ((a / n).is_file() and (b / n).is_file()
-                                     and (a / n).read_bytes() == (b / n).read_bytes())]
+    return [
+        n
+        for n in names
+        if not ((a / n).is_file() and (b / n).is_file() and (a / n).read_bytes() == (b / n).read_bytes())
+    ]
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3_mtp", "mixtral"])
 def checkpoints(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     _write_hf(request.param, tmp / "hf")
-    convert(tmp / "hf", tmp / "mcore")                                   # megatron's own items
-    convert(tmp / "hf", tmp / "chunked", max_chunk_bytes=TINY_CHUNK)    # nearly every tensor split
+    convert(tmp / "hf", tmp / "mcore")  # megatron's own items
+    convert(tmp / "hf", tmp / "chunked", max_chunk_bytes=TINY_CHUNK)  # nearly every tensor split
     _whole_model_export(tmp / "mcore", tmp / "reference", SHARD, "fp32")
     return tmp
 
@@ -102,8 +106,9 @@ def test_streamed_export_is_byte_identical_to_the_whole_model_export(checkpoints
 
 
 def test_tiny_chunks_read_in_tiny_units_export_the_same_bytes(checkpoints):
-    out, stats = export_with_stats(checkpoints / "chunked", checkpoints / "from_chunks",
-                                   max_shard_bytes=SHARD, dtype="fp32", read_bytes=4096)
+    out, stats = export_with_stats(
+        checkpoints / "chunked", checkpoints / "from_chunks", max_shard_bytes=SHARD, dtype="fp32", read_bytes=4096
+    )
     assert _same_files(checkpoints / "reference", out) == []
     # Streamed in pieces: many more units than megatron tensors, each byte read once, no more.
     plan_params = len(mapping.expand(*load_hf_config(checkpoints / "chunked" / "hf")))
@@ -120,15 +125,15 @@ def _tensor_bytes(ckpt: Path) -> int:
 def test_bf16_export_is_byte_identical_and_loads_in_transformers(checkpoints, tmp_path):
     import transformers
 
-    from moe_sft.runtime import compat
+    from moe_sft.runtime import cpu_compat
 
     _whole_model_export(checkpoints / "mcore", tmp_path / "reference", SHARD, "bf16")
-    export(checkpoints / "chunked", tmp_path / "streamed", max_shard_bytes=SHARD, dtype="bf16",
-           read_bytes=4096)
+    export(checkpoints / "chunked", tmp_path / "streamed", max_shard_bytes=SHARD, dtype="bf16", read_bytes=4096)
     assert _same_files(tmp_path / "reference", tmp_path / "streamed") == []
-    with compat.suspended():
+    with cpu_compat.suspended():
         _, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tmp_path / "streamed"), output_loading_info=True)
+            str(tmp_path / "streamed"), output_loading_info=True
+        )
     assert {k: sorted(v) for k, v in info.items() if v} == {}
 
 
@@ -142,17 +147,19 @@ from megatron.core import dist_checkpointing
 from moe_sft.conversion import mcore_io
 from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
+from moe_sft.kernels import install as kernels_install
 from moe_sft.runtime import device as rdevice, distributed
 from moe_sft.trainer.checkpoint import load_model_weights, model_sharded_state
 
 
 def main(source, out):
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ("test",)))
+    kernels_install.install()
     rank, _ = distributed.init_process_group("cpu")
     distributed.init_model_parallel(tp=2, ep=2, etp=1)
     family, hf_cfg = load_hf_config(source / "hf")
-    opts = ModelOptions(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                        expert_tensor_parallel_size=1, sequence_parallel=True)
+    opts = ModelOptions(transformer=dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                     expert_tensor_parallel_size=1, sequence_parallel=True))
     chunks = build_model_chunks(family, hf_cfg, build_transformer_config(family, hf_cfg, opts), opts)
     load_model_weights(source, chunks)
     if rank == 0:
@@ -177,9 +184,23 @@ def test_checkpoint_saved_by_megatron_at_tp2_ep2_exports_the_same_bytes(checkpoi
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     saved = tmp_path / "tp2_ep2"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script), str(checkpoints / "mcore"), str(saved)],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(checkpoints / "mcore"),
+            str(saved),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(saved / ".metadata", "rb") as f:
         stored = pickle.load(f).state_dict_metadata
@@ -194,6 +215,7 @@ def test_checkpoint_saved_by_megatron_at_tp2_ep2_exports_the_same_bytes(checkpoi
 # ------------------------------------------------------------------------------------------------
 # Completeness gates: nothing silently missing, nothing written then
 # ------------------------------------------------------------------------------------------------
+
 
 def _edited_copy(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
@@ -221,6 +243,7 @@ EXPERT_KEY = "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"
 def test_a_missing_expert_chunk_is_an_error_naming_it(checkpoints, tmp_path, capsys):
     def drop_last_chunk(state):
         state[EXPERT_KEY].chunks.pop()
+
     ckpt = _edited_copy(checkpoints / "chunked", tmp_path / "ckpt", drop_last_chunk)
     _export_fails(ckpt, tmp_path / "out", IncompleteCheckpointError, EXPERT_KEY, "do not cover")
     # the box reader refuses too, whatever asks it
@@ -248,6 +271,7 @@ def test_a_model_tensor_nobody_exports_is_an_error_optimizer_state_is_not(checkp
 
     def add(name):
         return lambda state: state.__setitem__(name, state[EXPERT_KEY])
+
     ckpt = _edited_copy(checkpoints / "mcore", tmp_path / "extra", add(extra))
     _export_fails(ckpt, tmp_path / "out", MappingError, extra, "would not write")
     ckpt = _edited_copy(checkpoints / "mcore", tmp_path / "optim", add("optimizer.state.exp_avg." + EXPERT_KEY))
@@ -262,11 +286,17 @@ def test_a_mapping_without_the_expert_down_rule_is_refused(checkpoints, tmp_path
     from moe_sft.models import registry
 
     family, _ = load_hf_config(checkpoints / "mcore" / "hf")
-    crippled = dataclasses.replace(family, rules=lambda cfg: [r for r in family.rules(cfg)
-                                                             if r.transform is not T.EXPERTS_FC2])
+    crippled = dataclasses.replace(
+        family, rules=lambda cfg: [r for r in family.rules(cfg) if r.transform is not T.EXPERTS_FC2]
+    )
     monkeypatch.setattr(registry, "family_for_model_type", lambda *args, **kwargs: crippled)
-    _export_fails(checkpoints / "mcore", tmp_path / "out", MappingError,
-                  "decoder.layers.1.mlp.experts.weight2", "decoder.layers.0.mlp.experts.weight2")
+    _export_fails(
+        checkpoints / "mcore",
+        tmp_path / "out",
+        MappingError,
+        "decoder.layers.1.mlp.experts.weight2",
+        "decoder.layers.0.mlp.experts.weight2",
+    )
 
 
 def test_hf_names_gate_lists_what_transformers_expects(checkpoints):
@@ -296,6 +326,7 @@ def test_hf_names_gate_lists_what_transformers_expects(checkpoints):
 # Pieces: the box reader, per-expert transforms, the writer
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("checkpoints", ["mixtral"], indirect=True)
 def test_boxes_read_from_the_files_equal_dcps_own_reads(checkpoints):
     """Random boxes, into contiguous and strided destinations, read by preadv vs DCP's read_data."""
@@ -323,8 +354,9 @@ def test_expert_stacks_give_each_experts_hf_tensors_from_its_block_alone():
         whole = torch.randn(shape, generator=g)
         block_shape = transform.expert_block(shape, experts)
         flat = whole.view(-1).view(experts, -1)
-        per_expert = [t for e in range(experts)
-                      for t in transform.to_hf(flat[e].view(block_shape), dict(num_experts=1))]
+        per_expert = [
+            t for e in range(experts) for t in transform.to_hf(flat[e].view(block_shape), dict(num_experts=1))
+        ]
         reference = transform.to_hf(whole, dict(num_experts=experts))
         assert len(per_expert) == len(reference)
         assert all(torch.equal(a, b) for a, b in zip(per_expert, reference)), transform.name
@@ -333,9 +365,14 @@ def test_expert_stacks_give_each_experts_hf_tensors_from_its_block_alone():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_writer_files_are_save_files_bytes(tmp_path, dtype):
     g = torch.Generator().manual_seed(0)
-    tensors = {"model.layers.10.w": torch.randn(3, 4, generator=g), "model.layers.9.w": torch.randn(5, generator=g),
-               "b": torch.randn(7, 2, generator=g), "a.empty": torch.randn(0, 3, generator=g),
-               "lm_head.weight": torch.randn(6, 4, generator=g), "scalar": torch.tensor(1.5)}
+    tensors = {
+        "model.layers.10.w": torch.randn(3, 4, generator=g),
+        "model.layers.9.w": torch.randn(5, generator=g),
+        "b": torch.randn(7, 2, generator=g),
+        "a.empty": torch.randn(0, 3, generator=g),
+        "lm_head.weight": torch.randn(6, 4, generator=g),
+        "scalar": torch.tensor(1.5),
+    }
     specs = [(n, tuple(t.shape)) for n, t in tensors.items()]
     writer = StreamingSafetensorsWriter(tmp_path / "out", specs, dtype, max_shard_bytes=60)
     writer.write_rows("lm_head.weight", 4, tensors["lm_head.weight"][4:])  # rows in any order
@@ -350,8 +387,9 @@ def test_writer_files_are_save_files_bytes(tmp_path, dtype):
     assert len(files) >= 3 and not (tmp_path / "out.tmp").exists()
     for file in files:
         names = [n for n, f in index["weight_map"].items() if f == file]
-        save_file({n: tensors[n].to(dtype) for n in names}, str(tmp_path / "ref.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: tensors[n].to(dtype) for n in names}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"}
+        )
         assert (out / file).read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), file
         with safe_open(str(out / file), framework="pt") as f:
             assert all(torch.equal(f.get_tensor(n), tensors[n].to(dtype)) for n in names)
@@ -410,15 +448,24 @@ def test_peak_memory_is_bounded_by_the_read_size_not_the_model(tmp_path):
     from moe_sft.conversion.synthetic import write_synthetic_checkpoint
     from moe_sft.models import qwen3_moe
 
-    cfg = qwen3_moe.tiny_hf_config(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
-                                   moe_intermediate_size=512, num_experts=64, num_hidden_layers=3,
-                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    cfg = qwen3_moe.tiny_hf_config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_experts=64,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
     size = write_synthetic_checkpoint(tmp_path / "hf", cfg, shard_bytes=300 * 10**6)
     assert 0.7e9 < size < 0.8e9
     convert(tmp_path / "hf", tmp_path / "mcore")  # 256 MiB chunks: an expert half is one item
     read = 16 * 2**20
-    result = peak_rss.measure(tmp_path, MEASURE_EXPORT, tmp_path / "mcore", tmp_path / "out", read,
-                              label=f"checkpoint {size / 1e9:.2f} GB")
+    result = peak_rss.measure(
+        tmp_path, MEASURE_EXPORT, tmp_path / "mcore", tmp_path / "out", read, label=f"checkpoint {size / 1e9:.2f} GB"
+    )
     above = result["above"]
     assert result["written"] == size
     # One 16 MiB unit buffer (+~4 MiB), nowhere near the 0.75 GB model (nor its 200 MB expert
@@ -428,6 +475,8 @@ def test_peak_memory_is_bounded_by_the_read_size_not_the_model(tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
     source = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     for name in ("model.layers.2.mlp.experts.63.down_proj.weight", "model.embed_tokens.weight"):
-        with safe_open(str(tmp_path / "out" / index[name]), "pt") as ours, \
-                safe_open(str(tmp_path / "hf" / source[name]), "pt") as theirs:
+        with (
+            safe_open(str(tmp_path / "out" / index[name]), "pt") as ours,
+            safe_open(str(tmp_path / "hf" / source[name]), "pt") as theirs,
+        ):
             assert torch.equal(ours.get_tensor(name), theirs.get_tensor(name)), name

@@ -21,9 +21,11 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 # torch.<anything>.config / torch.<anything>._config: torch's ConfigModule instances
 _TORCH_CONFIG = re.compile(r"^torch(\.\w+)*\._?config$")
-_FIX = ("use torch's own patch, which restores the value: `with torch._dynamo.config.patch(disable=False):` "
-        "(or `@torch._dynamo.config.patch(...)` on the test); pytest's monkeypatch deletes the key on undo "
-        "and hides it from every later test")
+_FIX = (
+    "use torch's own patch, which restores the value: `with torch._dynamo.config.patch(disable=False):` "
+    "(or `@torch._dynamo.config.patch(...)` on the test); pytest's monkeypatch deletes the key on undo "
+    "and hides it from every later test"
+)
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -61,8 +63,12 @@ def torch_config_monkeypatches(source: str, filename: str = "<string>") -> list[
     aliases = _aliases(tree)
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("setattr", "delattr") and node.args):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("setattr", "delattr")
+            and node.args
+        ):
             continue
         target = node.args[0]
         if isinstance(target, ast.Constant) and isinstance(target.value, str):
@@ -79,8 +85,7 @@ def test_no_test_monkeypatches_a_torch_config_module():
     offenders = []
     for path in sorted(TESTS.rglob("*.py")):
         offenders += torch_config_monkeypatches(path.read_text(), str(path.relative_to(TESTS.parent)))
-    assert not offenders, "pytest's monkeypatch on a torch config module:\n  " + "\n  ".join(offenders) + \
-        "\n" + _FIX
+    assert not offenders, "pytest's monkeypatch on a torch config module:\n  " + "\n  ".join(offenders) + "\n" + _FIX
 
 
 def test_the_check_finds_each_spelling():
@@ -94,18 +99,22 @@ def test_the_check_finds_each_spelling():
     }
     src = "import torch\n" + "\n".join(sorted(bad))
     assert len(torch_config_monkeypatches(src)) == len(bad)
-    aliased = ("from torch._dynamo import config as dcfg\nimport torch._inductor.config as icfg\n"
-               "from torch._functorch import config\n"
-               "def test(monkeypatch):\n"
-               "    with monkeypatch.context() as m:\n        m.setattr(dcfg, 'disable', False)\n"
-               "    monkeypatch.setattr(icfg, 'a', 1)\n    monkeypatch.setattr(config, 'b', 1)\n")
+    aliased = (
+        "from torch._dynamo import config as dcfg\nimport torch._inductor.config as icfg\n"
+        "from torch._functorch import config\n"
+        "def test(monkeypatch):\n"
+        "    with monkeypatch.context() as m:\n        m.setattr(dcfg, 'disable', False)\n"
+        "    monkeypatch.setattr(icfg, 'a', 1)\n    monkeypatch.setattr(config, 'b', 1)\n"
+    )
     assert len(torch_config_monkeypatches(aliased)) == 3
-    good = ("import torch\nfrom moe_sft.layers import attention\n"
-            "monkeypatch.setattr(attention, 'flash_attn_varlen_func', None)\n"
-            "monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)\n"
-            "monkeypatch.setattr(cfg.config, 'x', 1)\n"  # not torch's
-            "setattr(torch._dynamo.config, 'disable', True)\n"  # a plain setattr is not undone
-            "with torch._dynamo.config.patch(disable=False):\n    pass\n")
+    good = (
+        "import torch\nfrom moe_sft.layers import attention\n"
+        "monkeypatch.setattr(attention, 'flash_attn_varlen_func', None)\n"
+        "monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)\n"
+        "monkeypatch.setattr(cfg.config, 'x', 1)\n"  # not torch's
+        "setattr(torch._dynamo.config, 'disable', True)\n"  # a plain setattr is not undone
+        "with torch._dynamo.config.patch(disable=False):\n    pass\n"
+    )
     assert torch_config_monkeypatches(good) == []
 
 
@@ -116,7 +125,7 @@ def test_ci_runs_the_readme_test_command_with_the_pinned_versions():
 
     root = TESTS.parent
     readme = (root / "README.md").read_text()
-    tests_section = readme[readme.index("## Tests"):]
+    tests_section = readme[readme.index("## Tests") :]
     command = re.search(r"```bash\n(.+?)\n```", tests_section).group(1)
     assert "-c constraints-cpu.txt" in command and command.endswith("python -m pytest tests")
     ci = [ln for ln in (root / ".ci/run").read_text().splitlines() if ln and not ln.startswith(("#", "set ", "cd "))]
@@ -132,5 +141,6 @@ def test_ci_runs_the_readme_test_command_with_the_pinned_versions():
         req = Requirement(spec)
         name = req.name.lower().replace("_", "-")
         assert name in pins, f"{name} is not pinned in constraints-cpu.txt"
-        assert req.specifier.contains(pins[name], prereleases=True), \
+        assert req.specifier.contains(pins[name], prereleases=True), (
             f"constraints-cpu.txt pins {name}=={pins[name]}, outside pyproject's {spec!r}"
+        )

@@ -27,7 +27,7 @@ from moe_sft.conversion import verify as verify_module  # noqa: E402
 from moe_sft.conversion.convert import convert  # noqa: E402
 from moe_sft.conversion.verify import choose_layers, verify, verify_layers  # noqa: E402
 from moe_sft.models import registry  # noqa: E402
-from moe_sft.runtime import compat  # noqa: E402
+from moe_sft.runtime import cpu_compat  # noqa: E402
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp  # noqa: E402
 from tests.scripts import load_tool  # noqa: E402
 
@@ -42,8 +42,11 @@ CLI_TOL = 1e-3  # the tool's default --tolerance; a corrupted layer is far beyon
 # conversion got wrong shows (DeepSeek's MLA at 0.02: theta x2 gave only 1.1e-3 of the scale).
 INIT_STD = 0.1
 # (layer index, kind) of every layer of the tiny models below
-LAYERS = {"qwen3_moe": [(0, "dense"), (1, "moe")], "mixtral": [(0, "moe"), (1, "moe")],
-          "deepseek_v3": [(0, "dense"), (1, "moe"), (2, "mtp 0 (moe)")]}
+LAYERS = {
+    "qwen3_moe": [(0, "dense"), (1, "moe")],
+    "mixtral": [(0, "moe"), (1, "moe")],
+    "deepseek_v3": [(0, "dense"), (1, "moe"), (2, "mtp 0 (moe)")],
+}
 
 
 def _write_hf(name: str, path: Path) -> None:
@@ -53,7 +56,7 @@ def _write_hf(name: str, path: Path) -> None:
     family = registry.family_by_name(name)
     overrides = {"mlp_only_layers": [0]} if name == "qwen3_moe" else {}  # Mixtral: all MoE
     overrides["initializer_range"] = INIT_STD
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(0)
         family.hf_model_class(family.tiny_hf_config(vocab_size=VOCAB, **overrides)).save_pretrained(str(path))
 
@@ -84,6 +87,7 @@ def test_every_layer_matches_transformers_as_the_whole_model_does(converted):
 # A converted checkpoint that differs from its HF source in one layer
 # ------------------------------------------------------------------------------------------------
 
+
 def _edit_hf(path: Path, edit) -> None:
     """Apply `edit(tensors)` (in place, name → tensor) to the safetensors files of an HF dir."""
     for file in sorted(path.glob("*.safetensors")):
@@ -95,12 +99,14 @@ def _edit_hf(path: Path, edit) -> None:
 def _swap_experts(layer: int, names: tuple[str, ...], experts: int = 8):
     """Experts swapped pairwise (0↔1, 2↔3, ...): whichever experts the tokens reach, they get another
     expert's weights (DeepSeek's bias-steered router reaches 2-3 of the 8 on random inputs)."""
+
     def edit(tensors):
         for name in names:
             for e in range(0, experts, 2):
                 a, b = (f"model.layers.{layer}.{name}".format(e=i) for i in (e, e + 1))
                 if a in tensors:  # the shard that holds the layer
                     tensors[a], tensors[b] = tensors[b], tensors[a]
+
     return edit
 
 
@@ -108,20 +114,32 @@ def _scale(name: str, factor: float):
     def edit(tensors):
         if name in tensors:
             tensors[name] = tensors[name] * factor
+
     return edit
 
 
-_GATE_UP_DOWN = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                 "mlp.experts.{e}.down_proj.weight")
+_GATE_UP_DOWN = (
+    "mlp.experts.{e}.gate_proj.weight",
+    "mlp.experts.{e}.up_proj.weight",
+    "mlp.experts.{e}.down_proj.weight",
+)
 CORRUPTIONS = {  # family → [(description, edit, the layer it must fail)]
-    "qwen3_moe": [("experts swapped in the MoE layer", _swap_experts(1, _GATE_UP_DOWN), 1),
-                  ("o_proj scaled by 1.05 in the dense layer", _scale("model.layers.0.self_attn.o_proj.weight", 1.05), 0)],
-    "mixtral": [("experts swapped in layer 1", _swap_experts(1, tuple(
-        f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w2", "w3"))), 1)],
-    "deepseek_v3": [("experts swapped in the MTP layer", _swap_experts(2, _GATE_UP_DOWN), 2),
-                    ("kv_b_proj scaled by 1.05 in the MoE layer",
-                     _scale("model.layers.1.self_attn.kv_b_proj.weight", 1.05), 1),
-                    ("dense down_proj scaled by 1.05", _scale("model.layers.0.mlp.down_proj.weight", 1.05), 0)],
+    "qwen3_moe": [
+        ("experts swapped in the MoE layer", _swap_experts(1, _GATE_UP_DOWN), 1),
+        ("o_proj scaled by 1.05 in the dense layer", _scale("model.layers.0.self_attn.o_proj.weight", 1.05), 0),
+    ],
+    "mixtral": [
+        (
+            "experts swapped in layer 1",
+            _swap_experts(1, tuple(f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w2", "w3"))),
+            1,
+        )
+    ],
+    "deepseek_v3": [
+        ("experts swapped in the MTP layer", _swap_experts(2, _GATE_UP_DOWN), 2),
+        ("kv_b_proj scaled by 1.05 in the MoE layer", _scale("model.layers.1.self_attn.kv_b_proj.weight", 1.05), 1),
+        ("dense down_proj scaled by 1.05", _scale("model.layers.0.mlp.down_proj.weight", 1.05), 0),
+    ],
 }
 
 
@@ -144,7 +162,7 @@ def test_a_bf16_checkpoint_is_compared_in_fp32(tmp_path):
     """Real checkpoints are bf16: both sides read bf16 tensors into fp32 layers (here Mixtral's
     layer-stacked checkpoint keys: all its layers are alike)."""
     family = registry.family_by_name("mixtral")
-    with compat.suspended():
+    with cpu_compat.suspended():
         torch.manual_seed(0)
         model = family.hf_model_class(family.tiny_hf_config(vocab_size=VOCAB, initializer_range=INIT_STD))
         model.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
@@ -173,6 +191,7 @@ def test_a_rope_the_conversion_got_wrong_fails_every_layer(converted):
 # ------------------------------------------------------------------------------------------------
 # Memory: one layer at a time
 # ------------------------------------------------------------------------------------------------
+
 
 def test_only_the_compared_layer_is_ever_materialised(converted, monkeypatch):
     name, tmp = converted
@@ -203,6 +222,7 @@ def test_only_the_compared_layer_is_ever_materialised(converted, monkeypatch):
 # Layer choice and the command line
 # ------------------------------------------------------------------------------------------------
 
+
 def test_choose_layers():
     qwen, deepseek = registry.family_by_name("qwen3_moe"), registry.family_by_name("deepseek_v3")
     cfg = qwen.tiny_hf_config(num_hidden_layers=5, mlp_only_layers=[0, 1])
@@ -215,8 +235,11 @@ def test_choose_layers():
     assert choose_layers(deepseek, ds, "all") == [0, 1, 2, 3, 4, 5]
     assert choose_layers(deepseek, ds, "5") == [5]
     for bad in ("6", "-1", "x", "", "1,,z"):
-        with pytest.raises(ValueError, match=r"use auto, all or comma-separated layer indices in \[0, 6\) "
-                                             r"\(4..5 are the MTP layers\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"use auto, all or comma-separated layer indices in \[0, 6\) "
+            r"\(4..5 are the MTP layers\)",
+        ):
             choose_layers(deepseek, ds, bad)
 
 

@@ -11,24 +11,57 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) (.*)$")
 # torchrun sets these for its children; a test itself launched under torchrun must not leak them
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def clean_env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
 
 
-def torchrun_cmd(nproc: int, overrides, recipe: str = "quickstart") -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", recipe, *overrides]
+def torchrun_cmd(nproc: int, overrides, recipe: str = "quickstart", faults: str | None = None) -> list[str]:
+    """`faults`: run tests/fault_injection.py with this fault spec instead of `-m moe_sft.train`."""
+    entry = ["-m", "moe_sft.train"] if faults is None else [str(REPO / "tests" / "fault_injection.py"), faults]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *entry,
+        "--config-path",
+        "recipes",
+        "--config-name",
+        recipe,
+        *overrides,
+    ]
 
 
-def torchrun(nproc: int, overrides, recipe: str = "quickstart", check: bool = True,
-             timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(torchrun_cmd(nproc, overrides, recipe), cwd=REPO, env={**clean_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+def torchrun(
+    nproc: int,
+    overrides,
+    recipe: str = "quickstart",
+    check: bool = True,
+    timeout: int = 900,
+    env: dict | None = None,
+    faults: str | None = None,
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        torchrun_cmd(nproc, overrides, recipe, faults),
+        cwd=REPO,
+        env={**clean_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -59,7 +92,14 @@ def make_tiny_model(tmp: Path, **config_overrides) -> Path:
 
 def tiny_run_overrides(model_dir: Path, output_dir: Path, max_steps: int, *extra: str) -> list[str]:
     """A run of the tiny model in `model_dir` (make_tiny_model) writing to `output_dir`."""
-    return [f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "trainer.global_batch_size=2",
-            "trainer.export_hf_at_end=false", f"trainer.output_dir={output_dir}",
-            f"model.hf_path={model_dir / 'hf'}", f"model.mcore_path={model_dir / 'mcore'}",
-            "model.create_tiny_if_missing=false", *extra]
+    return [
+        f"trainer.max_steps={max_steps}",
+        "trainer.log_interval=1",
+        "trainer.global_batch_size=2",
+        "trainer.export_hf_at_end=false",
+        f"trainer.output_dir={output_dir}",
+        f"model.hf_path={model_dir / 'hf'}",
+        f"model.mcore_path={model_dir / 'mcore'}",
+        "model.create_tiny_if_missing=false",
+        *extra,
+    ]

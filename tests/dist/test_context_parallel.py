@@ -22,8 +22,8 @@ import pytest
 from tests.dist.launch import make_tiny_model, step_metrics, torchrun
 
 STEPS = 3
-REL = 2e-3      # the console prints 4 significant digits
-TB_REL = 1e-5   # float32 TensorBoard scalars
+REL = 2e-3  # the console prints 4 significant digits
+TB_REL = 1e-5  # float32 TensorBoard scalars
 TAGS = ("train/loss", "train/grad_norm", "moe/load_balancing_loss")
 
 LAYOUTS = {
@@ -46,11 +46,20 @@ def _tensorboard(run: Path) -> dict[str, dict[int, float]]:
 
 
 def _train(tmp, name, nproc, overrides):
-    proc = torchrun(nproc, [
-        f"trainer.max_steps={STEPS}", "trainer.log_interval=1", "trainer.global_batch_size=4",
-        "trainer.export_hf_at_end=false", f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false", *overrides])
+    proc = torchrun(
+        nproc,
+        [
+            f"trainer.max_steps={STEPS}",
+            "trainer.log_interval=1",
+            "trainer.global_batch_size=4",
+            "trainer.export_hf_at_end=false",
+            f"trainer.output_dir={tmp / name}",
+            f"model.hf_path={tmp / 'hf'}",
+            f"model.mcore_path={tmp / 'mcore'}",
+            "model.create_tiny_if_missing=false",
+            *overrides,
+        ],
+    )
     return step_metrics(proc.stdout), _tensorboard(tmp / name), proc.stdout
 
 
@@ -72,6 +81,7 @@ def test_context_parallel_matches_one_rank(model_dirs, one_rank, layout):
             assert printed[step][key] == pytest.approx(ref_printed[step][key], rel=REL), (step, key)
         for tag in TAGS:
             worst = abs(tb[tag][step] - ref_tb[tag][step]) / abs(ref_tb[tag][step])
-            print(f"{layout} step {step} {tag}: one rank {ref_tb[tag][step]:.9g} "
-                  f"cp {tb[tag][step]:.9g} rel {worst:.1e}")
+            print(
+                f"{layout} step {step} {tag}: one rank {ref_tb[tag][step]:.9g} cp {tb[tag][step]:.9g} rel {worst:.1e}"
+            )
             assert worst <= TB_REL, (step, tag, ref_tb[tag][step], tb[tag][step])

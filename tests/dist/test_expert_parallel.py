@@ -14,10 +14,20 @@ from tests.dist.launch import losses, torchrun
 
 
 def _run(tmp, nproc, extra=()):
-    return losses(torchrun(nproc, [
-        "trainer.max_steps=3", "trainer.log_interval=1", "trainer.export_hf_at_end=false",
-        f"trainer.output_dir={tmp / f'run{nproc}'}", f"model.hf_path={tmp / 'hf'}",
-        f"model.mcore_path={tmp / 'mcore'}", *extra]).stdout)
+    return losses(
+        torchrun(
+            nproc,
+            [
+                "trainer.max_steps=3",
+                "trainer.log_interval=1",
+                "trainer.export_hf_at_end=false",
+                f"trainer.output_dir={tmp / f'run{nproc}'}",
+                f"model.hf_path={tmp / 'hf'}",
+                f"model.mcore_path={tmp / 'mcore'}",
+                *extra,
+            ],
+        ).stdout
+    )
 
 
 def test_ep2_dp2_losses_match_one_rank(tmp_path):

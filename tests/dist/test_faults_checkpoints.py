@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.launch import (REPO, clean_env, make_tiny_model,
-                               step_metrics, tiny_run_overrides, torchrun)
+from tests.dist.launch import REPO, clean_env, make_tiny_model, step_metrics, tiny_run_overrides, torchrun
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
@@ -36,8 +36,7 @@ def _overrides(tmp: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
 
 
 def _train_one_process(overrides: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", "quickstart",
-           *overrides]
+    cmd = [sys.executable, "-m", "moe_sft.train", "--config-path", "recipes", "--config-name", "quickstart", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -59,8 +58,13 @@ def _non_finite(ckpt: Path, scratch: Path) -> list[str]:
 
 def test_weights_made_non_finite_by_an_update_are_never_checkpointed(model_dirs):
     out = model_dirs / "poisoned"
-    proc = torchrun(2, _overrides(model_dirs, out, 3, "optimizer.lr=1e38", "optimizer.lr_warmup_steps=0",
-                                  "checkpoint.save_interval=1"), check=False)
+    proc = torchrun(
+        2,
+        _overrides(
+            model_dirs, out, 3, "optimizer.lr=1e38", "optimizer.lr_warmup_steps=0", "checkpoint.save_interval=1"
+        ),
+        check=False,
+    )
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]
     assert "hold NaN or Inf (decoder." in proc.stderr and "Lower optimizer.lr (now 1e+38)" in proc.stderr
     assert "so this checkpoint is not saved" in proc.stderr and "starts again from model.mcore_path" in proc.stderr
@@ -118,8 +122,13 @@ def test_damaged_resume_checkpoint_names_the_file_and_the_previous_step(model_di
     shutil.copytree(saved_run[0], out)
     bad = _damage(out / "checkpoints" / "step_0000002", how)
     proc = _train_one_process(_overrides(model_dirs, out, 3))
-    _assert_clean_error(proc, "resume checkpoint", f"step_0000002 is damaged ({bad}: ",
-                        "previous complete checkpoint is step 1", str(out / "checkpoints" / "latest"))
+    _assert_clean_error(
+        proc,
+        "resume checkpoint",
+        f"step_0000002 is damaged ({bad}: ",
+        "previous complete checkpoint is step 1",
+        str(out / "checkpoints" / "latest"),
+    )
 
 
 def test_damaged_base_checkpoint_names_the_file(model_dirs):
@@ -128,8 +137,9 @@ def test_damaged_base_checkpoint_names_the_file(model_dirs):
     shard = sorted(base.glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[:1000])
     proc = _train_one_process(_overrides(model_dirs, model_dirs / "fresh", 1, f"model.mcore_path={base}"))
-    _assert_clean_error(proc, f"model.mcore_path {base} is damaged ({shard.name}: truncated: 1000 bytes",
-                        "reconvert it")
+    _assert_clean_error(
+        proc, f"model.mcore_path {base} is damaged ({shard.name}: truncated: 1000 bytes", "reconvert it"
+    )
 
 
 def test_resume_with_another_model_in_model_mcore_path(model_dirs, saved_run):
@@ -137,8 +147,13 @@ def test_resume_with_another_model_in_model_mcore_path(model_dirs, saved_run):
     out = model_dirs / "other_arch"
     shutil.copytree(saved_run[0], out)
     proc = _train_one_process(_overrides(model_dirs, out, 3, f"model.mcore_path={other / 'mcore'}"))
-    _assert_clean_error(proc, "holds another model than model.mcore_path", "hidden=128 vs 192",
-                        "new trainer.output_dir", f"point model.mcore_path back at {(model_dirs / 'mcore').resolve()}")
+    _assert_clean_error(
+        proc,
+        "holds another model than model.mcore_path",
+        "hidden=128 vs 192",
+        "new trainer.output_dir",
+        f"point model.mcore_path back at {(model_dirs / 'mcore').resolve()}",
+    )
 
     # Same architecture, converted from another source: the run's own checkpoint wins, with a
     # warning; its step 2, without checksums.json (an older run's), loads with a note.

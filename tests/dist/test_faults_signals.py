@@ -22,8 +22,8 @@ import time
 import psutil
 import pytest
 
-from tests.dist.launch import (REPO, clean_env, make_tiny_model,
-                               step_metrics, tiny_run_overrides, torchrun_cmd)
+from tests.dist.launch import REPO, clean_env, make_tiny_model, step_metrics, tiny_run_overrides, torchrun_cmd
+
 STEPS = 6
 
 
@@ -49,8 +49,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _launch(overrides) -> subprocess.Popen:
-    return subprocess.Popen(torchrun_cmd(1, overrides), cwd=REPO, env=clean_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        torchrun_cmd(1, overrides), cwd=REPO, env=clean_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def _run(overrides, timeout=300) -> subprocess.CompletedProcess:
@@ -73,8 +74,9 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def _trainer_pid(proc: subprocess.Popen) -> int:
-    return next(c.pid for c in psutil.Process(proc.pid).children(recursive=True)
-                if "moe_sft.train" in " ".join(c.cmdline()))
+    return next(
+        c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "moe_sft.train" in " ".join(c.cmdline())
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +99,14 @@ def test_sigterm_through_torchrun_commits_the_stop_checkpoint(model_dirs, straig
     with save_interval=0 everything was lost). scancel signals every process: the same."""
     tmp = model_dirs
     ckpts = tmp / f"term_{target}" / "checkpoints"
-    proc = subprocess.Popen(torchrun_cmd(1, _overrides(tmp, f"term_{target}", STEPS, "checkpoint.save_interval=0")),
-                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(1, _overrides(tmp, f"term_{target}", STEPS, "checkpoint.save_interval=0")),
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, tree = [], []
     try:
         for line in proc.stdout:
@@ -141,8 +149,10 @@ def test_finished_run_has_nothing_to_train(model_dirs, straight):
     (stale / "blob").write_bytes(b"x" * 1000)
     again = _run(_overrides(tmp, "done", STEPS), timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"nothing to train: {tmp / 'done' / 'checkpoints' / 'step_0000006'} is step 6 and trainer.max_steps=6" \
+    assert (
+        f"nothing to train: {tmp / 'done' / 'checkpoints' / 'step_0000006'} is step 6 and trainer.max_steps=6"
         in again.stdout
+    )
     assert not step_metrics(again.stdout) and not stale.exists() and f"removed {stale}" in again.stdout
     fewer = _run(_overrides(tmp, "done", 3, "trainer.export_hf_at_end=true"), timeout=240)
     assert fewer.returncode == 0, fewer.stderr[-3000:]
@@ -178,8 +188,13 @@ def small_disk(tmp_path):
     """A 26 MB tmpfs: one checkpoint of the tiny model (17 MB) fits, two do not (needs root)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root to mount a small tmpfs")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
@@ -206,9 +221,23 @@ def test_disk_full_save_is_one_line_and_keeps_the_previous_checkpoint(model_dirs
 
 def test_output_dir_that_is_a_file_is_named(tmp_path):
     (tmp_path / "run").write_text("not a directory")
-    proc = subprocess.run([sys.executable, "-m", "moe_sft.train", "--config-path", "recipes", "--config-name",
-                           "quickstart", f"trainer.output_dir={tmp_path / 'run'}"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_sft.train",
+            "--config-path",
+            "recipes",
+            "--config-name",
+            "quickstart",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"trainer.output_dir={tmp_path / 'run'}: {tmp_path / 'run'} is a file, not a directory" in proc.stderr
 

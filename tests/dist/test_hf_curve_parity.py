@@ -43,8 +43,14 @@ import torch.nn.functional as F
 import yaml
 
 from tests.dist.launch import step_metrics, torchrun
-from tests.hf_reference_loop import (as_padded_rows, documents, load_hf_model, train_reference,
-                                     trainer_lr_schedule, trainer_plan)
+from tests.hf_reference_loop import (
+    as_padded_rows,
+    documents,
+    load_hf_model,
+    train_reference,
+    trainer_lr_schedule,
+    trainer_plan,
+)
 
 STEPS = 20
 WARMUP = 5
@@ -65,22 +71,42 @@ def _tensorboard(run: Path) -> dict[str, dict[int, float]]:
 def curves(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_parity")
     t0 = time.perf_counter()
-    proc = torchrun(1, [
-        f"trainer.max_steps={STEPS}", "trainer.log_interval=1", "trainer.export_hf_at_end=false",
-        "checkpoint.save_interval=0", "checkpoint.resume=never", f"optimizer.lr_warmup_steps={WARMUP}",
-        f"optimizer.weight_decay={WEIGHT_DECAY}", "model.moe_router_load_balancing_type=none",
-        "trainer.device=cpu", "trainer.precision=fp32",
-        f"trainer.output_dir={tmp / 'run'}", f"model.hf_path={tmp / 'tiny_hf'}",
-        f"model.mcore_path={tmp / 'tiny_mcore'}"])
+    proc = torchrun(
+        1,
+        [
+            f"trainer.max_steps={STEPS}",
+            "trainer.log_interval=1",
+            "trainer.export_hf_at_end=false",
+            "checkpoint.save_interval=0",
+            "checkpoint.resume=never",
+            f"optimizer.lr_warmup_steps={WARMUP}",
+            f"optimizer.weight_decay={WEIGHT_DECAY}",
+            "model.moe_router_load_balancing_type=none",
+            "trainer.device=cpu",
+            "trainer.precision=fp32",
+            f"trainer.output_dir={tmp / 'run'}",
+            f"model.hf_path={tmp / 'tiny_hf'}",
+            f"model.mcore_path={tmp / 'tiny_mcore'}",
+        ],
+    )
     t1 = time.perf_counter()
     cfg = yaml.safe_load((tmp / "run" / "config.yaml").read_text())  # what the trainer resolved
     plan, _ = trainer_plan(cfg)
     reference = train_reference(tmp / "tiny_hf", cfg, plan=plan)
     t2 = time.perf_counter()
-    print(f"\n[hf-parity] trainer (torchrun, incl. model creation/conversion) {t1 - t0:.1f}s, "
-          f"HF reference loop {t2 - t1:.1f}s")
-    return dict(tmp=tmp, cfg=cfg, plan=plan, log=proc.stdout, ours=step_metrics(proc.stdout),
-                tb=_tensorboard(tmp / "run"), ref=reference)
+    print(
+        f"\n[hf-parity] trainer (torchrun, incl. model creation/conversion) {t1 - t0:.1f}s, "
+        f"HF reference loop {t2 - t1:.1f}s"
+    )
+    return dict(
+        tmp=tmp,
+        cfg=cfg,
+        plan=plan,
+        log=proc.stdout,
+        ours=step_metrics(proc.stdout),
+        tb=_tensorboard(tmp / "run"),
+        ref=reference,
+    )
 
 
 def _rel(a: float, b: float) -> float:
@@ -106,27 +132,41 @@ def test_run_is_the_configuration_compared(curves):
 def test_loss_and_grad_norm_curves_match_hf_reference(curves):
     ours, tb, ref = curves["ours"], curves["tb"], curves["ref"]
     lrs = trainer_lr_schedule(curves["cfg"])
-    print(f"{'step':>4} {'lr used':>10} {'ours loss':>10} {'HF loss':>10} {'rel':>8} {'rel(tb)':>8} "
-          f"{'ours gnorm':>10} {'HF gnorm':>10} {'rel':>8} {'rel(tb)':>8}")
+    print(
+        f"{'step':>4} {'lr used':>10} {'ours loss':>10} {'HF loss':>10} {'rel':>8} {'rel(tb)':>8} "
+        f"{'ours gnorm':>10} {'HF gnorm':>10} {'rel':>8} {'rel(tb)':>8}"
+    )
     worst = dict(loss=0.0, loss_tb=0.0, gn=0.0, gn_tb=0.0)
     for step in range(1, STEPS + 1):
         r, o = ref[step - 1], ours[step]
         assert r.lr == pytest.approx(lrs[step - 1])
         # identical global batch: the same number of assistant tokens normalises both losses
         assert o["loss_tokens"] == r.loss_tokens == tb["train/loss_tokens"][step], step
-        d = dict(loss=_rel(o["loss"], r.loss), loss_tb=_rel(tb["train/loss"][step], r.loss),
-                 gn=_rel(o["grad_norm"], r.grad_norm), gn_tb=_rel(tb["train/grad_norm"][step], r.grad_norm))
+        d = dict(
+            loss=_rel(o["loss"], r.loss),
+            loss_tb=_rel(tb["train/loss"][step], r.loss),
+            gn=_rel(o["grad_norm"], r.grad_norm),
+            gn_tb=_rel(tb["train/grad_norm"][step], r.grad_norm),
+        )
         worst = {k: max(worst[k], v) for k, v in d.items()}
-        print(f"{step:>4} {r.lr:>10.4g} {o['loss']:>10.4g} {r.loss:>10.6g} {d['loss']:>8.1e} {d['loss_tb']:>8.1e} "
-              f"{o['grad_norm']:>10.4g} {r.grad_norm:>10.6g} {d['gn']:>8.1e} {d['gn_tb']:>8.1e}")
-    print(f"[hf-parity] max rel diff: loss {worst['loss']:.1e} (printed) {worst['loss_tb']:.1e} (tensorboard); "
-          f"grad norm {worst['gn']:.1e} (printed) {worst['gn_tb']:.1e} (tensorboard)")
+        print(
+            f"{step:>4} {r.lr:>10.4g} {o['loss']:>10.4g} {r.loss:>10.6g} {d['loss']:>8.1e} {d['loss_tb']:>8.1e} "
+            f"{o['grad_norm']:>10.4g} {r.grad_norm:>10.6g} {d['gn']:>8.1e} {d['gn_tb']:>8.1e}"
+        )
+    print(
+        f"[hf-parity] max rel diff: loss {worst['loss']:.1e} (printed) {worst['loss_tb']:.1e} (tensorboard); "
+        f"grad norm {worst['gn']:.1e} (printed) {worst['gn_tb']:.1e} (tensorboard)"
+    )
     for step in range(1, STEPS + 1):
         r, o = ref[step - 1], ours[step]
         assert _rel(o["loss"], r.loss) <= LOSS_REL, (step, o["loss"], r.loss)
         assert _rel(o["grad_norm"], r.grad_norm) <= LOSS_REL, (step, o["grad_norm"], r.grad_norm)
         assert _rel(tb["train/loss"][step], r.loss) <= TB_REL, (step, tb["train/loss"][step], r.loss)
-        assert _rel(tb["train/grad_norm"][step], r.grad_norm) <= TB_REL, (step, tb["train/grad_norm"][step], r.grad_norm)
+        assert _rel(tb["train/grad_norm"][step], r.grad_norm) <= TB_REL, (
+            step,
+            tb["train/grad_norm"][step],
+            r.grad_norm,
+        )
     assert ours[STEPS]["loss"] < ours[1]["loss"] - 2.0, ours  # it learns: 6.56 -> ~2.6
     assert ref[-1].loss < ref[0].loss - 2.0
 
@@ -139,12 +179,13 @@ def test_negative_controls_leave_parity(curves):
     shifted = train_reference(curves["tmp"] / "tiny_hf", curves["cfg"], steps=2, plan=curves["plan"], lr_shift=1)
     assert _rel(tb["train/loss"][1], shifted[0].loss) <= TB_REL  # same weights before the first update
     lr_off = _rel(tb["train/loss"][2], shifted[1].loss)
-    decayed = train_reference(curves["tmp"] / "tiny_hf", curves["cfg"], steps=10, plan=curves["plan"],
-                              decay_all=True)
+    decayed = train_reference(curves["tmp"] / "tiny_hf", curves["cfg"], steps=10, plan=curves["plan"], decay_all=True)
     wd_off = max(_rel(tb["train/loss"][k + 1], r.loss) for k, r in enumerate(decayed))
-    print(f"[hf-parity] negative controls: off-by-one lr -> step-2 loss rel diff {lr_off:.1e} "
-          f"(printed {_rel(ours[2]['loss'], shifted[1].loss):.1e}); weight decay on 1-D params too -> "
-          f"max rel diff over 10 steps {wd_off:.1e}")
+    print(
+        f"[hf-parity] negative controls: off-by-one lr -> step-2 loss rel diff {lr_off:.1e} "
+        f"(printed {_rel(ours[2]['loss'], shifted[1].loss):.1e}); weight decay on 1-D params too -> "
+        f"max rel diff over 10 steps {wd_off:.1e}"
+    )
     assert lr_off > 100 * TB_REL and _rel(ours[2]["loss"], shifted[1].loss) > LOSS_REL, lr_off
     assert wd_off > 100 * TB_REL, wd_off
 
@@ -152,16 +193,22 @@ def test_negative_controls_leave_parity(curves):
 def test_padded_rows_equal_one_forward_per_document(curves):
     """The reference runs each document as its own row of a right-padded batch; that is exactly
     one forward per document (causal attention, per-token routing): checked on step 1's batch."""
-    from moe_sft.runtime import compat
+    from moe_sft.runtime import cpu_compat
 
     model = load_hf_model(curves["tmp"] / "tiny_hf")
     batches, _ = curves["plan"].batches_for_step(0, 0, 1)
     rows = [doc for mb in batches for doc in documents(mb)]
     assert len(rows) > 2 * len(batches), "micro-batches pack several documents"
-    with torch.no_grad(), compat.suspended():
+    with torch.no_grad(), cpu_compat.suspended():
         tokens, labels, mask = as_padded_rows(rows, curves["plan"].pad_token_id)
         logits = model(input_ids=tokens, use_cache=False).logits
         padded = F.cross_entropy(logits[mask.bool()], labels[mask.bool()], reduction="none")
-        single = torch.cat([F.cross_entropy(model(input_ids=t[None], use_cache=False).logits[0][m.bool()],
-                                            l[m.bool()], reduction="none") for t, l, m in rows])
+        single = torch.cat(
+            [
+                F.cross_entropy(
+                    model(input_ids=t[None], use_cache=False).logits[0][m.bool()], lab[m.bool()], reduction="none"
+                )
+                for t, lab, m in rows
+            ]
+        )
     assert torch.allclose(padded, single, rtol=1e-5, atol=1e-5), (padded - single).abs().max()

@@ -20,16 +20,24 @@ REL = 2e-3  # the console prints 4 significant digits
 
 # name → (ranks, overrides). Also measured equal to one rank, not run in CI to keep the suite
 # short: dp2, pp2, pp2_ep2_dp2 (4 ranks); EP2 x DP2 is tests/dist/test_expert_parallel.py.
-TP2_PP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-           "parallel.pipeline_model_parallel_size=2"]
+TP2_PP2 = [
+    "parallel.tensor_model_parallel_size=2",
+    "parallel.sequence_parallel=true",
+    "parallel.pipeline_model_parallel_size=2",
+]
 LAYOUTS = {
     "tp2_sp": (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
-    "pp2_vpp2": (2, ["parallel.pipeline_model_parallel_size=2",
-                     "parallel.virtual_pipeline_model_parallel_size=2"]),
-    "pp2_uneven_3_1": (2, ["parallel.pipeline_model_parallel_size=2",
-                           "parallel.num_layers_in_first_pipeline_stage=3"]),
-    "tp2_ep2_etp1": (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                         "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"]),
+    "pp2_vpp2": (2, ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"]),
+    "pp2_uneven_3_1": (2, ["parallel.pipeline_model_parallel_size=2", "parallel.num_layers_in_first_pipeline_stage=3"]),
+    "tp2_ep2_etp1": (
+        2,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.sequence_parallel=true",
+            "parallel.expert_model_parallel_size=2",
+            "parallel.expert_tensor_parallel_size=1",
+        ],
+    ),
     "tp2_pp2": (4, TP2_PP2),
 }
 
@@ -40,11 +48,21 @@ def model_dirs(tmp_path_factory):
 
 
 def _train(tmp, name, nproc, overrides, max_steps=STEPS, extra=()):
-    proc = torchrun(nproc, [
-        f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "trainer.global_batch_size=4",
-        "trainer.export_hf_at_end=false", f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false", *overrides, *extra])
+    proc = torchrun(
+        nproc,
+        [
+            f"trainer.max_steps={max_steps}",
+            "trainer.log_interval=1",
+            "trainer.global_batch_size=4",
+            "trainer.export_hf_at_end=false",
+            f"trainer.output_dir={tmp / name}",
+            f"model.hf_path={tmp / 'hf'}",
+            f"model.mcore_path={tmp / 'mcore'}",
+            "model.create_tiny_if_missing=false",
+            *overrides,
+            *extra,
+        ],
+    )
     return step_metrics(proc.stdout)
 
 
@@ -73,8 +91,7 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2(model_dirs, one_rank):
     splits the optimizer into dense + expert) for steps 3-4: another world size, another TP/PP and
     across the EP boundary."""
     first = _train(model_dirs, "reshard", 4, TP2_PP2, max_steps=2, extra=["checkpoint.save_interval=2"])
-    second = _train(model_dirs, "reshard", 2, ["parallel.expert_model_parallel_size=2"],
-                    max_steps=STEPS + 1)
+    second = _train(model_dirs, "reshard", 2, ["parallel.expert_model_parallel_size=2"], max_steps=STEPS + 1)
     print("reshard", first, second)
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
     _assert_same(one_rank, first, [1, 2])
@@ -83,16 +100,25 @@ def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2(model_dirs, one_rank):
 
 def test_checkpoint_saved_at_ep2_resumes_at_tp2(model_dirs, one_rank):
     """The other direction across the EP boundary: dense + expert optimizers saved, one loaded."""
-    first = _train(model_dirs, "reshard_ep", 2, ["parallel.expert_model_parallel_size=2"],
-                   max_steps=2, extra=["checkpoint.save_interval=2"])
+    first = _train(
+        model_dirs,
+        "reshard_ep",
+        2,
+        ["parallel.expert_model_parallel_size=2"],
+        max_steps=2,
+        extra=["checkpoint.save_interval=2"],
+    )
     second = _train(model_dirs, "reshard_ep", 2, LAYOUTS["tp2_sp"][1], max_steps=STEPS + 1)
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
     _assert_same(one_rank, second, [3, 4])
 
 
-OVERLAP_RECOMPUTE = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
-                     "model.recompute_granularity=selective",
-                     "model.recompute_modules=[core_attn,moe,layernorm]"]
+OVERLAP_RECOMPUTE = [
+    "parallel.overlap_grad_reduce=true",
+    "parallel.overlap_param_gather=true",
+    "model.recompute_granularity=selective",
+    "model.recompute_modules=[core_attn,moe,layernorm]",
+]
 
 
 def test_overlapped_dp2_with_selective_recompute_matches_one_rank_and_resumes(model_dirs, one_rank):
@@ -118,5 +144,8 @@ def _final_weights(run_dir) -> dict:
     from moe_sft.trainer.checkpoint import step_dir
 
     model = load_model_from_checkpoint(step_dir(run_dir / "checkpoints", STEPS + 1))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
+    }

@@ -27,10 +27,19 @@ def source(tmp_path_factory):
 
 
 def _train(tmp, name, nproc, *extra):
-    proc = torchrun(nproc, [
-        "trainer.max_steps=3", "trainer.log_interval=1", f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false", "model.mtp_loss_weight=0.3", *extra])
+    proc = torchrun(
+        nproc,
+        [
+            "trainer.max_steps=3",
+            "trainer.log_interval=1",
+            f"trainer.output_dir={tmp / name}",
+            f"model.hf_path={tmp / 'hf'}",
+            f"model.mcore_path={tmp / 'mcore'}",
+            "model.create_tiny_if_missing=false",
+            "model.mtp_loss_weight=0.3",
+            *extra,
+        ],
+    )
     return step_metrics(proc.stdout), proc.stdout
 
 
@@ -39,8 +48,14 @@ def trained(source):
     one = _train(source, "one_rank", 1)
     pp2 = _train(source, "pp2", 2, "parallel.pipeline_model_parallel_size=2", "trainer.export_hf_at_end=false")
     # sequence parallel: both heads' rows are picked from hidden states gathered across TP
-    tp2 = _train(source, "tp2_sp", 2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                 "trainer.export_hf_at_end=false")
+    tp2 = _train(
+        source,
+        "tp2_sp",
+        2,
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        "trainer.export_hf_at_end=false",
+    )
     return {"one": one, "pp2": pp2, "tp2_sp": tp2}
 
 

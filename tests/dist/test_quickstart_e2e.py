@@ -15,9 +15,18 @@ from tests.dist.launch import losses, step_metrics, torchrun
 
 
 def run_train(tmp: Path, run_name: str, max_steps: int, extra=()) -> str:
-    return torchrun(1, [f"trainer.max_steps={max_steps}", "trainer.log_interval=1", "checkpoint.save_interval=2",
-                        f"trainer.output_dir={tmp / run_name}", f"model.hf_path={tmp / 'tiny_hf'}",
-                        f"model.mcore_path={tmp / 'tiny_mcore'}", *extra]).stdout
+    return torchrun(
+        1,
+        [
+            f"trainer.max_steps={max_steps}",
+            "trainer.log_interval=1",
+            "checkpoint.save_interval=2",
+            f"trainer.output_dir={tmp / run_name}",
+            f"model.hf_path={tmp / 'tiny_hf'}",
+            f"model.mcore_path={tmp / 'tiny_mcore'}",
+            *extra,
+        ],
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +99,9 @@ def test_export_loads_with_plain_transformers(runs):
     assert (out / "model.safetensors.index.json").is_file()
     assert (out / "generation_config.json").is_file()
     tok = AutoTokenizer.from_pretrained(out)
-    ids = tok.apply_chat_template([{"role": "user", "content": "reverse: a b"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "reverse: a b"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     logits = model(ids).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == len(tok)
 
@@ -103,7 +113,14 @@ def test_tensorboard_has_the_training_scalars(runs):
     acc = EventAccumulator(str(tmp / "straight" / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "moe/load_balancing_loss",
-                "data/packing_efficiency", "eval/loss"):
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "moe/load_balancing_loss",
+        "data/packing_efficiency",
+        "eval/loss",
+    ):
         assert tag in tags, tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]

@@ -17,8 +17,7 @@ import subprocess
 import psutil
 import pytest
 
-from tests.dist.launch import (REPO, clean_env, make_tiny_model,
-                               step_metrics, tiny_run_overrides, torchrun, torchrun_cmd)
+from tests.dist.launch import REPO, clean_env, make_tiny_model, step_metrics, tiny_run_overrides, torchrun, torchrun_cmd
 
 STRAIGHT_STEPS = 6
 
@@ -46,14 +45,19 @@ def test_killed_mid_save_and_sigterm_both_resume_exactly(model_dirs, straight):
     tmp = model_dirs
     ckpts = tmp / "crashy" / "checkpoints"
     # 1. Killed while writing the step-4 checkpoint: its files exist, uncommitted.
-    died = torchrun(1, _overrides(tmp, "crashy", 4, "checkpoint.save_interval=2"), check=False,
-                    env={"MOE_SFT_FAULT_KILL_IN_SAVE": "4"})
+    died = torchrun(1, _overrides(tmp, "crashy", 4, "checkpoint.save_interval=2"), check=False, faults="kill_in_save=4")
     assert died.returncode != 0
     assert (ckpts / "latest").read_text().strip() == "2"
     assert (ckpts / "step_0000004.tmp").is_dir() and not (ckpts / "step_0000004").exists()
     # 2. Resumes from step 2; SIGTERM to the worker once step 3 is logged: it saves and exits 0.
-    proc = subprocess.Popen(torchrun_cmd(1, _overrides(tmp, "crashy", STRAIGHT_STEPS)), cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(1, _overrides(tmp, "crashy", STRAIGHT_STEPS)),
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -85,8 +89,12 @@ def test_async_saves_commit_in_the_background_and_resume_exactly(model_dirs, str
     background-written step 2 continues with the straight run's losses and consumed-token count."""
     tmp = model_dirs
     ckpts = tmp / "async" / "checkpoints"
-    died = torchrun(2, _overrides(tmp, "async", 4, "checkpoint.save_interval=2", "checkpoint.async_save=true"),
-                    check=False, env={"MOE_SFT_FAULT_KILL_IN_SAVE": "4"})
+    died = torchrun(
+        2,
+        _overrides(tmp, "async", 4, "checkpoint.save_interval=2", "checkpoint.async_save=true"),
+        check=False,
+        faults="kill_in_save=4",
+    )
     assert died.returncode != 0
     assert "checkpoint step 2: writing in the background" in died.stdout
     assert "in the background)" in died.stdout  # step 2 committed by a later poll
@@ -117,8 +125,7 @@ def test_stop_file_is_honoured_and_consumed(model_dirs, straight):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(model_dirs, straight):
-    proc = torchrun(1, _overrides(model_dirs, "nan", STRAIGHT_STEPS), check=False,
-                    env={"MOE_SFT_FAULT_NAN_GRAD": "2", "MOE_SFT_FAULT_NAN_LOSS": "3,4"})
+    proc = torchrun(1, _overrides(model_dirs, "nan", STRAIGHT_STEPS), check=False, faults="nan_grad=2;nan_loss=3,4")
     metrics = step_metrics(proc.stdout)
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]  # torchrun: 1
     assert "steps 2..4: 3 steps in a row had a non-finite loss or gradient norm" in proc.stderr
@@ -136,20 +143,40 @@ def test_frozen_router_and_pattern_stay_unchanged(model_dirs):
     from moe_sft.conversion.export import load_model_from_checkpoint
     from moe_sft.trainer.checkpoint import step_dir
 
-    out = torchrun(1, _overrides(model_dirs, "frozen", 2, "model.freeze_router=true",
-                                 "model.freeze_patterns=[embedding.*,decoder.layers.1.self_attention.*]"))
+    out = torchrun(
+        1,
+        _overrides(
+            model_dirs,
+            "frozen",
+            2,
+            "model.freeze_router=true",
+            "model.freeze_patterns=[embedding.*,decoder.layers.1.self_attention.*]",
+        ),
+    )
     assert "froze" in out.stdout
     before = load_model_from_checkpoint(model_dirs / "mcore").state_dict()
     after = load_model_from_checkpoint(step_dir(model_dirs / "frozen" / "checkpoints", 2)).state_dict()
-    frozen = [k for k in before if isinstance(before[k], torch.Tensor) and (
-        ".router." in k or k.startswith("embedding.") or k.startswith("decoder.layers.1.self_attention."))]
-    trained = [k for k in before if isinstance(before[k], torch.Tensor) and k not in frozen
-               and before[k].is_floating_point() and "_extra_state" not in k]
+    frozen = [
+        k
+        for k in before
+        if isinstance(before[k], torch.Tensor)
+        and (".router." in k or k.startswith("embedding.") or k.startswith("decoder.layers.1.self_attention."))
+    ]
+    trained = [
+        k
+        for k in before
+        if isinstance(before[k], torch.Tensor)
+        and k not in frozen
+        and before[k].is_floating_point()
+        and "_extra_state" not in k
+    ]
     assert frozen and trained
     assert all(torch.equal(before[k], after[k]) for k in frozen)
-    assert all(not torch.equal(before[k], after[k]) for k in trained
-               if k.startswith("decoder.layers.0.self_attention.linear_qkv"))
-    bad = torchrun(1, _overrides(model_dirs, "frozen_bad", 1, "model.freeze_patterns=[decoder.layer.*]"),
-                   check=False)
+    assert all(
+        not torch.equal(before[k], after[k])
+        for k in trained
+        if k.startswith("decoder.layers.0.self_attention.linear_qkv")
+    )
+    bad = torchrun(1, _overrides(model_dirs, "frozen_bad", 1, "model.freeze_patterns=[decoder.layer.*]"), check=False)
     assert bad.returncode != 0 and "exitcode  : 2" in bad.stderr  # torchrun itself exits 1
     assert "model.freeze_patterns ['decoder.layer.*'] match no parameter" in bad.stderr

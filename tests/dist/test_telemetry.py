@@ -19,10 +19,15 @@ import pytest
 from tests.dist.launch import step_metrics, torchrun
 
 TOP_K, LAYERS, STEPS = 2, 2, 2
-LAYOUTS = {"one": (1, []), "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
-           "pp2": (2, ["parallel.pipeline_model_parallel_size=2"])}
-PROGRESS = re.compile(r"^\[moe-sft\] step (\d+)/(\d+) \((\d+\.\d)%\) elapsed \d\d:\d\d:\d\d "
-                      r"ETA (\d\d:\d\d:\d\d|--:--:-- \(after the warm-up step\))( at [\d.e+-]+ s/step)?$")
+LAYOUTS = {
+    "one": (1, []),
+    "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
+    "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
+}
+PROGRESS = re.compile(
+    r"^\[moe-sft\] step (\d+)/(\d+) \((\d+\.\d)%\) elapsed \d\d:\d\d:\d\d "
+    r"ETA (\d\d:\d\d:\d\d|--:--:-- \(after the warm-up step\))( at [\d.e+-]+ s/step)?$"
+)
 
 
 def _tensorboard(run_dir):
@@ -30,8 +35,11 @@ def _tensorboard(run_dir):
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
     events.Reload()
-    loads = {(e.step, layer): [int(c) for c in e.histogram_value.bucket]
-             for layer in range(LAYERS) for e in events.Histograms(f"moe/layer_{layer}/expert_load")}
+    loads = {
+        (e.step, layer): [int(c) for c in e.histogram_value.bucket]
+        for layer in range(LAYERS)
+        for e in events.Histograms(f"moe/layer_{layer}/expert_load")
+    }
     tflop = {e.step: e.value for e in events.Scalars("perf/detail/model_tflop_per_step")}
     real = {e.step: e.value for e in events.Scalars("perf/detail/real_tokens")}
     seconds = {e.step: e.value for e in events.Scalars("train/step_seconds")}
@@ -44,9 +52,18 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("telemetry")
     out = {}
     for name, (nproc, extra) in LAYOUTS.items():
-        proc = torchrun(nproc, [f"trainer.max_steps={STEPS}", "trainer.log_interval=1",
-                                "trainer.export_hf_at_end=false", f"trainer.output_dir={tmp / name}",
-                                f"model.hf_path={tmp / 'hf'}", f"model.mcore_path={tmp / 'mcore'}", *extra])
+        proc = torchrun(
+            nproc,
+            [
+                f"trainer.max_steps={STEPS}",
+                "trainer.log_interval=1",
+                "trainer.export_hf_at_end=false",
+                f"trainer.output_dir={tmp / name}",
+                f"model.hf_path={tmp / 'hf'}",
+                f"model.mcore_path={tmp / 'mcore'}",
+                *extra,
+            ],
+        )
         out[name] = (proc.stdout, *_tensorboard(tmp / name))
     return out
 

@@ -12,9 +12,19 @@ from tests.dist.launch import REPO, clean_env
 
 def _train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = clean_env()
-    cmd = [sys.executable, "-m", "moe_sft.train", "--config-path", "recipes", "--config-name",
-           "quickstart", f"trainer.output_dir={tmp / 'run'}", f"model.hf_path={tmp / 'hf'}",
-           f"model.mcore_path={tmp / 'mcore'}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_sft.train",
+        "--config-path",
+        "recipes",
+        "--config-name",
+        "quickstart",
+        f"trainer.output_dir={tmp / 'run'}",
+        f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

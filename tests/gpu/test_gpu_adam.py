@@ -1,4 +1,4 @@
-"""The clip + Adam Triton kernel (moe_sft/trainer/adam_kernel.py) against Adam in fp64 and against
+"""The clip + Adam Triton kernel (moe_sft/kernels/adam.py) against Adam in fp64 and against
 what it replaces (the foreach multiply by the clip coefficient, then torch's fused AdamW / Adam):
 at least as close to fp64 as torch's kernel. (The whole trainer with it: tests/gpu/test_gpu_parity.py.)"""
 
@@ -24,15 +24,15 @@ def _adam_fp64(param, grad, exp_avg, exp_avg_sq, step, group, decoupled, coeff):
         g = g + wd * p
     m_scale, v_scale = (b1 * m).abs() + ((1 - b1) * g).abs(), b2 * v + (1 - b2) * g * g
     m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-    denom = v.sqrt() / math.sqrt(1 - b2 ** step) + eps
-    step_size = lr / (1 - b1 ** step)
+    denom = v.sqrt() / math.sqrt(1 - b2**step) + eps
+    step_size = lr / (1 - b1**step)
     p_scale = p.abs() + decay.abs() + step_size * m_scale / denom
     return (p - decay - step_size * m / denom, p_scale), (m, m_scale), (v, v_scale)
 
 
 def _error(x: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> float:
     """Largest |x - exact| in fp32 ulps of the result's scale (1 = one rounding of the largest term)."""
-    return float(((x.double() - exact).abs() / (scale * 2.0 ** -23 + 1e-45)).max())
+    return float(((x.double() - exact).abs() / (scale * 2.0**-23 + 1e-45)).max())
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
@@ -41,7 +41,7 @@ def _error(x: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> float:
 def test_kernel_matches_adam_in_fp64_as_closely_as_torch_fused_adam(decoupled, weight_decay, coeff):
     """Each step starts the kernel, torch's fused Adam (after the foreach clip multiply, what the
     kernel replaces) and the fp64 reference from the same state: per-step error, not drift."""
-    from moe_sft.trainer import adam_kernel
+    from moe_sft.kernels import adam as adam_kernel
 
     numel = 3 * adam_kernel.BLOCK + 123  # a partial last program
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -64,28 +64,40 @@ def test_kernel_matches_adam_in_fp64_as_closely_as_torch_fused_adam(decoupled, w
         reference.step()
         step += 1
         hyper = adam_kernel.hyper_parameters(group, coeff, "cuda")
-        adam_kernel.adam_step(param, grad, exp_avg, exp_avg_sq, step, hyper, decoupled=decoupled,
-                              weight_decay=weight_decay != 0, grad_coeff=coeff is not None, model_param=model_param)
+        adam_kernel.adam_step(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step,
+            hyper,
+            decoupled=decoupled,
+            weight_decay=weight_decay != 0,
+            grad_coeff=coeff is not None,
+            model_param=model_param,
+        )
         assert torch.equal(model_param, param.to(torch.bfloat16)), "the cast megatron's copy_ makes"
         state = reference.state[ref]
         assert float(state["step"]) == float(step)
-        for k, (mine, torchs, (value, scale)) in enumerate(zip((param, exp_avg, exp_avg_sq),
-                                                             (ref.detach(), state["exp_avg"], state["exp_avg_sq"]),
-                                                             exact)):
+        for k, (mine, torchs, (value, scale)) in enumerate(
+            zip((param, exp_avg, exp_avg_sq), (ref.detach(), state["exp_avg"], state["exp_avg_sq"]), exact)
+        ):
             ours[k] = max(ours[k], _error(mine, value, scale))
             theirs[k] = max(theirs[k], _error(torchs, value, scale))
-    print(f"\nulps of the scale from fp64 Adam, 6 steps (param, exp_avg, exp_avg_sq): kernel "
-          f"{[round(x, 2) for x in ours]}, torch fused {[round(x, 2) for x in theirs]}")
+    print(
+        f"\nulps of the scale from fp64 Adam, 6 steps (param, exp_avg, exp_avg_sq): kernel "
+        f"{[round(x, 2) for x in ours]}, torch fused {[round(x, 2) for x in theirs]}"
+    )
     assert max(ours) <= 2.0, ours
     assert all(a <= b + 1.0 for a, b in zip(ours, theirs)), (ours, theirs)
 
 
 def test_offsets_past_two_to_the_31_elements():
     """DeepSeek-V3's stacked expert weights pass 2^31 elements per tensor: 64-bit offsets."""
-    from moe_sft.trainer import adam_kernel
+    from moe_sft.kernels import adam as adam_kernel
 
     free, _ = torch.cuda.mem_get_info()
-    numel = 2 ** 31 + 3 * 1024 + 5
+    numel = 2**31 + 3 * 1024 + 5
     if free < 5 * numel * 4 + numel * 2:  # 44 GiB: fits an H100/H200; a smaller or shared GPU cannot
         pytest.skip(f"needs {(5 * 4 + 2) * numel / 2**30:.0f} GiB of free GPU memory")
     param = torch.randn(numel, device="cuda")
@@ -100,8 +112,18 @@ def test_offsets_past_two_to_the_31_elements():
         expected.append(ref.detach())
     hyper = adam_kernel.hyper_parameters(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1), None, "cuda")
     model_param = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
-    adam_kernel.adam_step(param, grad, exp_avg, exp_avg_sq, torch.ones((), device="cuda"), hyper,
-                          decoupled=True, weight_decay=True, grad_coeff=False, model_param=model_param)
+    adam_kernel.adam_step(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        torch.ones((), device="cuda"),
+        hyper,
+        decoupled=True,
+        weight_decay=True,
+        grad_coeff=False,
+        model_param=model_param,
+    )
     for part, want in zip((head, tail), expected):
         torch.testing.assert_close(param[part], want, rtol=1e-6, atol=1e-7)
         assert torch.equal(model_param[part], param[part].to(torch.bfloat16))
@@ -109,7 +131,7 @@ def test_offsets_past_two_to_the_31_elements():
 
 def test_a_step_does_not_make_the_host_wait():
     """The hyper-parameters go up through pinned memory: no host sync between groups' kernels."""
-    from moe_sft.trainer import adam_kernel
+    from moe_sft.kernels import adam as adam_kernel
 
     param = torch.randn(10_000, device="cuda")
     grad, exp_avg, exp_avg_sq = torch.randn_like(param), torch.zeros_like(param), torch.zeros_like(param)
@@ -118,10 +140,20 @@ def test_a_step_does_not_make_the_host_wait():
     torch.cuda.set_sync_debug_mode("error")
     try:
         for coeff in (None, 0.5):
-            hyper = adam_kernel.hyper_parameters(dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-                                                 coeff, "cuda")
-            adam_kernel.adam_step(param, grad, exp_avg, exp_avg_sq, step, hyper, decoupled=True,
-                                  weight_decay=True, grad_coeff=coeff is not None)
+            hyper = adam_kernel.hyper_parameters(
+                dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), coeff, "cuda"
+            )
+            adam_kernel.adam_step(
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                step,
+                hyper,
+                decoupled=True,
+                weight_decay=True,
+                grad_coeff=coeff is not None,
+            )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(param).all()

@@ -17,7 +17,7 @@ from moe_sft.layers.context_parallel import attention_on_gathered_kv, local_toke
 
 pytestmark = pytest.mark.gpu
 DOCS = [1000, 37, 2047, 513, 1]
-SCALE = 128 ** -0.5
+SCALE = 128**-0.5
 
 
 def _padded_cu(cp):
@@ -38,8 +38,9 @@ def test_cp_varlen_kernel_matches_reference(cp, dk, dv):
     cu = _padded_cu(cp)
     g = torch.Generator().manual_seed(0)
     hq, hkv = (8, 2) if dk == dv else (8, 8)
-    q64, k64, v64 = (torch.randn(cu[-1], h, d, generator=g, dtype=torch.float64)
-                     for h, d in ((hq, dk), (hkv, dk), (hkv, dv)))
+    q64, k64, v64 = (
+        torch.randn(cu[-1], h, d, generator=g, dtype=torch.float64) for h, d in ((hq, dk), (hkv, dk), (hkv, dv))
+    )
     w = torch.randn(cu[-1], hq, dv, generator=g, dtype=torch.float64)
     cu_t = torch.tensor(cu)
 
@@ -65,8 +66,7 @@ def test_cp_varlen_kernel_matches_reference(cp, dk, dv):
     out = torch.zeros_like(full)
     for r in range(cp):
         plan = plan_cp_attention(cu, cp, r).to("cuda")
-        out = out.index_put((index[r],), attention_on_gathered_kv(q[index[r]], k_all, v_all, plan,
-                                                                  SCALE, cp_kernel))
+        out = out.index_put((index[r],), attention_on_gathered_kv(q[index[r]], k_all, v_all, plan, SCALE, cp_kernel))
     cp_grads = torch.autograd.grad((out.float() * w.to("cuda")).sum(), cp_in)
 
     err_full, err_cp = _error(full, ref), _error(out, ref)
@@ -109,4 +109,4 @@ def test_direct_flash_call_gives_torch_varlen_attn_s_bits(dk, dv, hq, hkv, kv_of
 
     (out, dq, dk, dv), (ref_out, ref_dq, ref_dk, ref_dv) = run(True), run(False)
     assert torch.equal(out, ref_out) and torch.equal(dk, ref_dk) and torch.equal(dv, ref_dv)
-    torch.testing.assert_close(dq, ref_dq, rtol=2 ** -7, atol=2 ** -7 * ref_dq.abs().max().item())
+    torch.testing.assert_close(dq, ref_dq, rtol=2**-7, atol=2**-7 * ref_dq.abs().max().item())

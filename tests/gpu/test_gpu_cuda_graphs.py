@@ -2,7 +2,7 @@
 
 Per family, the quickstart recipe from the same converted model, three runs:
 - graphs: trainer.cuda_graphs=true;
-- eager: the same, but MOE_SFT_CUDA_GRAPHS_REPLAY=0 runs the captured layers eagerly (the same
+- eager: the same, but trainer.cuda_graphs_replay=false runs the captured layers eagerly (the same
   padding to data.pack_length, the same stream use): the first step's loss is a forward of the same
   weights and its grad norm covers every gradient, so a placeholder added twice, a gradient the
   graph dropped or a stale aux-loss scale shows there, bit for bit;
@@ -50,12 +50,22 @@ def _run(tmp, name: str, graphs: bool, replay: bool = True):
     from tests.dist.launch import torchrun
     from tools.plot_metrics import read_scalars
 
-    proc = torchrun(1, [f"trainer.max_steps={STEPS}", "trainer.log_interval=1", "trainer.export_hf_at_end=false",
-                        "trainer.eval_interval=10", f"trainer.cuda_graphs={str(graphs).lower()}",
-                        "checkpoint.save_at_end=false", "model.create_tiny_if_missing=false",
-                        f"trainer.output_dir={tmp / name}", f"model.hf_path={tmp / 'hf'}",
-                        f"model.mcore_path={tmp / 'mcore'}"],
-                    env={"MOE_SFT_CUDA_GRAPHS_REPLAY": "1" if replay else "0"})
+    proc = torchrun(
+        1,
+        [
+            f"trainer.max_steps={STEPS}",
+            "trainer.log_interval=1",
+            "trainer.export_hf_at_end=false",
+            "trainer.eval_interval=10",
+            f"trainer.cuda_graphs={str(graphs).lower()}",
+            "checkpoint.save_at_end=false",
+            "model.create_tiny_if_missing=false",
+            f"trainer.output_dir={tmp / name}",
+            f"model.hf_path={tmp / 'hf'}",
+            f"model.mcore_path={tmp / 'mcore'}",
+            f"trainer.cuda_graphs_replay={str(replay).lower()}",
+        ],
+    )
     scalars = read_scalars(tmp / name)  # TensorBoard's float32 values, not the console's 4 digits
     metrics = {k: dict(scalars[f"train/{k}"]) for k in ("loss", "grad_norm")}
     counts = re.search(r"CUDA graphs: (\d+) MoE-half replays, (\d+) eager training forwards", proc.stdout)
@@ -78,16 +88,20 @@ def test_graphed_moe_trains_as_eager(model_dir):
 
     first = {k: (graphed[k][1], eager[k][1]) for k in ("loss", "grad_norm")}
     worst = max(_rel(graphed["loss"][s], eager["loss"][s]) for s in range(1, STEPS + 1))
-    print(f"{family}: step 1 graphed vs eager {first}; worst relative loss difference over {STEPS} steps "
-          f"{worst:.2e}; last losses {graphed['loss'][STEPS]:.4f} vs {eager['loss'][STEPS]:.4f}")
+    print(
+        f"{family}: step 1 graphed vs eager {first}; worst relative loss difference over {STEPS} steps "
+        f"{worst:.2e}; last losses {graphed['loss'][STEPS]:.4f} vs {eager['loss'][STEPS]:.4f}"
+    )
     assert first["loss"][0] == first["loss"][1]
     assert _rel(*first["grad_norm"]) <= 1e-5
     assert worst <= 2e-2
     assert graphed["loss"][STEPS] < graphed["loss"][1]  # it learns
     if family == "qwen3_moe":
         off, _ = _run(tmp, "off", graphs=False)
-        print(f"{family}: step 1 graphed vs no graphs (unpadded) loss {graphed['loss'][1]} vs {off['loss'][1]}, "
-              f"grad norm {graphed['grad_norm'][1]} vs {off['grad_norm'][1]}")
+        print(
+            f"{family}: step 1 graphed vs no graphs (unpadded) loss {graphed['loss'][1]} vs {off['loss'][1]}, "
+            f"grad norm {graphed['grad_norm'][1]} vs {off['grad_norm'][1]}"
+        )
         assert _rel(graphed["loss"][1], off["loss"][1]) <= 1e-3
         assert _rel(graphed["grad_norm"][1], off["grad_norm"][1]) <= 1e-2
         assert max(_rel(graphed["loss"][s], off["loss"][s]) for s in range(1, STEPS + 1)) <= 2e-2

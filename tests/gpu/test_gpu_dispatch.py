@@ -13,15 +13,19 @@ pytestmark = pytest.mark.gpu
 def _moe_layer():
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from moe_sft.kernels import install as kernels_install
     from moe_sft.models import qwen3_moe
     from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
-    from moe_sft.runtime import device as rdevice, distributed
+    from moe_sft.runtime import device as rdevice
+    from moe_sft.runtime import distributed
 
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cuda", "bf16", "torch", ()))
+    kernels_install.install()
     distributed.init_process_group("cuda")
     distributed.init_model_parallel()
-    hf = qwen3_moe.tiny_hf_config(num_hidden_layers=1, hidden_size=256, moe_intermediate_size=128,
-                                  num_experts=16, num_experts_per_tok=4)
+    hf = qwen3_moe.tiny_hf_config(
+        num_hidden_layers=1, hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4
+    )
     opts = ModelOptions(precision="bf16", backend="torch", device="cuda")
     torch.manual_seed(0)
     model = build_model_chunks(qwen3_moe.FAMILY, hf, build_transformer_config(qwen3_moe.FAMILY, hf, opts), opts)[0]
@@ -36,15 +40,14 @@ def _run(moe, x):
         p.main_grad.zero_() if getattr(p, "main_grad", None) is not None else setattr(p, "grad", None)
     out, _ = moe(x)
     out.float().square().sum().backward()
-    grads = [(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
-             for p in moe.parameters()]
+    grads = [(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone() for p in moe.parameters()]
     return out.detach(), x.grad, grads
 
 
 def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
     from megatron.core.transformer.moe import token_dispatcher
 
-    from moe_sft.layers import permute as ours
+    from moe_sft.kernels import permute as ours
 
     moe = _moe_layer()
     x = torch.randn(2048, 1, moe.config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -56,8 +59,11 @@ def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     # megatron's unfused permute/unpermute and its device-to-host copy of the counts
-    patched = (token_dispatcher.permute, token_dispatcher.unpermute,
-               token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess)
+    patched = (
+        token_dispatcher.permute,
+        token_dispatcher.unpermute,
+        token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess,
+    )
     token_dispatcher.permute, token_dispatcher.unpermute = ours._megatron_permute, ours._megatron_unpermute
     token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess = ours._megatron_alltoall_preprocess
     dispatcher = moe.token_dispatcher
@@ -65,8 +71,11 @@ def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
     try:
         ref_out, ref_x_grad, ref_grads = _run(moe, x)
     finally:
-        (token_dispatcher.permute, token_dispatcher.unpermute,
-         token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess) = patched
+        (
+            token_dispatcher.permute,
+            token_dispatcher.unpermute,
+            token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess,
+        ) = patched
     torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-3)
     torch.testing.assert_close(x_grad, ref_x_grad, rtol=1.6e-2, atol=1e-3)
     for g, ref in zip(grads, ref_grads):
@@ -87,9 +96,9 @@ def test_host_sync_census_names_the_line_that_waited():
 
 
 def test_triton_gather_sum_equals_the_torch_sum_of_the_gathered_rows():
-    """The combine's Triton kernel (moe_sft/layers/gather_sum.py) against the same sum as torch ops,
+    """The combine's Triton kernel (moe_sft/kernels/gather_sum.py) against the same sum as torch ops,
     at the benchmark's shape: 4096 tokens x top-8 rows of 2048, some slots empty."""
-    from moe_sft.layers import gather_sum
+    from moe_sft.kernels import gather_sum
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = torch.randn(4096 * 8, 2048, device="cuda", generator=g).to(torch.bfloat16)
@@ -102,17 +111,17 @@ def test_triton_gather_sum_equals_the_torch_sum_of_the_gathered_rows():
         assert ours.dtype == src.dtype
         exact = gather_sum._gather_sum_torch(src.double(), idx)
         # both accumulate 8 values in fp32 and round once: within one rounding of the exact sum
-        tol = dict(rtol=2 ** -8, atol=1e-5) if src.dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
+        tol = dict(rtol=2**-8, atol=1e-5) if src.dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(ours.double(), exact, **tol)
         torch.testing.assert_close(torch_ops.double(), exact, **tol)
 
 
 @pytest.mark.parametrize("tokens,experts,k", [(4096, 128, 8), (4096, 256, 8), (1000, 60, 4), (7, 8, 2)])
 def test_triton_topk_rows_equal_the_torch_permutation(tokens, experts, k):
-    """moe_sft/layers/topk_rows.py against permute.py's torch ops (the CPU path): the same rows,
+    """moe_sft/kernels/topk_rows.py against permute.py's torch ops (the CPU path): the same rows,
     slots and row probabilities; a token with another count than k raises the flag that
     `topk_rows` asserts on (a failed device assert would end the process's CUDA context)."""
-    from moe_sft.layers import permute, topk_rows
+    from moe_sft.kernels import permute, topk_rows
 
     g = torch.Generator(device="cuda").manual_seed(4)
     choice = torch.randn(tokens, experts, device="cuda", generator=g).topk(k, dim=1).indices

@@ -17,7 +17,7 @@ def _fp32_reference(logits, target, vocab_size):
 
 @pytest.mark.parametrize("tokens,vocab_size,padded", [(4096, 151936, 151936), (3001, 151900, 152064)])
 def test_fused_loss_matches_fp32_cross_entropy_on_bf16_logits(tokens, vocab_size, padded):
-    from moe_sft.layers.cross_entropy import vocab_parallel_cross_entropy
+    from moe_sft.kernels.cross_entropy import vocab_parallel_cross_entropy
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(tokens, padded, device="cuda", generator=g) * 3).bfloat16().requires_grad_(True)
@@ -34,13 +34,13 @@ def test_fused_loss_matches_fp32_cross_entropy_on_bf16_logits(tokens, vocab_size
     assert torch.count_nonzero(logits.grad[:, vocab_size:]) == 0
     # bf16 rounding of the same fp32 gradient: at most one ulp apart, nearly all equal
     diff = (logits.grad.float() - copy.grad.bfloat16().float()).abs()
-    ulp = copy.grad.abs().clamp(min=2 ** -126) * 2 ** -7
+    ulp = copy.grad.abs().clamp(min=2**-126) * 2**-7
     assert (diff <= ulp).all()
     assert (diff == 0).float().mean() > 0.999
 
 
 def test_fused_loss_keeps_no_fp32_copy_of_the_logits():
-    from moe_sft.layers.cross_entropy import vocab_parallel_cross_entropy
+    from moe_sft.kernels.cross_entropy import vocab_parallel_cross_entropy
 
     tokens, vocab = 4096, 151936
     target = torch.randint(0, vocab, (tokens,), device="cuda")
@@ -66,7 +66,7 @@ def test_fused_loss_keeps_no_fp32_copy_of_the_logits():
 def test_triton_row_statistics_equal_the_torch_ones_on_a_tensor_parallel_shard():
     """What the TP combination is built on: a rank's (max, sum of exp, target logit) over its valid
     columns, with targets held by other ranks (negative or past the shard) contributing 0."""
-    from moe_sft.layers import cross_entropy as ce
+    from moe_sft.kernels import cross_entropy as ce
 
     rows, width, valid = 1000, 76032, 75968  # the last TP rank of a padded 151,936 + 128 vocab
     logits = (torch.randn(rows, width, device="cuda") * 3).bfloat16()

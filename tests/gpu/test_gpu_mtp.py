@@ -26,7 +26,7 @@ def _docs():
 
 
 def test_bf16_mtp_parity(mtp_ckpt):
-    from moe_sft.models.forward import pack_documents
+    from moe_sft.models.forward import packed_batch
 
     hf, ref, tmp = mtp_ckpt
     docs = _docs()
@@ -36,15 +36,18 @@ def test_bf16_mtp_parity(mtp_ckpt):
         refs[dtype] = [reference_logits(hf, ref, d)[1] for d in docs]
     model = _our_bf16_model(tmp / "mcore").eval()
     model.run_mtp = True
-    tokens, positions, params = pack_documents(docs, device="cuda")
+    tokens, positions, params = packed_batch(docs, device="cuda")
     with torch.no_grad():
         out = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
-    mtp = torch.split(out[0, tokens.shape[1]:, :VOCAB].float(), [len(d) for d in docs])
+    mtp = torch.split(out[0, tokens.shape[1] :, :VOCAB].float(), [len(d) for d in docs])
     ours = [m[:-1] for m in mtp]
-    report = {"ours_bf16_vs_ref_fp32": max((o - r).abs().max().item() for o, r in zip(ours, refs[torch.float32])),
-              "ref_bf16_vs_ref_fp32": max((b - r).abs().max().item()
-                                          for b, r in zip(refs[torch.bfloat16], refs[torch.float32])),
-              "ours_bf16_vs_ref_bf16": max((o - b).abs().max().item() for o, b in zip(ours, refs[torch.bfloat16]))}
+    report = {
+        "ours_bf16_vs_ref_fp32": max((o - r).abs().max().item() for o, r in zip(ours, refs[torch.float32])),
+        "ref_bf16_vs_ref_fp32": max(
+            (b - r).abs().max().item() for b, r in zip(refs[torch.bfloat16], refs[torch.float32])
+        ),
+        "ours_bf16_vs_ref_bf16": max((o - b).abs().max().item() for o, b in zip(ours, refs[torch.bfloat16])),
+    }
     REPORT["deepseek_v3/mtp_parity"] = report
     _write_report()
     print("GPU_MTP_PARITY", json.dumps(report))
@@ -59,8 +62,10 @@ def test_bf16_training_with_mtp_lowers_both_losses(mtp_ckpt):
     model.run_mtp = True
     batches = random_batches(VOCAB, (200, 311, 90), micro_batches=2, prompt=8)
     main, mtp = adam_steps(model, batches, VOCAB, "cuda", steps=20, lr=2e-3, mtp_weight=0.3)
-    REPORT["deepseek_v3/mtp_train"] = {"loss": [round(main[0], 4), round(main[-1], 4)],
-                                       "mtp_loss": [round(mtp[0], 4), round(mtp[-1], 4)]}
+    REPORT["deepseek_v3/mtp_train"] = {
+        "loss": [round(main[0], 4), round(main[-1], 4)],
+        "mtp_loss": [round(mtp[0], 4), round(mtp[-1], 4)],
+    }
     _write_report()
     print("GPU_MTP_TRAIN", main[0], main[-1], mtp[0], mtp[-1])
     assert main[-1] < main[0] - 1.0 and mtp[-1] < mtp[0] - 1.0, (main, mtp)

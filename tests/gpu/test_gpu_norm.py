@@ -67,12 +67,15 @@ def test_fused_rmsnorm_saves_what_the_planner_counts_and_matches_transformers(sh
     # (one bf16 ulp of y_hat, so at most 2 of y)
     reference = theirs(x)
     assert y.dtype == reference.dtype == torch.bfloat16 and y.shape == reference.shape
-    torch.testing.assert_close(y, reference, rtol=2 ** -6, atol=0)
+    torch.testing.assert_close(y, reference, rtol=2**-6, atol=0)
     assert (y != reference).float().mean() < 1e-4
 
 
-@pytest.mark.parametrize("shape,dtype", [(HIDDEN, torch.bfloat16), (QK_NORM, torch.bfloat16), (HIDDEN, torch.float32)],
-                         ids=["hidden", "qk_norm", "hidden_fp32"])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [(HIDDEN, torch.bfloat16), (QK_NORM, torch.bfloat16), (HIDDEN, torch.float32)],
+    ids=["hidden", "qk_norm", "hidden_fp32"],
+)
 def test_fused_rmsnorm_gradients_match_fp64_math(shape, dtype):
     """bf16: dx and dw are their fp64 values rounded once (within one bf16 ulp: rtol 2^-7), up to
     fp32 arithmetic error far below that (absolute 1e-5 of the largest gradient). fp32: within that
@@ -87,9 +90,9 @@ def test_fused_rmsnorm_gradients_match_fp64_math(shape, dtype):
     dx, dw, largest_term = _fp64_reference(x.detach(), ours.weight.detach(), dy)
     assert x.grad.dtype == dtype and ours.weight.grad.dtype == dtype
     bf16 = dtype == torch.bfloat16
-    rtol = 2 ** -7 if bf16 else 0.0
+    rtol = 2**-7 if bf16 else 0.0
     torch.testing.assert_close(x.grad.double(), dx, rtol=rtol, atol=1e-5 * dx.abs().max().item())
-    y_hat_rounding = largest_term * (2 ** -7 if bf16 else 2 ** -23)
+    y_hat_rounding = largest_term * (2**-7 if bf16 else 2**-23)
     bound = rtol * dw.abs() + 1e-5 * dw.abs().max() + y_hat_rounding
     assert ((ours.weight.grad.double() - dw).abs() <= bound).all()
 

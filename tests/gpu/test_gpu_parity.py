@@ -35,11 +35,14 @@ def converted(request, tmp_path_factory):
 
 def _our_bf16_model(mcore: Path):
     from moe_sft.conversion.hf_source import load_hf_config
+    from moe_sft.kernels import install as kernels_install
     from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
-    from moe_sft.runtime import device as rdevice, distributed
+    from moe_sft.runtime import device as rdevice
+    from moe_sft.runtime import distributed
     from moe_sft.trainer import checkpoint
 
     rdevice.prepare_runtime(rdevice.RuntimeChoice("cuda", "bf16", "torch", ()))
+    kernels_install.install()
     distributed.init_process_group("cuda")
     distributed.init_model_parallel()
     family, hf_cfg = load_hf_config(mcore / "hf")
@@ -67,9 +70,11 @@ def test_bf16_packed_parity_with_hf(converted):
         fp32 = [ref32(torch.tensor([d], device="cuda")).logits[0].float() for d in docs]
         hf16 = [ref16(torch.tensor([d], device="cuda")).logits[0].float() for d in docs]
     ours = packed_logits(_our_bf16_model(tmp / "mcore").eval(), docs, VOCAB, device="cuda")
-    report = {"ours_bf16_vs_hf_fp32": max((o - r).abs().max().item() for o, r in zip(ours, fp32)),
-              "hf_bf16_vs_hf_fp32": max((h - r).abs().max().item() for h, r in zip(hf16, fp32)),
-              "ours_bf16_vs_hf_bf16": max((o - h).abs().max().item() for o, h in zip(ours, hf16))}
+    report = {
+        "ours_bf16_vs_hf_fp32": max((o - r).abs().max().item() for o, r in zip(ours, fp32)),
+        "hf_bf16_vs_hf_fp32": max((h - r).abs().max().item() for h, r in zip(hf16, fp32)),
+        "ours_bf16_vs_hf_bf16": max((o - h).abs().max().item() for o, h in zip(ours, hf16)),
+    }
     REPORT[f"{family.name}/parity"] = report
     _write_report()
     print("GPU_PARITY", family.name, json.dumps(report))
@@ -93,21 +98,22 @@ def test_bf16_training_steps_lower_the_loss(converted):
 @pytest.mark.parametrize("overlap", [True, False], ids=["side-stream", "compute-stream"])
 def test_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypatch, overlap):
     """Under megatron's DDP the routed experts' weight gradients are added into the fp32 main grad
-    by moe_sft/layers/wgrad.py, the dense layers' by megatron's gradient accumulation fusion and the
-    input embedding's rows by index_put_ (moe_sft/layers/dense_wgrad.py); DDP's hook must then skip its own add. Two micro-batches, with and
+    by moe_sft/kernels/wgrad.py, the dense layers' by megatron's gradient accumulation fusion and the
+    input embedding's rows by index_put_ (moe_sft/kernels/dense_wgrad.py); DDP's hook must then skip its own add. Two micro-batches, with and
     without the fused path: the same main grads (the fused one skips the bf16 rounding of each
     micro-batch's gradient). With the overlap the kernel runs on the side stream, and the compute
     stream has waited for it when the backward pass returns."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from moe_sft.layers import dense_wgrad, wgrad
+    from moe_sft.kernels import dense_wgrad, wgrad
     from moe_sft.trainer.step import run_forward_backward
     from tests.train_steps import random_batches
 
     family, tmp = converted
     model = _our_bf16_model(tmp / "mcore").train()
-    ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  module=model)
+    ddp = DistributedDataParallel(
+        config=model.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+    )
     batches = random_batches(VOCAB, (200, 311, 90), micro_batches=2, prompt=8)
     tokens = sum(int(b.loss_mask.sum()) for b in batches)
     used = []
@@ -116,8 +122,9 @@ def test_weight_gradients_go_into_main_grad_like_autograd_s(converted, monkeypat
     monkeypatch.setattr(wgrad, "_side_streams", {})
     monkeypatch.setattr(wgrad.GroupedMatmulIntoMainGrad, "apply", lambda *a: used.append(1) or fused_apply(*a))
     embedded, embedding_apply = [], dense_wgrad.EmbeddingIntoMainGrad.apply
-    monkeypatch.setattr(dense_wgrad.EmbeddingIntoMainGrad, "apply",
-                        lambda *a: embedded.append(1) or embedding_apply(*a))
+    monkeypatch.setattr(
+        dense_wgrad.EmbeddingIntoMainGrad, "apply", lambda *a: embedded.append(1) or embedding_apply(*a)
+    )
 
     def main_grads():
         ddp.zero_grad_buffer()

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from moe_sft.layers import rope
+from moe_sft.kernels import rope
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +81,7 @@ def test_fused_rope_equals_megatron_without_host_syncs(case, freq_rows):
 def test_a_short_micro_batch_compiles_nothing_new(case):
     """Packs end with short micro-batches: one of another token count must reuse the kernels compiled
     for the first (their tile comes from the width per token; a mid-run compile is ~0.4 s)."""
-    from moe_sft.layers import triton_launch
+    from moe_sft.kernels import triton_launch
 
     make, rot_dim, variant = CASES[case]
 
@@ -92,7 +92,14 @@ def test_a_short_micro_batch_compiles_nothing_new(case):
     for tokens in (4096, 8192, 700, 33, 1):
         leaf, view = make(tokens)
         cu_seqlens = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32, device="cuda")
-        _run(rope.apply_rope_thd, leaf, view, cu_seqlens, _freqs(tokens, rot_dim, base=1e6),
-             torch.randn_like(view(leaf)), variant)
+        _run(
+            rope.apply_rope_thd,
+            leaf,
+            view,
+            cu_seqlens,
+            _freqs(tokens, rot_dim, base=1e6),
+            torch.randn_like(view(leaf)),
+            variant,
+        )
         before = compiled() if before is None else before
         assert compiled() == before, f"{tokens} tokens compiled a new _rope_kernel specialisation"

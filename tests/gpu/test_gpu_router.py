@@ -1,6 +1,6 @@
 """The router on CUDA against megatron's torch ops: the logits and gradients from bf16 GEMMs
-(moe_sft/layers/router_gemm.py) at the Qwen3-30B-A3B router shape, and the Triton top-k routing
-and aux-loss scores (moe_sft/layers/router_topk.py) at the shapes of every family's router."""
+(moe_sft/kernels/router_gemm.py) at the Qwen3-30B-A3B router shape, and the Triton top-k routing
+and aux-loss scores (moe_sft/kernels/router_topk.py) at the shapes of every family's router."""
 
 import pytest
 import torch
@@ -11,10 +11,12 @@ pytestmark = pytest.mark.gpu
 def test_bf16_router_gemms_give_megatron_s_fp32_logits_and_gradients():
     from megatron.core.transformer.moe import moe_utils
 
-    from moe_sft.layers import router_gemm
-    from moe_sft.runtime import compat
+    from moe_sft.config import KernelsConfig
+    from moe_sft.kernels import install, router_gemm
+    from moe_sft.runtime import megatron_fixes
 
-    compat.apply_megatron_fixes()
+    megatron_fixes.apply_megatron_fixes()
+    install.install(KernelsConfig())
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 1, 2048, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(128, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
@@ -33,7 +35,7 @@ def test_bf16_router_gemms_give_megatron_s_fp32_logits_and_gradients():
     for a, b in zip(ours[1:], theirs[1:]):
         assert a.dtype == b.dtype == torch.bfloat16
         # one bf16 rounding of (nearly) the same fp32 value: at most one ulp apart, rarely
-        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
         assert (a != b).float().mean() < 0.05
 
 
@@ -49,15 +51,21 @@ ROUTERS = {
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 def test_triton_routing_matches_megatron_s_routing_and_its_gradient(name):
-    from moe_sft.layers import router_topk
+    from moe_sft.kernels import router_topk
 
     tokens, experts, k, score, pre, bias, scale, groups, kept = ROUTERS[name]
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(tokens, experts, device="cuda", generator=g) * 2
     expert_bias = torch.randn(experts, device="cuda", generator=g) * 0.1 if bias else None
     grad = torch.randn(tokens, experts, device="cuda", generator=g)
-    kwargs = dict(use_pre_softmax=pre, num_groups=groups, group_topk=kept, scaling_factor=scale,
-                  score_function=score, expert_bias=expert_bias)
+    kwargs = dict(
+        use_pre_softmax=pre,
+        num_groups=groups,
+        group_topk=kept,
+        scaling_factor=scale,
+        score_function=score,
+        expert_bias=expert_bias,
+    )
 
     def run(fn):
         x = logits.clone().requires_grad_(True)
@@ -87,7 +95,8 @@ HF_RULES = {
 
 @pytest.mark.parametrize("name", sorted(HF_RULES))
 def test_triton_routing_follows_transformers_rules(name):
-    from moe_sft.layers import router, router_topk
+    from moe_sft.kernels import router_topk
+    from moe_sft.layers import router
 
     tokens, experts, k, score, pre, bias, scale, groups, kept, per_group, normalize = HF_RULES[name]
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -108,8 +117,16 @@ def test_triton_routing_follows_transformers_rules(name):
 
         probs, routing_map, d_logits = run(
             lambda x, k: router_topk.topk_routing_with_score_function(
-                x, k, use_pre_softmax=pre, num_groups=groups, group_topk=kept, scaling_factor=scale,
-                score_function=score, expert_bias=expert_bias))
+                x,
+                k,
+                use_pre_softmax=pre,
+                num_groups=groups,
+                group_topk=kept,
+                scaling_factor=scale,
+                score_function=score,
+                expert_bias=expert_bias,
+            )
+        )
         ref = run(lambda x, k: router.torch_topk_routing(x, k, rule, groups, kept, scale, score, expert_bias))
     finally:
         router._ACTIVE.reset(token)
@@ -120,7 +137,7 @@ def test_triton_routing_follows_transformers_rules(name):
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_triton_aux_loss_scores_match_megatron_s_and_take_the_aux_loss_s_broadcast_gradient(score):
-    from moe_sft.layers import router_topk
+    from moe_sft.kernels import router_topk
 
     g = torch.Generator(device="cuda").manual_seed(2)
     logits = torch.randn(4096, 128, device="cuda", generator=g)

@@ -18,8 +18,9 @@ def test_router_statistics_do_not_sync_and_are_cheap():
     from moe_sft.trainer.moe_stats import MoERoutingStats
 
     tokens, experts, topk = 32768, 256, 8  # a DeepSeek-V3 MoE layer's router on 32k tokens
-    config = SimpleNamespace(num_moe_experts=experts, num_layers=1, mtp_num_layers=None,
-                             moe_router_score_function="sigmoid")
+    config = SimpleNamespace(
+        num_moe_experts=experts, num_layers=1, mtp_num_layers=None, moe_router_score_function="sigmoid"
+    )
     stats = MoERoutingStats([], config, "cuda")
     logits = torch.randn(tokens, 1, experts, device="cuda")
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda")
@@ -52,9 +53,17 @@ def test_quickstart_logs_memory_tflops_and_mfu(tmp_path):
     from moe_sft.trainer.flops import default_peak_tflops
     from tests.dist.launch import step_metrics, torchrun
 
-    proc = torchrun(1, ["trainer.max_steps=3", "trainer.log_interval=1", "trainer.export_hf_at_end=false",
-                        f"trainer.output_dir={tmp_path / 'run'}", f"model.hf_path={tmp_path / 'hf'}",
-                        f"model.mcore_path={tmp_path / 'mcore'}"])
+    proc = torchrun(
+        1,
+        [
+            "trainer.max_steps=3",
+            "trainer.log_interval=1",
+            "trainer.export_hf_at_end=false",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"model.hf_path={tmp_path / 'hf'}",
+            f"model.mcore_path={tmp_path / 'mcore'}",
+        ],
+    )
     last = step_metrics(proc.stdout)[3]
     print({k: last[k] for k in last if k in ("max_allocated_gib", "max_reserved_gib", "tflops_per_gpu", "mfu_pct")})
     assert 0 < last["max_allocated_gib"] <= last["max_reserved_gib"]

@@ -1,4 +1,4 @@
-"""moe_sft/layers/triton_launch.py on CUDA: launches through the compiled launcher give Triton's
+"""moe_sft/kernels/triton_launch.py on CUDA: launches through the compiled launcher give Triton's
 results across specialisations (sizes that do or do not divide by 16, misaligned pointers, dtypes)."""
 
 import pytest
@@ -11,7 +11,7 @@ def test_direct_launches_match_torch_for_every_specialisation():
     import triton
     import triton.language as tl
 
-    from moe_sft.layers import triton_launch
+    from moe_sft.kernels import triton_launch
 
     @triton.jit
     def _axpy(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
@@ -22,8 +22,13 @@ def test_direct_launches_match_torch_for_every_specialisation():
 
     base = torch.randn(5000, device="cuda")
     # powers of two: alpha * x is exact, so Triton's fused multiply-add rounds as torch does
-    cases = [(base[:4096], 2.0), (base[:4095], 4.0), (base[1:4097], 0.5), (base[:1], 0.25),
-             (base[:4096].to(torch.bfloat16), 2.0)]
+    cases = [
+        (base[:4096], 2.0),
+        (base[:4095], 4.0),
+        (base[1:4097], 0.5),
+        (base[:1], 0.25),
+        (base[:4096].to(torch.bfloat16), 2.0),
+    ]
     for repeat in range(3):  # the first round fills the cache through Triton, the next ones launch directly
         for x, alpha in cases:
             y = torch.randn_like(x)
@@ -41,7 +46,7 @@ def test_a_do_not_specialize_count_launches_one_kernel_for_every_value():
     import triton
     import triton.language as tl
 
-    from moe_sft.layers import triton_launch
+    from moe_sft.kernels import triton_launch
 
     @triton.jit(do_not_specialize=["n"])
     def _scale(x_ptr, out_ptr, n, BLOCK: tl.constexpr):

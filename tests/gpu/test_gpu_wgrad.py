@@ -1,4 +1,4 @@
-"""The Triton grouped weight-gradient kernel (moe_sft/layers/wgrad.py) at Qwen3-30B-A3B's expert
+"""The Triton grouped weight-gradient kernel (moe_sft/kernels/wgrad.py) at Qwen3-30B-A3B's expert
 shapes: out[e] += x_e^T dy_e equals the fp64 product of the same bf16 values to fp32 rounding,
 experts without rows leave their slice untouched, and the autograd function returns grouped_mm's
 input gradient. (The DDP interplay: tests/gpu/test_gpu_parity.py.)"""
@@ -20,7 +20,7 @@ def _routed_rows(tokens=4096, experts=128, topk=8, idle=(5, 77)):
 
 @pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048)])  # fc1 (gate+up), fc2
 def test_grouped_wgrad_accumulates_the_fp64_product(k, n):
-    from moe_sft.layers.wgrad import accumulate_grouped_wgrad
+    from moe_sft.kernels.wgrad import accumulate_grouped_wgrad
 
     counts = _routed_rows()
     ends = torch.cumsum(counts, 0, dtype=torch.int32).cuda()
@@ -36,14 +36,14 @@ def test_grouped_wgrad_accumulates_the_fp64_product(k, n):
         if c == 0:
             assert torch.equal(out[e], before[e]), e
             continue
-        exact = before[e].double() + x[start:start + c].double().T @ dy[start:start + c].double()
+        exact = before[e].double() + x[start : start + c].double().T @ dy[start : start + c].double()
         err = (out[e].double() - exact).abs().max().item()
         assert err <= 1e-5 * exact.abs().max().item() + 1e-4, (e, c, err)
         start += c
 
 
 def test_autograd_function_gives_grouped_mm_input_gradient_and_fills_main_grad():
-    from moe_sft.layers.wgrad import GroupedMatmulIntoMainGrad
+    from moe_sft.kernels.wgrad import GroupedMatmulIntoMainGrad
 
     experts, k, n = 16, 256, 512
     counts = torch.randint(0, 64, (experts,))

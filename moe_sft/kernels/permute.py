@@ -7,7 +7,7 @@ phase of the Qwen3-30B-A3B-shape benchmark took 137 ms of the 1.22 s step (docs/
 
 Here every direction is a gather: slot j of a token names the row of its j-th expert, and the
 combine sums each token's rows in slot order, reading them where they lie (on CUDA one Triton
-pass, moe_sft/layers/gather_sum.py; copying them into a dense [tokens, k, hidden] buffer first
+pass, moe_sft/kernels/gather_sum.py; copying them into a dense [tokens, k, hidden] buffer first
 cost 39 of the 51 ms this phase took at 4096 tokens on an H200). The rows come out in megatron's
 order (expert-major, tokens ascending), so the experts see exactly what they saw before, and the
 sum is deterministic (an fp32-accumulated reduction over k values instead of k rounded atomic adds).
@@ -19,7 +19,7 @@ No host syncs on the dropless path with EP x TP = 1. The alltoall dispatcher kno
 token has exactly top-k rows (`num_out_tokens = tokens x k`); it tags that count (`TopKRows`),
 and permute then orders the rows with a stable sort of static size instead of `masked_select`,
 whose output size the host must wait for (three waits per MoE layer; with the packed rope's,
-moe_sft/layers/rope.py, and the batch copies' they left the H200 idle ~200 ms of a 1.04 s step;
+moe_sft/kernels/rope.py, and the batch copies' they left the H200 idle ~200 ms of a 1.04 s step;
 without any, 0.87 s: docs/benchmarks.md). Nothing needs the per-expert counts on the host
 either (torch's grouped_mm takes device offsets), so the dispatcher's device-to-host copy and its
 wait are dropped too. With EP x TP > 1 the all-to-all split sizes need the host once per layer
@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from moe_sft.layers import topk_rows
-from moe_sft.layers.gather_sum import gather_sum
+from moe_sft.kernels import topk_rows
+from moe_sft.kernels.gather_sum import gather_sum
 
 _megatron_permute = moe_utils.permute
 _megatron_unpermute = moe_utils.unpermute
@@ -67,7 +67,7 @@ def _rows_and_slots(routing_map: torch.Tensor):
     (expert-major), the row's place in a [tokens, width] grid of slots (slot j of a token holds
     its j-th chosen expert's row), and width, the most rows any token has."""
     routed = routing_map.bool()
-    slots = routed.cumsum(dim=1, dtype=torch.int32) - 1        # j-th chosen expert of the token → j
+    slots = routed.cumsum(dim=1, dtype=torch.int32) - 1  # j-th chosen expert of the token → j
     by_expert = routed.T.contiguous()
     tokens = torch.arange(routed.shape[0], device=routed.device).unsqueeze(0).expand_as(by_expert)
     rows = tokens.masked_select(by_expert)
@@ -85,7 +85,7 @@ def _slot_rows(places: torch.Tensor, num_tokens: int, width: int) -> torch.Tenso
 
 
 def _merge_rows(rows_data: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum of the rows of token t, read where they lie (moe_sft/layers/gather_sum.py)."""
+    """out[t] = sum of the rows of token t, read where they lie (moe_sft/kernels/gather_sum.py)."""
     return gather_sum(rows_data, slot_rows)
 
 
@@ -120,12 +120,15 @@ class _MergeRows(torch.autograd.Function):
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
     """megatron's `moe_utils.permute` (same arguments, same output order) without atomics."""
     if fused or drop_and_pad or tokens.dim() != 2:
-        return _megatron_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
-                                 fused=fused, drop_and_pad=drop_and_pad)
+        return _megatron_permute(
+            tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused, drop_and_pad=drop_and_pad
+        )
     permuted_probs = None
     exact_topk = isinstance(num_out_tokens, TopKRows) and routing_map.shape[0]
     if exact_topk and topk_rows.fits(routing_map):  # CUDA: one Triton pass
-        rows, slot_rows, permuted_probs = topk_rows.topk_rows(routing_map, probs, num_out_tokens // routing_map.shape[0])
+        rows, slot_rows, permuted_probs = topk_rows.topk_rows(
+            routing_map, probs, num_out_tokens // routing_map.shape[0]
+        )
     else:
         if exact_topk:
             rows, places, width, flat = _rows_and_slots_topk(routing_map, num_out_tokens)
@@ -142,12 +145,20 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
     return _GatherRows.apply(tokens, rows, slot_rows), permuted_probs, rows
 
 
-def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
-              fused=False, drop_and_pad=False):
+def unpermute(
+    permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, fused=False, drop_and_pad=False
+):
     """megatron's `moe_utils.unpermute` (same arguments) without atomics."""
     if fused or drop_and_pad or routing_map is None or len(restore_shape) != 2:
-        return _megatron_unpermute(permuted_tokens, sorted_indices, restore_shape, probs=probs,
-                                   routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
+        return _megatron_unpermute(
+            permuted_tokens,
+            sorted_indices,
+            restore_shape,
+            probs=probs,
+            routing_map=routing_map,
+            fused=fused,
+            drop_and_pad=drop_and_pad,
+        )
     input_dtype = permuted_tokens.dtype
     rows = sorted_indices
     slot_rows = getattr(sorted_indices, "_moe_sft_slots", None)
@@ -176,12 +187,16 @@ def _alltoall_preprocess(self, routing_map):
     """megatron's preprocess; then the dropless row count is tagged as top-k exact, and with
     EP x TP = 1 the per-expert counts stay on the device (no copy to the host, no wait for it)."""
     # megatron only ever moves these points earlier; start each call from the constructor's
-    self.cuda_dtoh_point, self.cuda_sync_point = getattr(self, "_moe_sft_sync_points",
-                                                         (self.cuda_dtoh_point, self.cuda_sync_point))
+    self.cuda_dtoh_point, self.cuda_sync_point = getattr(
+        self, "_moe_sft_sync_points", (self.cuda_dtoh_point, self.cuda_sync_point)
+    )
     self._moe_sft_sync_points = (self.cuda_dtoh_point, self.cuda_sync_point)
     tokens_per_expert = _megatron_alltoall_preprocess(self, routing_map)
-    dropless = (not self.drop_and_pad and self.config.moe_expert_capacity_factor is None
-                and not self.config.moe_router_padding_for_quantization)
+    dropless = (
+        not self.drop_and_pad
+        and self.config.moe_expert_capacity_factor is None
+        and not self.config.moe_router_padding_for_quantization
+    )
     if dropless and not self.config.moe_permute_fusion:
         # The local permutation has tokens x k rows at any EP / TP: no wait for its size.
         self.num_out_tokens = TopKRows(self.num_out_tokens)

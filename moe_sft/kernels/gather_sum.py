@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_sft.layers.triton_launch import launch
+from moe_sft.kernels.triton_launch import launch
 
 try:
     import triton
@@ -31,9 +31,11 @@ def _gather_sum_torch(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+
     @triton.jit
-    def _gather_sum_kernel(src_ptr, src_stride, index_ptr, out_ptr, out_stride, hidden,
-                           WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def _gather_sum_kernel(
+        src_ptr, src_stride, index_ptr, out_ptr, out_stride, hidden, WIDTH: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """One token's block of columns: its rows' sum, in slot order, accumulated in fp32."""
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -60,6 +62,17 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if src.stride(-1) != 1:
         src = src.contiguous()
     out = src.new_empty(num_out, hidden)
-    launch(_gather_sum_kernel, (num_out, triton.cdiv(hidden, BLOCK_H)),
-        src, src.stride(0), index.contiguous(), out, out.stride(0), hidden, WIDTH=width, BLOCK=BLOCK_H, num_warps=4)
+    launch(
+        _gather_sum_kernel,
+        (num_out, triton.cdiv(hidden, BLOCK_H)),
+        src,
+        src.stride(0),
+        index.contiguous(),
+        out,
+        out.stride(0),
+        hidden,
+        WIDTH=width,
+        BLOCK=BLOCK_H,
+        num_warps=4,
+    )
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_sft.layers.triton_launch import launch
+from moe_sft.kernels.triton_launch import launch
 
 try:
     import triton
@@ -65,9 +65,9 @@ def _logits_grad_torch(logits, log_sum_exp, local_target, valid, grad_loss):
 # --------------------------------------------------------------------------- Triton (CUDA)
 
 if triton is not None:
+
     @triton.jit
-    def _stats_kernel(logits_ptr, row_stride, target_ptr, max_ptr, sum_ptr, picked_ptr, valid,
-                      BLOCK: tl.constexpr):
+    def _stats_kernel(logits_ptr, row_stride, target_ptr, max_ptr, sum_ptr, picked_ptr, valid, BLOCK: tl.constexpr):
         """One row: online max and sum of exp over its valid columns (one read), the target's logit."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * row_stride
@@ -88,8 +88,18 @@ if triton is not None:
         tl.store(picked_ptr + row, tl.where(on_rank, picked, 0.0))
 
     @triton.jit
-    def _grad_kernel(logits_ptr, row_stride, grad_ptr, grad_row_stride, lse_ptr, target_ptr, grad_loss_ptr,
-                     valid, width, BLOCK: tl.constexpr):
+    def _grad_kernel(
+        logits_ptr,
+        row_stride,
+        grad_ptr,
+        grad_row_stride,
+        lse_ptr,
+        target_ptr,
+        grad_loss_ptr,
+        valid,
+        width,
+        BLOCK: tl.constexpr,
+    ):
         """(softmax - one_hot) x dloss for one row's block of columns, in the logits' dtype."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -104,22 +114,49 @@ if triton is not None:
 def _local_stats_triton(logits, local_target, valid):
     rows = logits.shape[0]
     row_max, sum_exp, picked = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(3))
-    launch(_stats_kernel, (rows,), logits, logits.stride(0), local_target, row_max, sum_exp, picked, valid,
-                           BLOCK=STATS_BLOCK, num_warps=8)
+    launch(
+        _stats_kernel,
+        (rows,),
+        logits,
+        logits.stride(0),
+        local_target,
+        row_max,
+        sum_exp,
+        picked,
+        valid,
+        BLOCK=STATS_BLOCK,
+        num_warps=8,
+    )
     return row_max, sum_exp, picked
 
 
 def _logits_grad_triton(logits, log_sum_exp, local_target, valid, grad_loss):
     grad = torch.empty_like(logits)
     rows, width = logits.shape
-    launch(_grad_kernel, (rows, triton.cdiv(width, GRAD_BLOCK)),
-        logits, logits.stride(0), grad, grad.stride(0), log_sum_exp, local_target, grad_loss.float().contiguous(),
-        valid, width, BLOCK=GRAD_BLOCK, num_warps=8)
+    launch(
+        _grad_kernel,
+        (rows, triton.cdiv(width, GRAD_BLOCK)),
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        log_sum_exp,
+        local_target,
+        grad_loss.float().contiguous(),
+        valid,
+        width,
+        BLOCK=GRAD_BLOCK,
+        num_warps=8,
+    )
     return grad
 
 
+# False (kernels.fused=false, moe_sft/kernels/install.py): the torch ops on every device.
+ENABLED = True
+
+
 def _uses_triton(logits: torch.Tensor) -> bool:
-    return triton is not None and logits.is_cuda and logits.dtype != torch.float64
+    return ENABLED and triton is not None and logits.is_cuda and logits.dtype != torch.float64
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -130,8 +167,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * local_vocab
         valid = min(local_vocab, vocab_size - start)
         if valid <= 0:
-            raise ValueError(f"tensor-parallel rank {rank} holds vocab columns {start}-{start + local_vocab - 1}, all "
-                             f"past the vocabulary ({vocab_size}): pad the vocabulary less or use fewer TP ranks")
+            raise ValueError(
+                f"tensor-parallel rank {rank} holds vocab columns {start}-{start + local_vocab - 1}, all "
+                f"past the vocabulary ({vocab_size}): pad the vocabulary less or use fewer TP ranks"
+            )
         triton_path = _uses_triton(logits) and logits.shape[0] > 0  # no empty Triton grid
         if triton_path and logits.stride(-1) != 1:
             logits = logits.contiguous()
@@ -156,12 +195,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad(logits, log_sum_exp, local_target, ctx.valid, grad_loss.contiguous()), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                                 group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group=None
+) -> torch.Tensor:
     """Per-token loss [...] for logits [..., vocab / TP] (any float dtype) and global target ids [...].
 
     `group`: the tensor-parallel process group, None when TP = 1 (no collectives)."""
     shape = target.shape
-    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                            vocab_size, group)
+    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_size, group)
     return flat.view(shape)

@@ -9,7 +9,7 @@ the H200 benchmark's step at the Qwen3-30B-A3B shape, most of it the LM head's 3
 out=main_grad)` is that GEMM: bf16 operands, fp32 accumulation, the fp32 main grad read and
 written in its epilogue. We hand it to megatron under apex's name and turn the fusion on per
 layer, only for layers whose weights DDP gave a main grad, only on CUDA (the op's only backend).
-The routed experts have their own kernel (moe_sft/layers/wgrad.py).
+The routed experts have their own kernel (moe_sft/kernels/wgrad.py).
 
 The input embedding's gradient is as dense in megatron (F.embedding's backward zero-fills a
 [vocab, hidden] bf16 tensor, scatters the micro-batch's rows into it, and DDP's hook adds all of it
@@ -41,8 +41,9 @@ def _accumulate_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_
     main_grad.addmm_(grad_output.t(), total_input)
 
 
-TORCH_WGRAD_ACCUM = types.SimpleNamespace(wgrad_gemm_accum_fp32=_accumulate_fp32,
-                                          wgrad_gemm_accum_fp16=_accumulate_fp16)
+TORCH_WGRAD_ACCUM = types.SimpleNamespace(
+    wgrad_gemm_accum_fp32=_accumulate_fp32, wgrad_gemm_accum_fp16=_accumulate_fp16
+)
 
 
 def _dense_linears(chunks):
@@ -76,10 +77,15 @@ def _embedding_into_main_grad(self, input_):
 
 def _fusable_embedding(module) -> bool:
     weight = getattr(module, "weight", None)
-    return (isinstance(module, tp_layers.VocabParallelEmbedding) and module.tp_group.size() == 1
-            and not module.reduce_scatter_embeddings and weight is not None and weight.requires_grad
-            and getattr(weight, "main_grad", None) is not None
-            and not any(getattr(weight, flag, False) for flag in ("zero_out_wgrad", "shared_embedding", "shared")))
+    return (
+        isinstance(module, tp_layers.VocabParallelEmbedding)
+        and module.tp_group.size() == 1
+        and not module.reduce_scatter_embeddings
+        and weight is not None
+        and weight.requires_grad
+        and getattr(weight, "main_grad", None) is not None
+        and not any(getattr(weight, flag, False) for flag in ("zero_out_wgrad", "shared_embedding", "shared"))
+    )
 
 
 def fuse_dense_wgrad(chunks, device: str, enable: bool = True) -> int:

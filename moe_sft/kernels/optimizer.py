@@ -15,7 +15,7 @@ and `_foreach_mul` do the same sums and products in a few multi-tensor kernels, 
 
 Clip and update in one pass (CUDA, `use_triton_adam`): megatron's chained step multiplies every
 main gradient by the clip coefficient, then the Adam kernel reads them again. Here the chained step
-hands the coefficient to the Adam step instead, whose Triton kernel (adam_kernel.py) multiplies as
+hands the coefficient to the Adam step instead, whose Triton kernel (adam.py) multiplies as
 it loads. The CPU keeps torch's path.
 
 The same kernel writes the bf16 model parameters (distributed optimizer): megatron's
@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from moe_sft.trainer import adam_kernel
+from moe_sft.kernels import adam as adam_kernel
 
 # benchmarks/gpu/ab_steps.py's switches: False runs megatron's clip multiply and torch's fused Adam instead;
 # the kernel without the bf16 parameter writes (megatron's copy then runs).
@@ -111,8 +111,12 @@ def _inners_for_the_kernel(optimizer) -> list | None:
     usable = []
     for inner in inners:
         opt = getattr(inner, "optimizer", None)
-        if (not isinstance(opt, torch.optim.Adam) or getattr(inner, "grad_scaler", None) is not None
-                or inner.config.log_num_zeros_in_grad or inner.config.use_precision_aware_optimizer):
+        if (
+            not isinstance(opt, torch.optim.Adam)
+            or getattr(inner, "grad_scaler", None) is not None
+            or inner.config.log_num_zeros_in_grad
+            or inner.config.use_precision_aware_optimizer
+        ):
             return None
         groups = opt.param_groups
         if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in groups):
@@ -138,7 +142,7 @@ def _model_param_slices(inner) -> dict[int, tuple[torch.Tensor, torch.Tensor]] |
     def buffer_slice(model_param):  # the lookup megatron's copy_group_params makes
         world_range = inner._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
         gbuf_index, _, bucket_id = inner.model_param_gbuf_map[model_param]
-        return inner.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world_range.start:world_range.end]
+        return inner.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world_range.start : world_range.end]
 
     slices = {}
     for main_group, model_group in zip(inner.shard_fp32_from_float16_groups, inner.model_float16_groups):
@@ -228,12 +232,24 @@ def _kernel_step(opt: torch.optim.Adam, closure=None):
         for p, s in zip(params, states):
             main, model_slice = slices.get(id(p), (None, None))
             model_slice = model_slice if main is p else None  # an id reused by another tensor: not its slice
-            adam_kernel.adam_step(p, p.grad, s["exp_avg"], s["exp_avg_sq"], s["step"], hyper, decoupled=decoupled,
-                                  weight_decay=group["weight_decay"] != 0, grad_coeff=coeff is not None,
-                                  model_param=model_slice)
+            adam_kernel.adam_step(
+                p,
+                p.grad,
+                s["exp_avg"],
+                s["exp_avg_sq"],
+                s["step"],
+                hyper,
+                decoupled=decoupled,
+                weight_decay=group["weight_decay"] != 0,
+                grad_coeff=coeff is not None,
+                model_param=model_slice,
+            )
             written += model_slice is not None
     opt.__dict__["_wrote_model_params"] = bool(slices) and written == len(slices)
     if slices and written != len(slices) and not opt.__dict__.get("_warned_slices"):
         opt.__dict__["_warned_slices"] = True  # correct (megatron's copy runs), only slower: say it once
-        warnings.warn(f"the Adam kernel found {written} of {len(slices)} bf16 parameter slices (main parameters "
-                      "replaced since startup?); megatron's main-to-model copy runs instead", stacklevel=2)
+        warnings.warn(
+            f"the Adam kernel found {written} of {len(slices)} bf16 parameter slices (main parameters "
+            "replaced since startup?); megatron's main-to-model copy runs instead",
+            stacklevel=2,
+        )

@@ -7,8 +7,8 @@ only slice, concatenate, transpose and reshape — no arithmetic. Names carry la
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ class Transform:
     from_hf: Callable[[Tensors, dict], torch.Tensor]
     to_hf: Callable[[torch.Tensor, dict], list[torch.Tensor]]
     row_separable: bool = False
-    expert_block: Optional[Callable[[tuple[int, ...], int], tuple[int, ...]]] = None
+    expert_block: Callable[[tuple[int, ...], int], tuple[int, ...]] | None = None
 
     @property
     def expert_separable(self) -> bool:
@@ -68,8 +68,7 @@ def _qkv_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     per_group = t.reshape(groups, -1, dim, hidden)
     heads_per_group = per_group.shape[1] - 2
     q, k, v = torch.split(per_group, [heads_per_group, 1, 1], dim=1)
-    return [q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(),
-            v.reshape(-1, hidden).contiguous()]
+    return [q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(), v.reshape(-1, hidden).contiguous()]
 
 
 QKV_INTERLEAVE = Transform("qkv_interleave", _qkv_from, _qkv_to)
@@ -123,8 +122,12 @@ def _experts_fc1_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
 
 
 # Expert e's block as a tensor of its own: weight1 [H, E*2F] = w1.view(E, H, 2F) → block [H, 2F].
-EXPERTS_FC1 = Transform("experts_gate_up_stack", _experts_fc1_from, _experts_fc1_to,
-                        expert_block=lambda shape, experts: (shape[0], shape[1] // experts))
+EXPERTS_FC1 = Transform(
+    "experts_gate_up_stack",
+    _experts_fc1_from,
+    _experts_fc1_to,
+    expert_block=lambda shape, experts: (shape[0], shape[1] // experts),
+)
 
 
 def _experts_fc2_from(ts: Tensors, ctx: dict) -> torch.Tensor:
@@ -139,8 +142,12 @@ def _experts_fc2_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
 
 
 # Expert e's block: weight2 [E*F, H] = w2.view(E, F, H) → block [F, H].
-EXPERTS_FC2 = Transform("experts_down_stack", _experts_fc2_from, _experts_fc2_to,
-                        expert_block=lambda shape, experts: (shape[0] // experts, shape[1]))
+EXPERTS_FC2 = Transform(
+    "experts_down_stack",
+    _experts_fc2_from,
+    _experts_fc2_to,
+    expert_block=lambda shape, experts: (shape[0] // experts, shape[1]),
+)
 
 
 def _pad_vocab_from(ts: Tensors, ctx: dict) -> torch.Tensor:
@@ -182,8 +189,15 @@ def _shared_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
 
 
 # Vocab padding + one copy per MTP layer (the official checkpoint carries them).
-PAD_VOCAB_MTP_SHARED = Transform("pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to,
-                                 row_separable=True)
+PAD_VOCAB_MTP_SHARED = Transform("pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to, row_separable=True)
 
-ALL_TRANSFORMS = (IDENTITY, QKV_INTERLEAVE, QKV_BIAS_INTERLEAVE, GATE_UP_FUSE, EXPERTS_FC1,
-                  EXPERTS_FC2, PAD_VOCAB, PAD_VOCAB_MTP_SHARED)
+ALL_TRANSFORMS = (
+    IDENTITY,
+    QKV_INTERLEAVE,
+    QKV_BIAS_INTERLEAVE,
+    GATE_UP_FUSE,
+    EXPERTS_FC1,
+    EXPERTS_FC2,
+    PAD_VOCAB,
+    PAD_VOCAB_MTP_SHARED,
+)

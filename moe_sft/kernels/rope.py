@@ -35,7 +35,7 @@ import numbers
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from moe_sft.layers.triton_launch import launch
+from moe_sft.kernels.triton_launch import launch
 
 try:
     import triton
@@ -56,8 +56,8 @@ TILE, MIN_TILE, MIN_PROGRAMS, NUM_WARPS, SWEEP_TOKENS = 4096, 1024, 1024, 4, 409
 def tile_elements(heads: int, half_block: int) -> int:
     """Elements of each rotary half per program: from the tensor's width per token, never its token
     count. The tile is a compile-time constant; sized from the micro-batch's token count, a short
-    micro-batch late in a run compiled new kernels mid-run (two ~0.4 s `_rope_kernel` compiles in a
-    timed step, eighth GPU session). The few programs a short micro-batch then gets cost microseconds."""
+    micro-batch late in a run would compile new kernels mid-run (~0.4 s each). The few programs a
+    short micro-batch then gets cost microseconds."""
     tile = TILE
     while tile > MIN_TILE and SWEEP_TOKENS * heads * half_block < MIN_PROGRAMS * tile:
         tile //= 2
@@ -86,12 +86,32 @@ def positions_in_documents(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.T
 if triton is not None:
     # the micro-batch's counts vary: no recompile for each value's divisibility by 16
     @triton.jit(do_not_specialize=["search_steps", "last_boundary", "num_tokens"])
-    def _rope_kernel(src_ptr, src_token_stride, src_head_stride, dst_ptr, dst_token_stride, dst_head_stride,
-                     freqs_ptr, freqs_row_stride, cu_seqlens_ptr, search_steps, last_boundary,
-                     num_tokens, num_heads, mscale,
-                     HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
-                     TOKEN_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr, FROM_DOCUMENTS: tl.constexpr,
-                     PAIRED: tl.constexpr, BACKWARD: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr):
+    def _rope_kernel(
+        src_ptr,
+        src_token_stride,
+        src_head_stride,
+        dst_ptr,
+        dst_token_stride,
+        dst_head_stride,
+        freqs_ptr,
+        freqs_row_stride,
+        cu_seqlens_ptr,
+        search_steps,
+        last_boundary,
+        num_tokens,
+        num_heads,
+        mscale,
+        HALF: tl.constexpr,
+        HALF_BLOCK: tl.constexpr,
+        PASS: tl.constexpr,
+        PASS_BLOCK: tl.constexpr,
+        TOKEN_BLOCK: tl.constexpr,
+        HEAD_BLOCK: tl.constexpr,
+        FROM_DOCUMENTS: tl.constexpr,
+        PAIRED: tl.constexpr,
+        BACKWARD: tl.constexpr,
+        LIBDEVICE_TRIG: tl.constexpr,
+    ):
         """One block of tokens x heads: rotate the rotary part, copy the rest. Tiles are [tokens, heads, dims]."""
         tokens = tl.program_id(0) * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
         heads = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
@@ -162,9 +182,16 @@ if triton is not None:
 def _supported(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """Shapes and dtypes the kernels handle: t [tokens, heads, head_dim], freqs fp32 [rows, 1, ..., rot_dim]."""
     rot_dim = freqs.shape[-1]
-    return (t.dim() == 3 and freqs.device == t.device and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and freqs.dtype == torch.float32 and freqs.numel() == freqs.shape[0] * rot_dim
-            and rot_dim % 2 == 0 and 0 < rot_dim <= t.shape[-1] and t.shape[0] > 0)
+    return (
+        t.dim() == 3
+        and freqs.device == t.device
+        and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and freqs.dtype == torch.float32
+        and freqs.numel() == freqs.shape[0] * rot_dim
+        and rot_dim % 2 == 0
+        and 0 < rot_dim <= t.shape[-1]
+        and t.shape[0] > 0
+    )
 
 
 def _rope_launch(src, cu_seqlens, freqs, multi_latent_attention, mscale, backward):
@@ -184,15 +211,36 @@ def _rope_launch(src, cu_seqlens, freqs, multi_latent_attention, mscale, backwar
     from_documents = cu_seqlens is not None
     boundaries = cu_seqlens.numel() if from_documents else 1
     grid = (triton.cdiv(tokens, token_block), triton.cdiv(heads, head_block))
-    launch(_rope_kernel, grid,
-        src, src.stride(0), src.stride(1), dst, dst.stride(0), dst.stride(1),
-        freqs, freqs.stride(0), cu_seqlens if from_documents else freqs, (boundaries - 1).bit_length(),
-        boundaries - 1, tokens, heads, float(mscale),
-        HALF=half, HALF_BLOCK=half_block, PASS=head_dim - rot_dim,
+    launch(
+        _rope_kernel,
+        grid,
+        src,
+        src.stride(0),
+        src.stride(1),
+        dst,
+        dst.stride(0),
+        dst.stride(1),
+        freqs,
+        freqs.stride(0),
+        cu_seqlens if from_documents else freqs,
+        (boundaries - 1).bit_length(),
+        boundaries - 1,
+        tokens,
+        heads,
+        float(mscale),
+        HALF=half,
+        HALF_BLOCK=half_block,
+        PASS=head_dim - rot_dim,
         PASS_BLOCK=triton.next_power_of_2(max(1, head_dim - rot_dim)),
-        TOKEN_BLOCK=token_block, HEAD_BLOCK=head_block, FROM_DOCUMENTS=from_documents,
-        PAIRED=bool(multi_latent_attention), BACKWARD=backward, LIBDEVICE_TRIG=src.is_cuda,
-        num_warps=NUM_WARPS, enable_fp_fusion=False)  # no fma: torch rounds each product (matters for fp32 t)
+        TOKEN_BLOCK=token_block,
+        HEAD_BLOCK=head_block,
+        FROM_DOCUMENTS=from_documents,
+        PAIRED=bool(multi_latent_attention),
+        BACKWARD=backward,
+        LIBDEVICE_TRIG=src.is_cuda,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )  # no fma: torch rounds each product (matters for fp32 t)
     return dst
 
 
@@ -218,32 +266,55 @@ def rope_thd_fused(t, cu_seqlens, freqs, multi_latent_attention=False, mscale=1.
 
 
 def _fused_path_applies(t, freqs, rotary_interleaved, mscale) -> bool:
-    return (triton is not None and t.is_cuda and not rotary_interleaved and isinstance(mscale, numbers.Real)
-            and _supported(t, freqs))
+    return (
+        triton is not None
+        and t.is_cuda
+        and not rotary_interleaved
+        and isinstance(mscale, numbers.Real)
+        and _supported(t, freqs)
+    )
 
 
 # --------------------------------------------------------------------------- megatron's entry point
 
 
-def apply_rope_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
-                   cp_group=None):
+def apply_rope_thd(
+    t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+):
     """megatron's `_apply_rotary_pos_emb_thd` (same arguments, same result)."""
     if cp_group is None or cp_group.size() != 1:
-        return _megatron_rope_thd(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                                  multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        return _megatron_rope_thd(
+            t,
+            cu_seqlens,
+            freqs,
+            rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention,
+            mscale=mscale,
+            cp_group=cp_group,
+        )
     num_tokens = t.shape[0]
     one_row_per_token = freqs.size(0) == num_tokens
     if _fused_path_applies(t, freqs, rotary_interleaved, mscale) and (
-            one_row_per_token or cu_seqlens.device == t.device):
-        return rope_thd_fused(t, None if one_row_per_token else cu_seqlens, freqs,
-                              multi_latent_attention=multi_latent_attention, mscale=mscale)
+        one_row_per_token or cu_seqlens.device == t.device
+    ):
+        return rope_thd_fused(
+            t,
+            None if one_row_per_token else cu_seqlens,
+            freqs,
+            multi_latent_attention=multi_latent_attention,
+            mscale=mscale,
+        )
     if one_row_per_token:
         freqs_packed = freqs[:num_tokens]
     else:
         freqs_packed = freqs.index_select(0, positions_in_documents(cu_seqlens, num_tokens))
     return rope_utils._apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1), freqs_packed, rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+        t.unsqueeze(1),
+        freqs_packed,
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention,
+        mscale=mscale,
+    ).squeeze(1)
 
 
 def use_sync_free_rope() -> None:

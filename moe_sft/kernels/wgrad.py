@@ -17,7 +17,7 @@ and Triton imports; elsewhere (CPU, tests without DDP) the experts keep `F.group
 Overlap. Nothing in the backward pass waits for these additions: they only have to land before
 the gradients are reduced or read. So the kernel runs on a side CUDA stream, where it is
 memory-bound next to the compute-bound input-gradient GEMMs and attention of the backward
-(`MOE_SFT_WGRAD_OVERLAP=0` keeps it on the compute stream). The compute stream waits for the side
+(`kernels.wgrad_overlap=false` keeps it on the compute stream). The compute stream waits for the side
 stream at the end of each backward pass (an autograd engine callback), before megatron's gradient
 reduction, the optimizer or anything else can read a main grad; the inputs are held for the side
 stream (`record_stream`) so the allocator does not hand their memory out early. With
@@ -27,12 +27,10 @@ its gradients are marked ready: `guard_grad_sync` makes that start wait for the 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from moe_sft.layers.triton_launch import launch
+from moe_sft.kernels.triton_launch import launch
 
 try:
     import triton
@@ -47,17 +45,46 @@ except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
 TILES = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=3)
 
 
+# Set by moe_sft/kernels/install.py: ENABLED from kernels.fused, OVERLAP from kernels.wgrad_overlap
+# (trainer/cuda_graphs.py turns OVERLAP off while it captures).
+ENABLED = True
+OVERLAP = True
+
+
 def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the weight gradient of x @ weight can go straight into weight.main_grad."""
-    return (triton is not None and x.is_cuda and torch.is_grad_enabled() and weight.requires_grad
-            and getattr(weight, "main_grad", None) is not None and x.dtype == weight.dtype)
+    return (
+        ENABLED
+        and triton is not None
+        and x.is_cuda
+        and torch.is_grad_enabled()
+        and weight.requires_grad
+        and getattr(weight, "main_grad", None) is not None
+        and x.dtype == weight.dtype
+    )
 
 
 if triton is not None:
+
     @triton.jit
-    def _accumulate_kernel(x_ptr, dy_ptr, ends_ptr, out_ptr, K, N,
-                           stride_xm, stride_xk, stride_ym, stride_yn, stride_oe, stride_ok, stride_on,
-                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _accumulate_kernel(
+        x_ptr,
+        dy_ptr,
+        ends_ptr,
+        out_ptr,
+        K,
+        N,
+        stride_xm,
+        stride_xk,
+        stride_ym,
+        stride_yn,
+        stride_oe,
+        stride_ok,
+        stride_on,
+        BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
         pid_k = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.program_id(2)
@@ -71,10 +98,16 @@ if triton is not None:
             for first in range(start, end, BLOCK_M):
                 m = first + rows
                 in_rows = m < end
-                x_t = tl.load(x_ptr + m[None, :] * stride_xm + rk[:, None] * stride_xk,
-                              mask=in_rows[None, :] & (rk[:, None] < K), other=0.0)
-                dy = tl.load(dy_ptr + m[:, None] * stride_ym + rn[None, :] * stride_yn,
-                             mask=in_rows[:, None] & (rn[None, :] < N), other=0.0)
+                x_t = tl.load(
+                    x_ptr + m[None, :] * stride_xm + rk[:, None] * stride_xk,
+                    mask=in_rows[None, :] & (rk[:, None] < K),
+                    other=0.0,
+                )
+                dy = tl.load(
+                    dy_ptr + m[:, None] * stride_ym + rn[None, :] * stride_yn,
+                    mask=in_rows[:, None] & (rn[None, :] < N),
+                    other=0.0,
+                )
                 acc += tl.dot(x_t, dy)
             out = out_ptr + expert.to(tl.int64) * stride_oe + rk[:, None] * stride_ok + rn[None, :] * stride_on
             inside = (rk[:, None] < K) & (rn[None, :] < N)
@@ -82,25 +115,27 @@ if triton is not None:
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def accumulate_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
-                             tiles: dict | None = None) -> None:
+def accumulate_grouped_wgrad(
+    x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, tiles: dict | None = None
+) -> None:
     """out[e] += x[rows of e]^T @ dy[rows of e] for x [M, K], dy [M, N], out [E, K, N] (any float
     dtype; fp32 accumulation), `ends` the int32 cumulative row counts per expert (grouped_mm's offs)."""
     experts, k, n = out.shape
     if x.shape[1] != k or dy.shape[1] != n or ends.numel() != experts or x.shape[0] != dy.shape[0]:
-        raise ValueError(f"grouped wgrad shapes: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
-                         f"{ends.numel()} groups, out {tuple(out.shape)}")
+        raise ValueError(
+            f"grouped wgrad shapes: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
+            f"{ends.numel()} groups, out {tuple(out.shape)}"
+        )
     tiles = tiles or TILES
     grid = (triton.cdiv(k, tiles["BLOCK_K"]), triton.cdiv(n, tiles["BLOCK_N"]), experts)
     launch(_accumulate_kernel, grid, x, dy, ends, out, k, n, *x.stride(), *dy.stride(), *out.stride(), **tiles)
 
 
-OVERLAP = os.environ.get("MOE_SFT_WGRAD_OVERLAP", "1") != "0"
-_side_streams: dict = {}      # device index -> the side stream
-_joins: dict = {}             # (compute stream, side stream) -> True while a join is queued
+_side_streams: dict = {}  # device index -> the side stream
+_joins: dict = {}  # (compute stream, side stream) -> True while a join is queued
 
 
-def _join(compute: "torch.cuda.Stream", side: "torch.cuda.Stream") -> None:
+def _join(compute: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
     compute.wait_stream(side)
     _joins.pop((compute, side), None)
 

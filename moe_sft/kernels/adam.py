@@ -4,8 +4,8 @@ Why: without TE/apex, megatron's optimizer step on CUDA is a foreach multiply of
 gradient by the clip coefficient (a read and a write of the gradients: 12.2 ms of the 71 ms phase
 on the benchmark's 5.6B-parameter shard, docs/benchmarks.md), then torch's fused Adam, which reads
 them again. torch's fused Adam can take the coefficient as its `grad_scale`, but it divides by it
-and writes the unscaled gradient back (it must, for GradScaler): tried in the fourth session, the
-phase only went 71 -> 66 ms and the division moved the fp32 loss curve. Here the kernel multiplies
+and writes the unscaled gradient back (it must, for GradScaler): measured, the phase only went
+71 -> 66 ms and the division moved the fp32 loss curve. Here the kernel multiplies
 by the coefficient as the foreach multiply does and never writes the gradient.
 
 Numerics: the update of torch's fused Adam (aten/src/ATen/native/cuda/fused_adam_utils.cuh) with
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_sft.layers.triton_launch import launch
+from moe_sft.kernels.triton_launch import launch
 from moe_sft.runtime.device import host_to_device
 
 try:
@@ -47,9 +47,21 @@ LR, BETA1, BETA2, WEIGHT_DECAY, EPS, GRAD_COEFF = range(6)
 if triton is not None:
 
     @triton.jit
-    def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, hyper_ptr, model_ptr, numel,
-                     DECOUPLED: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, HAS_COEFF: tl.constexpr,
-                     WRITE_MODEL: tl.constexpr, BLOCK: tl.constexpr):
+    def _adam_kernel(
+        param_ptr,
+        grad_ptr,
+        exp_avg_ptr,
+        exp_avg_sq_ptr,
+        step_ptr,
+        hyper_ptr,
+        model_ptr,
+        numel,
+        DECOUPLED: tl.constexpr,
+        HAS_WEIGHT_DECAY: tl.constexpr,
+        HAS_COEFF: tl.constexpr,
+        WRITE_MODEL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         lr = tl.load(hyper_ptr + 0)
@@ -102,17 +114,45 @@ def hyper_parameters(group: dict, grad_coeff: float | None, device) -> torch.Ten
     return host_to_device(torch.tensor(values, dtype=torch.float64), device)
 
 
-def adam_step(param, grad, exp_avg, exp_avg_sq, step, hyper: torch.Tensor, *, decoupled: bool,
-              weight_decay: bool, grad_coeff: bool, model_param: torch.Tensor | None = None) -> None:
+def adam_step(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    step,
+    hyper: torch.Tensor,
+    *,
+    decoupled: bool,
+    weight_decay: bool,
+    grad_coeff: bool,
+    model_param: torch.Tensor | None = None,
+) -> None:
     """One update of `param` (and its moments) in place; `step` is the already-incremented count.
     `model_param`, a bf16/fp16 tensor of as many elements, receives the updated `param` cast to its dtype."""
     for t in (grad, exp_avg, exp_avg_sq):
         assert t.shape == param.shape and t.dtype == torch.float32 and t.is_contiguous(), "Adam state layout"
     if model_param is not None:
-        assert (model_param.numel() == param.numel() and model_param.is_contiguous()
-                and model_param.dtype in (torch.bfloat16, torch.float16)), "model parameter layout"
+        assert (
+            model_param.numel() == param.numel()
+            and model_param.is_contiguous()
+            and model_param.dtype in (torch.bfloat16, torch.float16)
+        ), "model parameter layout"
     numel = param.numel()
-    launch(_adam_kernel, (triton.cdiv(numel, BLOCK),), param, grad, exp_avg, exp_avg_sq, step, hyper,
-           param if model_param is None else model_param, numel,
-           DECOUPLED=decoupled, HAS_WEIGHT_DECAY=weight_decay, HAS_COEFF=grad_coeff,
-           WRITE_MODEL=model_param is not None, BLOCK=BLOCK, num_warps=8)
+    launch(
+        _adam_kernel,
+        (triton.cdiv(numel, BLOCK),),
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step,
+        hyper,
+        param if model_param is None else model_param,
+        numel,
+        DECOUPLED=decoupled,
+        HAS_WEIGHT_DECAY=weight_decay,
+        HAS_COEFF=grad_coeff,
+        WRITE_MODEL=model_param is not None,
+        BLOCK=BLOCK,
+        num_warps=8,
+    )

@@ -34,7 +34,7 @@ def _arg_key(arg, specialised: bool = True) -> tuple:
     if kind in _TENSOR_TYPES:
         return arg.dtype, arg.data_ptr() & 15 == 0
     if kind is int:
-        fits_32_bits = -2 ** 31 <= arg < 2 ** 31  # i32 or i64 in the signature, specialised or not
+        fits_32_bits = -(2**31) <= arg < 2**31  # i32 or i64 in the signature, specialised or not
         return (arg == 1, arg & 15 == 0, fits_32_bits) if specialised else (fits_32_bits,)
     return (kind,) if kind is not bool else (kind, arg)
 
@@ -57,7 +57,7 @@ def _direct(compiled, kernel, args, kwargs):
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     except AttributeError:
         return _UNUSABLE
-    return run, function, metadata, tuple(kwargs[name] for name in kernel.arg_names[len(args):])
+    return run, function, metadata, tuple(kwargs[name] for name in kernel.arg_names[len(args) :])
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -81,5 +81,16 @@ def launch(kernel, grid, *args, **kwargs):
         kernel[grid](*args, **kwargs)
         return
     run, function, metadata, constexprs = entry
-    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-        torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None, *args, *constexprs)
+    run(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device),
+        function,
+        metadata,
+        None,
+        None,
+        None,
+        *args,
+        *constexprs,
+    )

@@ -15,8 +15,12 @@ JSON_NAME, MD_NAME = "benchmark.json", "benchmark.md"
 def environment() -> dict:
     import torch
 
-    env = dict(python=platform.python_version(), torch=torch.__version__, host=platform.node(),
-               date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    env = dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        host=platform.node(),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     try:
         import transformers
 
@@ -80,19 +84,26 @@ def _n(value) -> str:
 def markdown(data: dict) -> str:
     env = data.get("environment", {})
     cpu = env.get("gpu", "").startswith("none")
-    head = (f"Device: {env.get('gpu', '?')}; torch {env.get('torch', '?')}, transformers "
-            f"{env.get('transformers', '-')}, megatron-core {env.get('megatron_core', '-')}; {env.get('date', '')}.")
+    head = (
+        f"Device: {env.get('gpu', '?')}; torch {env.get('torch', '?')}, transformers "
+        f"{env.get('transformers', '-')}, megatron-core {env.get('megatron_core', '-')}; {env.get('date', '')}."
+    )
     lines = [head]
     if cpu:
         lines.append("**CPU SMOKE RUN (fp32, tiny shapes): checks the harness, NOT performance.**")
-    lines += ["", "| arm | model | layers | GPUs (EP) | budget | tokens/step | step s (median) | tokens/s/GPU | "
-              "TFLOP/s/GPU | MFU % | peak alloc / reserved GiB | loss first → last | status |",
-              "|" + "---|" * 13]
+    lines += [
+        "",
+        "| arm | model | layers | GPUs (EP) | budget | tokens/step | step s (median) | tokens/s/GPU | "
+        "TFLOP/s/GPU | MFU % | peak alloc / reserved GiB | loss first → last | status |",
+        "|" + "---|" * 13,
+    ]
     runs = sorted(data["runs"], key=lambda r: (r["model"], r["layers"], r["gpus"], r["budget"], r["arm"]))
     for r in runs:
         if r.get("status") != "ok":
-            lines.append(f"| {r['arm']} | {r['model']} | {r['layers']} | {r['gpus']} ({r.get('ep', 1)}) | "
-                         f"{r['budget']} | | | | | | | | {r.get('status')} |")
+            lines.append(
+                f"| {r['arm']} | {r['model']} | {r['layers']} | {r['gpus']} ({r.get('ep', 1)}) | "
+                f"{r['budget']} | | | | | | | | {r.get('status')} |"
+            )
             continue
         losses = r.get("losses") or [None]
         lines.append(
@@ -101,7 +112,8 @@ def markdown(data: dict) -> str:
             f"{r['tokens_per_s_per_gpu']:,.0f} | {_n(r['tflops_per_gpu'])} | {_n(r['mfu_pct'])} | "
             f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f} | "
             f"{_f(losses[0], '.3f')} → {_f(losses[-1], '.3f')} | "
-            + ("ok |" if not r.get("phase_error") else f"ok; phases failed: {r['phase_error']} |"))
+            + ("ok |" if not r.get("phase_error") else f"ok; phases failed: {r['phase_error']} |")
+        )
     lines += ratio_lines(runs) + phase_tables(runs) + ceiling_table(data.get("ceilings", []))
     return "\n".join(lines) + "\n"
 
@@ -119,8 +131,10 @@ def ratio_lines(runs: list[dict]) -> list[str]:
                 if ours is None or name == ours_name or (ours_name == "moe-sft-graphs" and name == "moe-sft"):
                     continue
                 same = "same tokens" if other["fed_digest"] == ours["fed_digest"] else "DIFFERENT tokens"
-                out.append(f"- {model} L{layers} budget {budget}: {ours_name} / {name} tokens/s = "
-                           f"{ours['tokens_per_s_per_gpu'] / max(other['tokens_per_s_per_gpu'], 1e-9):.2f}x ({same})")
+                out.append(
+                    f"- {model} L{layers} budget {budget}: {ours_name} / {name} tokens/s = "
+                    f"{ours['tokens_per_s_per_gpu'] / max(other['tokens_per_s_per_gpu'], 1e-9):.2f}x ({same})"
+                )
     return ([""] + out) if out else []
 
 
@@ -131,10 +145,15 @@ def phase_tables(runs: list[dict]) -> list[str]:
             groups.setdefault((r["model"], r["layers"], r["gpus"], r["budget"]), []).append(r)
     out = []
     for (model, layers, gpus, budget), group in sorted(groups.items()):
-        out += ["", f"Phases, {model} L{layers}, {gpus} GPU(s), budget {budget}: ms per step "
-                f"({group[0]['phase_source']}, forward + backward, rank 0; % of the profiled step; "
-                "achieved TFLOP/s where a ceiling exists)", "",
-                "| phase | " + " | ".join(r["arm"] for r in group) + " |", "|---|" + "---|" * len(group)]
+        out += [
+            "",
+            f"Phases, {model} L{layers}, {gpus} GPU(s), budget {budget}: ms per step "
+            f"({group[0]['phase_source']}, forward + backward, rank 0; % of the profiled step; "
+            "achieved TFLOP/s where a ceiling exists)",
+            "",
+            "| phase | " + " | ".join(r["arm"] for r in group) + " |",
+            "|---|" + "---|" * len(group),
+        ]
         for phase in PHASES:
             if not any(phase in r["phases_ms"] for r in group):
                 continue
@@ -143,15 +162,24 @@ def phase_tables(runs: list[dict]) -> list[str]:
                 ms = r["phases_ms"].get(phase)
                 step_ms = 1e3 * (r["profiled_step_seconds"] or 0)
                 tf = r.get("phase_tflops", {}).get(phase)
-                cells.append("" if ms is None else f"{ms:.1f} ({100 * ms / max(step_ms, 1e-9):.0f}%)"
-                             + (f", {_n(tf)} TFLOP/s" if tf else ""))
+                cells.append(
+                    ""
+                    if ms is None
+                    else f"{ms:.1f} ({100 * ms / max(step_ms, 1e-9):.0f}%)" + (f", {_n(tf)} TFLOP/s" if tf else "")
+                )
             out.append(f"| {phase} | " + " | ".join(cells) + " |")
         totals = [sum(r["phases_ms"].values()) for r in group]
         out.append("| **sum** | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
-        out.append("| profiled step (wall) | " + " | ".join(
-            f"{1e3 * (r['profiled_step_seconds'] or 0):.1f}" for r in group) + " |")
-        out.append("| timed step (median, no profiler) | " + " | ".join(
-            f"{1e3 * (r['step_seconds_median'] or 0):.1f}" for r in group) + " |")
+        out.append(
+            "| profiled step (wall) | "
+            + " | ".join(f"{1e3 * (r['profiled_step_seconds'] or 0):.1f}" for r in group)
+            + " |"
+        )
+        out.append(
+            "| timed step (median, no profiler) | "
+            + " | ".join(f"{1e3 * (r['step_seconds_median'] or 0):.1f}" for r in group)
+            + " |"
+        )
         out += host_sync_lines(group) + one_time_event_lines(group) + phase_detail_lines(group)
     return out
 
@@ -166,7 +194,9 @@ def phase_detail_lines(group: list[dict], top: int = 3) -> list[str]:
         for phase in PHASES:
             if phase in ops:
                 top_ops = ", ".join(f"{name} {ms:.1f}" for name, ms in ops[phase][:top])
-                out.append(f"- {r['arm']} {phase}: {top_ops}" + (f"; host {host[phase]:.1f} ms" if phase in host else ""))
+                out.append(
+                    f"- {r['arm']} {phase}: {top_ops}" + (f"; host {host[phase]:.1f} ms" if phase in host else "")
+                )
         if idle.get("by_next_kernel"):
             waits = ", ".join(f"{name[:60]} {ms:.1f}" for name, ms in idle["by_next_kernel"][:5])
             out.append(f"- {r['arm']}: GPU idle {idle['total_ms']:.1f} ms in the profiled step, before: {waits}")
@@ -182,7 +212,9 @@ def host_sync_lines(group: list[dict], top: int = 6) -> list[str]:
             continue
         where = ", ".join(f"{site} x{n}" for site, n in list(sites.items())[:top])
         more = f", {len(sites) - top} more lines" if len(sites) > top else ""
-        out.append(f"- {r['arm']}: {sum(sites.values())} host syncs in one step" + (f": {where}{more}" if sites else ""))
+        out.append(
+            f"- {r['arm']}: {sum(sites.values())} host syncs in one step" + (f": {where}{more}" if sites else "")
+        )
     return ([""] + out) if out else []
 
 
@@ -195,14 +227,18 @@ def one_time_event_lines(group: list[dict]) -> list[str]:
         if not events:
             continue
         seconds = r["step_seconds"]
-        steps = "; ".join(f"step {i + 1} ({seconds[i]:.3f} s): " + ", ".join(f"{name} {n}" for name, n in counts.items())
-                          for i, counts in sorted(events.items()))
+        steps = "; ".join(
+            f"step {i + 1} ({seconds[i]:.3f} s): " + ", ".join(f"{name} {n}" for name, n in counts.items())
+            for i, counts in sorted(events.items())
+        )
         line = f"- {r['arm']}: one-time work in timed steps: {steps}"
         rest = [i for i in range(len(seconds)) if i not in events]
         if rest and r.get("step_real_tokens"):
             rest_s = sum(seconds[i] for i in rest) * r.get("gpus", 1)
-            line += (f". The other {len(rest)} steps: {sum(r['step_real_tokens'][i] for i in rest) / rest_s:,.0f} "
-                     f"tokens/s/GPU, {_n(sum(r['step_model_flop'][i] for i in rest) / rest_s / 1e12)} TFLOP/s/GPU")
+            line += (
+                f". The other {len(rest)} steps: {sum(r['step_real_tokens'][i] for i in rest) / rest_s:,.0f} "
+                f"tokens/s/GPU, {_n(sum(r['step_model_flop'][i] for i in rest) / rest_s / 1e12)} TFLOP/s/GPU"
+            )
         out.append(line)
     return ([""] + out) if out else []
 
@@ -210,8 +246,13 @@ def one_time_event_lines(group: list[dict]) -> list[str]:
 def ceiling_table(ceilings: list[dict]) -> list[str]:
     if not ceilings:
         return []
-    out = ["", "Ceilings (kernels alone at the model's shapes; fwd+bwd = 3x forward FLOPs)", "",
-           "| model | kernel | shape | ms | TFLOP/s |", "|---|---|---|---|---|"]
+    out = [
+        "",
+        "Ceilings (kernels alone at the model's shapes; fwd+bwd = 3x forward FLOPs)",
+        "",
+        "| model | kernel | shape | ms | TFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
     for c in ceilings:
         out.append(f"| {c['model']} | {c['kind']} | {c['shape']} | {c['ms']:.3f} | {_n(c['tflops'])} |")
     return out

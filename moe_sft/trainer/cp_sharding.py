@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_sft.data.packing import PackedMicroBatch, document_spans
-from moe_sft.layers.context_parallel import (
-    CPAttentionPlan, CPPackedSeqParams, local_token_index, plan_cp_attention)
+from moe_sft.layers.context_parallel import CPAttentionPlan, CPPackedSeqParams, local_token_index, plan_cp_attention
 from moe_sft.runtime.device import host_to_device
 
 
@@ -38,28 +37,37 @@ from moe_sft.runtime.device import host_to_device
 class CPShard:
     """One CP rank's share of a packed micro-batch; cu_seqlens stay global (megatron's convention)."""
 
-    tokens: torch.Tensor        # [T/cp] int64
-    labels: torch.Tensor        # [T/cp] int64
-    loss_mask: torch.Tensor     # [T/cp] float32
+    tokens: torch.Tensor  # [T/cp] int64
+    labels: torch.Tensor  # [T/cp] int64
+    loss_mask: torch.Tensor  # [T/cp] float32
     position_ids: torch.Tensor  # [T/cp] int64, original position within the (padded) document
-    padding: torch.Tensor       # [T/cp] bool, True for pad tokens
-    cu_seqlens: torch.Tensor    # [n+1] int32, global, every segment a multiple of 2·cp
+    padding: torch.Tensor  # [T/cp] bool, True for pad tokens
+    cu_seqlens: torch.Tensor  # [n+1] int32, global, every segment a multiple of 2·cp
     max_seqlen: int
     plan: CPAttentionPlan
 
     def to_device(self, device: str) -> dict:
         cu = host_to_device(self.cu_seqlens, device)
-        params = CPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                   cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                                   max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
-                                   cp_plan=self.plan.to(device))
+        params = CPPackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+            cp_plan=self.plan.to(device),
+        )
         # The padding mask is passed even when this rank has no pads: megatron's router counts
         # tokens differently with and without it, and all CP/TP ranks must agree.
-        return dict(tokens=host_to_device(self.tokens[None], device),
-                    labels=host_to_device(self.labels[None], device),
-                    loss_mask=host_to_device(self.loss_mask[None], device),
-                    position_ids=host_to_device(self.position_ids[None], device), params=params,
-                    padding=host_to_device(self.padding[None], device))
+        return dict(
+            tokens=host_to_device(self.tokens[None], device),
+            labels=host_to_device(self.labels[None], device),
+            loss_mask=host_to_device(self.loss_mask[None], device),
+            position_ids=host_to_device(self.position_ids[None], device),
+            params=params,
+            padding=host_to_device(self.padding[None], device),
+        )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -102,12 +110,21 @@ def shard_micro_batch(mb: PackedMicroBatch, cp: int, rank: int, total: int) -> C
     bounds = cu.tolist()
     keep = local_token_index(bounds, cp, rank)
     max_seqlen = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    return CPShard(tokens[keep], labels[keep], loss_mask[keep], positions[keep], pad[keep], cu,
-                   max_seqlen, plan_cp_attention(bounds, cp, rank))
+    return CPShard(
+        tokens[keep],
+        labels[keep],
+        loss_mask[keep],
+        positions[keep],
+        pad[keep],
+        cu,
+        max_seqlen,
+        plan_cp_attention(bounds, cp, rank),
+    )
 
 
-def shard_micro_batches(micro_batches, cp: int, rank: int, tp_for_sp: int, fixed_shape: bool,
-                        device: str) -> tuple[list[CPShard], int]:
+def shard_micro_batches(
+    micro_batches, cp: int, rank: int, tp_for_sp: int, fixed_shape: bool, device: str
+) -> tuple[list[CPShard], int]:
     """This CP rank's shards of a step's micro-batches, and the packed length to give the schedule.
 
     With `fixed_shape` (pipeline p2p, allgather expert dispatch) every micro-batch of every rank

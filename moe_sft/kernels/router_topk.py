@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+from moe_sft.kernels.triton_launch import launch
 from moe_sft.layers.router import routing_rule, torch_topk_routing
-from moe_sft.layers.triton_launch import launch
 
 try:
     import triton
@@ -45,6 +45,7 @@ MAX_EXPERTS = 1024  # a row of fp32 scores per program lives in registers
 NEG_INF = float("-inf")
 
 if triton is not None:
+
     @triton.jit
     def _softmax_rows(x):
         e = tl.exp(x - tl.max(x, axis=1)[:, None])
@@ -62,8 +63,14 @@ if triton is not None:
         return chosen
 
     @triton.jit
-    def _limit_to_groups(key, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl.constexpr,
-                         GROUP_K: tl.constexpr, PER_GROUP_K: tl.constexpr):
+    def _limit_to_groups(
+        key,
+        ROWS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        GROUPS: tl.constexpr,
+        GROUP_K: tl.constexpr,
+        PER_GROUP_K: tl.constexpr,
+    ):
         """megatron's group_limited_topk: keep the GROUP_K groups whose PER_GROUP_K best keys sum
         highest; the other groups' keys become -inf."""
         PER: tl.constexpr = BLOCK_E // GROUPS
@@ -91,11 +98,25 @@ if triton is not None:
         return col, real, inside, row64, offset, tl.load(logits_ptr + offset, mask=inside, other=float("-inf"))
 
     @triton.jit(do_not_specialize=["tokens"])  # one compile for every micro-batch's token count
-    def _routing_forward_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, tokens, experts, scale,
-                                SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                K: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
-                                GROUP_SCORE_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                                ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _routing_forward_kernel(
+        logits_ptr,
+        bias_ptr,
+        probs_ptr,
+        map_ptr,
+        tokens,
+        experts,
+        scale,
+        SIGMOID: tl.constexpr,
+        PRE_SOFTMAX: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        GROUP_K: tl.constexpr,
+        GROUP_SCORE_K: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
         col, real, inside, _, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         if SIGMOID:
             scores = tl.sigmoid(logits)
@@ -124,14 +145,31 @@ if triton is not None:
         tl.store(map_ptr + offset, chosen.to(tl.int8), mask=inside)
 
     @triton.jit(do_not_specialize=["tokens"])
-    def _routing_backward_kernel(logits_ptr, map_ptr, grad_ptr, grad_stride_t, grad_stride_e, out_ptr,
-                                 tokens, experts, scale, SIGMOID: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
-                                 NORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _routing_backward_kernel(
+        logits_ptr,
+        map_ptr,
+        grad_ptr,
+        grad_stride_t,
+        grad_stride_e,
+        out_ptr,
+        tokens,
+        experts,
+        scale,
+        SIGMOID: tl.constexpr,
+        PRE_SOFTMAX: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
         """d logits from d probs: the chosen scores are recomputed from the logits and the map."""
         col, _, inside, row64, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         chosen = tl.load(map_ptr + offset, mask=inside, other=0) != 0
-        grad = tl.load(grad_ptr + row64 * grad_stride_t + col[None, :] * grad_stride_e, mask=inside,
-                       other=0.0).to(tl.float32) * scale
+        grad = (
+            tl.load(grad_ptr + row64 * grad_stride_t + col[None, :] * grad_stride_e, mask=inside, other=0.0).to(
+                tl.float32
+            )
+            * scale
+        )
         grad = tl.where(chosen, grad, 0.0)  # probs outside the choice are constant zeros
         if SIGMOID:
             scores = tl.sigmoid(logits)
@@ -149,8 +187,17 @@ if triton is not None:
         tl.store(out_ptr + offset, d_logits, mask=inside)
 
     @triton.jit(do_not_specialize=["tokens"])
-    def _aux_scores_forward_kernel(logits_ptr, scores_ptr, map_ptr, tokens, experts, SIGMOID: tl.constexpr,
-                                   K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _aux_scores_forward_kernel(
+        logits_ptr,
+        scores_ptr,
+        map_ptr,
+        tokens,
+        experts,
+        SIGMOID: tl.constexpr,
+        K: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
         col, real, inside, _, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
         if SIGMOID:
             scores = tl.sigmoid(logits)
@@ -162,11 +209,22 @@ if triton is not None:
         tl.store(map_ptr + offset, chosen.to(tl.int8), mask=inside)
 
     @triton.jit(do_not_specialize=["tokens"])
-    def _aux_scores_backward_kernel(logits_ptr, grad_ptr, grad_stride_t, grad_stride_e, out_ptr, tokens,
-                                    experts, SIGMOID: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _aux_scores_backward_kernel(
+        logits_ptr,
+        grad_ptr,
+        grad_stride_t,
+        grad_stride_e,
+        out_ptr,
+        tokens,
+        experts,
+        SIGMOID: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
         col, _, inside, row64, offset, logits = _rows_of_logits(logits_ptr, tokens, experts, ROWS, BLOCK_E)
-        grad = tl.load(grad_ptr + row64 * grad_stride_t + col[None, :] * grad_stride_e, mask=inside,
-                       other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + row64 * grad_stride_t + col[None, :] * grad_stride_e, mask=inside, other=0.0).to(
+            tl.float32
+        )
         if SIGMOID:
             sig = tl.sigmoid(logits)
             total = tl.sum(sig, axis=1)[:, None] + 1e-20
@@ -189,8 +247,14 @@ def _grid(tokens: int, rows: int) -> tuple[int]:
 
 
 def _kernel_fits(logits: torch.Tensor, topk: int) -> bool:
-    return (triton is not None and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[0] > 0 and 0 < topk <= logits.shape[1] <= MAX_EXPERTS)
+    return (
+        triton is not None
+        and logits.is_cuda
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[0] > 0
+        and 0 < topk <= logits.shape[1] <= MAX_EXPERTS
+    )
 
 
 def _groups_fit(experts: int, topk: int, num_groups, group_topk, group_score_topk=None) -> bool:
@@ -198,15 +262,21 @@ def _groups_fit(experts: int, topk: int, num_groups, group_topk, group_score_top
     if not group_topk:
         return True
     per_group = group_score_topk or (topk // group_topk if topk % group_topk == 0 else 0)
-    return (num_groups > 1 and experts & (experts - 1) == 0 and num_groups & (num_groups - 1) == 0
-            and experts % num_groups == 0 and group_topk <= num_groups
-            and 0 < per_group <= experts // num_groups)
+    return (
+        num_groups > 1
+        and experts & (experts - 1) == 0
+        and num_groups & (num_groups - 1) == 0
+        and experts % num_groups == 0
+        and group_topk <= num_groups
+        and 0 < per_group <= experts // num_groups
+    )
 
 
 class _TopKRouting(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, expert_bias, topk, pre_softmax, sigmoid, groups, group_topk, group_score_topk,
-                normalize, scale):
+    def forward(
+        ctx, logits, expert_bias, topk, pre_softmax, sigmoid, groups, group_topk, group_score_topk, normalize, scale
+    ):
         logits = logits.contiguous()
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
@@ -214,10 +284,27 @@ class _TopKRouting(torch.autograd.Function):
         routing_map = torch.empty(tokens, experts, dtype=torch.bool, device=logits.device)
         has_bias = sigmoid and expert_bias is not None
         bias = expert_bias.float().contiguous() if has_bias else logits
-        launch(_routing_forward_kernel, _grid(tokens, rows),
-            logits, bias, probs, routing_map.view(torch.int8), tokens, experts, scale,
-            SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, HAS_BIAS=has_bias, K=topk, GROUPS=groups,
-            GROUP_K=group_topk, GROUP_SCORE_K=group_score_topk, NORMALIZE=normalize, ROWS=rows, BLOCK_E=block_e)
+        launch(
+            _routing_forward_kernel,
+            _grid(tokens, rows),
+            logits,
+            bias,
+            probs,
+            routing_map.view(torch.int8),
+            tokens,
+            experts,
+            scale,
+            SIGMOID=sigmoid,
+            PRE_SOFTMAX=pre_softmax,
+            HAS_BIAS=has_bias,
+            K=topk,
+            GROUPS=groups,
+            GROUP_K=group_topk,
+            GROUP_SCORE_K=group_score_topk,
+            NORMALIZE=normalize,
+            ROWS=rows,
+            BLOCK_E=block_e,
+        )
         ctx.save_for_backward(logits, routing_map)
         ctx.options = (pre_softmax, sigmoid, normalize, scale)
         ctx.mark_non_differentiable(routing_map)
@@ -230,10 +317,24 @@ class _TopKRouting(torch.autograd.Function):
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
         grad_logits = torch.empty_like(logits)
-        launch(_routing_backward_kernel, _grid(tokens, rows),
-            logits, routing_map.view(torch.int8), grad_probs, grad_probs.stride(0), grad_probs.stride(1),
-            grad_logits, tokens, experts, scale, SIGMOID=sigmoid, PRE_SOFTMAX=pre_softmax, NORMALIZE=normalize,
-            ROWS=rows, BLOCK_E=block_e)
+        launch(
+            _routing_backward_kernel,
+            _grid(tokens, rows),
+            logits,
+            routing_map.view(torch.int8),
+            grad_probs,
+            grad_probs.stride(0),
+            grad_probs.stride(1),
+            grad_logits,
+            tokens,
+            experts,
+            scale,
+            SIGMOID=sigmoid,
+            PRE_SOFTMAX=pre_softmax,
+            NORMALIZE=normalize,
+            ROWS=rows,
+            BLOCK_E=block_e,
+        )
         return grad_logits, None, None, None, None, None, None, None, None, None
 
 
@@ -245,9 +346,19 @@ class _AuxLossScores(torch.autograd.Function):
         rows, block_e = _launch(experts)
         scores = torch.empty_like(logits)
         routing_map = torch.empty(tokens, experts, dtype=torch.bool, device=logits.device)
-        launch(_aux_scores_forward_kernel, _grid(tokens, rows),
-            logits, scores, routing_map.view(torch.int8), tokens, experts, SIGMOID=sigmoid, K=topk,
-            ROWS=rows, BLOCK_E=block_e)
+        launch(
+            _aux_scores_forward_kernel,
+            _grid(tokens, rows),
+            logits,
+            scores,
+            routing_map.view(torch.int8),
+            tokens,
+            experts,
+            SIGMOID=sigmoid,
+            K=topk,
+            ROWS=rows,
+            BLOCK_E=block_e,
+        )
         ctx.save_for_backward(logits)
         ctx.sigmoid = sigmoid
         ctx.mark_non_differentiable(routing_map)
@@ -259,36 +370,78 @@ class _AuxLossScores(torch.autograd.Function):
         tokens, experts = logits.shape
         rows, block_e = _launch(experts)
         grad_logits = torch.empty_like(logits)
-        launch(_aux_scores_backward_kernel, _grid(tokens, rows),
-            logits, grad_scores, grad_scores.stride(0), grad_scores.stride(1), grad_logits, tokens, experts,
-            SIGMOID=ctx.sigmoid, ROWS=rows, BLOCK_E=block_e)
+        launch(
+            _aux_scores_backward_kernel,
+            _grid(tokens, rows),
+            logits,
+            grad_scores,
+            grad_scores.stride(0),
+            grad_scores.stride(1),
+            grad_logits,
+            tokens,
+            experts,
+            SIGMOID=ctx.sigmoid,
+            ROWS=rows,
+            BLOCK_E=block_e,
+        )
         return grad_logits, None, None
 
 
-def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
-                                     scaling_factor=None, score_function="softmax", expert_bias=None,
-                                     fused=False, router_replay=None):
+def topk_routing_with_score_function(
+    logits,
+    topk,
+    use_pre_softmax=False,
+    num_groups=None,
+    group_topk=None,
+    scaling_factor=None,
+    score_function="softmax",
+    expert_bias=None,
+    fused=False,
+    router_replay=None,
+):
     """megatron's `moe_utils.topk_routing_with_score_function` (same arguments and results), routing
     as the HF model does where the router running it says so (moe_sft/layers/router.py)."""
     rule = routing_rule(topk, use_pre_softmax, num_groups, group_topk, score_function)
-    if (fused or router_replay is not None or score_function not in ("softmax", "sigmoid")
-            or not _kernel_fits(logits, topk)
-            or not _groups_fit(logits.shape[1], topk, num_groups, group_topk, rule.group_score_topk)):
+    if (
+        fused
+        or router_replay is not None
+        or score_function not in ("softmax", "sigmoid")
+        or not _kernel_fits(logits, topk)
+        or not _groups_fit(logits.shape[1], topk, num_groups, group_topk, rule.group_score_topk)
+    ):
         if rule.is_megatrons:
             return _megatron_topk_routing(
-                logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
-                scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias,
-                fused=fused, router_replay=router_replay)
-        return torch_topk_routing(logits, topk, rule, num_groups, group_topk, scaling_factor,
-                                  score_function, expert_bias)
+                logits,
+                topk,
+                use_pre_softmax=use_pre_softmax,
+                num_groups=num_groups,
+                group_topk=group_topk,
+                scaling_factor=scaling_factor,
+                score_function=score_function,
+                expert_bias=expert_bias,
+                fused=fused,
+                router_replay=router_replay,
+            )
+        return torch_topk_routing(
+            logits, topk, rule, num_groups, group_topk, scaling_factor, score_function, expert_bias
+        )
     groups = num_groups if group_topk else 1
     sigmoid = score_function == "sigmoid"
     # Renormalised softmax weights are the softmax of the chosen logits: the kernel's post-top-k
     # path, which is also the only one whose top-1 weight is exactly 1 (as transformers').
     pre_softmax = bool(use_pre_softmax) if sigmoid else not rule.normalize
-    return _TopKRouting.apply(logits, expert_bias, topk, pre_softmax, sigmoid, groups, group_topk or 1,
-                              rule.group_score_topk or 1, rule.normalize,
-                              float(scaling_factor) if scaling_factor else 1.0)
+    return _TopKRouting.apply(
+        logits,
+        expert_bias,
+        topk,
+        pre_softmax,
+        sigmoid,
+        groups,
+        group_topk or 1,
+        rule.group_score_topk or 1,
+        rule.normalize,
+        float(scaling_factor) if scaling_factor else 1.0,
+    )
 
 
 def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask=None):

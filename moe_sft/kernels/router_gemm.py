@@ -49,8 +49,9 @@ class _BF16RouterGating(torch.autograd.Function):
 
 
 def _uses_bf16_gemms(inp, weight, bias, router_dtype) -> bool:
-    return (inp.is_cuda and router_dtype == torch.float32 and bias is None
-            and inp.dtype == weight.dtype == torch.bfloat16)
+    return (
+        inp.is_cuda and router_dtype == torch.float32 and bias is None and inp.dtype == weight.dtype == torch.bfloat16
+    )
 
 
 def router_gating_linear(inp, weight, bias, router_dtype):

@@ -37,11 +37,11 @@ class DataStats:
     histogram: list[int] = field(default_factory=list)  # kept documents per length bin
 
     @classmethod
-    def empty(cls, max_seq_len: int) -> "DataStats":
+    def empty(cls, max_seq_len: int) -> DataStats:
         return cls(max_seq_len, histogram=[0] * len(length_bin_edges(max_seq_len)))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DataStats":
+    def from_dict(cls, d: dict) -> DataStats:
         return cls(**d)
 
     def as_dict(self) -> dict:
@@ -76,7 +76,7 @@ class DataStats:
         if len(shown) < MAX_EXAMPLES:
             shown.append(message)
 
-    def merge(self, other: "DataStats") -> "DataStats":
+    def merge(self, other: DataStats) -> DataStats:
         if other.max_seq_len != self.max_seq_len:
             raise ValueError("cannot merge statistics of different max_seq_len")
         out = DataStats.from_dict(self.as_dict())
@@ -91,9 +91,11 @@ class DataStats:
 
 def format_summary(name: str, stats: DataStats, n_files: int, report_paths: list[str] = ()) -> list[str]:
     """The lines printed at the start of a run for one split (train / eval)."""
-    lines = [f"{name}: {n_files} file(s), {stats.rows:,} rows -> {stats.samples:,} samples, {stats.tokens:,} tokens, "
-             f"{stats.loss_tokens:,} trainable (loss weight {stats.loss_weight:,.1f}); truncated {stats.truncated:,}, "
-             f"dropped {stats.dropped:,}, skipped {stats.n_errors:,}"]
+    lines = [
+        f"{name}: {n_files} file(s), {stats.rows:,} rows -> {stats.samples:,} samples, {stats.tokens:,} tokens, "
+        f"{stats.loss_tokens:,} trainable (loss weight {stats.loss_weight:,.1f}); truncated {stats.truncated:,}, "
+        f"dropped {stats.dropped:,}, skipped {stats.n_errors:,}"
+    ]
     if stats.n_errors:
         counts = ", ".join(f"{c} {stats.errors[c]:,}" for c in ROW_ERRORS if stats.errors.get(c))
         lines.append(f"  skipped rows by category: {counts}")
@@ -145,14 +147,21 @@ def no_documents_message(caches, limit: int = 10) -> str:
         counts = ", ".join(f"{c} {stats.errors[c]:,}" for c in ROW_ERRORS if stats.errors.get(c))
         lost.append(f"{stats.n_errors:,} skipped as bad rows ({counts}; data.on_error=skip)")
     if stats.dropped:
-        lost.append(f"{stats.dropped:,} dropped (longer than data.max_seq_len={stats.max_seq_len}: data.overlong=drop, "
-                    "or nothing to learn left after truncation)")
-    message = (f"no documents to train on: {stats.rows:,} rows read from {len(caches)} file(s), none kept"
-               + (f"; {' and '.join(lost)}" if lost else ""))
+        lost.append(
+            f"{stats.dropped:,} dropped (longer than data.max_seq_len={stats.max_seq_len}: data.overlong=drop, "
+            "or nothing to learn left after truncation)"
+        )
+    message = f"no documents to train on: {stats.rows:,} rows read from {len(caches)} file(s), none kept" + (
+        f"; {' and '.join(lost)}" if lost else ""
+    )
     reports = [str(c.dir / "report.jsonl") for c in caches if (c.dir / "report.jsonl").is_file()]
     rows = not_kept_rows(reports, limit)
     if rows:
         more = stats.n_errors + stats.dropped - len(rows)
-        message += (f". The first {len(rows)}: " + "; ".join(rows)
-                    + (f"; and {more:,} more" if more > 0 else "") + f" (every row: {', '.join(reports)})")
+        message += (
+            f". The first {len(rows)}: "
+            + "; ".join(rows)
+            + (f"; and {more:,} more" if more > 0 else "")
+            + f" (every row: {', '.join(reports)})"
+        )
     return message + ". Fix the rows, or the data paths and the data.max_seq_len/data.overlong settings"

@@ -16,8 +16,10 @@ from __future__ import annotations
 from megatron.core.tensor_parallel import mappings
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
-_megatron = {name: getattr(mappings, name) for name in
-             ("all_to_all", "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region")}
+_megatron = {
+    name: getattr(mappings, name)
+    for name in ("all_to_all", "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region")
+}
 
 
 def _one_rank(group) -> bool:

@@ -1,7 +1,7 @@
 """The permutation of dropless top-k routing in one Triton pass (CUDA): every routed row's token,
 each token's rows by slot, and where each row's probability lies in the [tokens, experts] probs.
 
-moe_sft/layers/permute.py orders the rows of a routing map with exactly k experts per token as
+moe_sft/kernels/permute.py orders the rows of a routing map with exactly k experts per token as
 megatron does (expert-major, tokens ascending) with torch ops of static size: a cumsum, an argsort
 of the flattened map, index arithmetic, an index_copy_ to invert it, the probabilities' gather and
 a device-side check: about 20 kernels per MoE layer and micro-batch, each one a host launch in a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_sft.layers.triton_launch import launch
+from moe_sft.kernels.triton_launch import launch
 
 try:
     import triton
@@ -27,9 +27,21 @@ except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
 MAX_EXPERTS = 1024
 
 if triton is not None:
+
     @triton.jit(do_not_specialize=["tokens"])  # one compile for every micro-batch's token count
-    def _topk_rows_kernel(map_ptr, cum_ptr, rows_ptr, slot_rows_ptr, sources_ptr, bad_ptr, tokens, experts,
-                          K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _topk_rows_kernel(
+        map_ptr,
+        cum_ptr,
+        rows_ptr,
+        slot_rows_ptr,
+        sources_ptr,
+        bad_ptr,
+        tokens,
+        experts,
+        K: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
         token = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         col = tl.arange(0, BLOCK_E)
         real = col < experts
@@ -37,12 +49,12 @@ if triton is not None:
         token64 = token.to(tl.int64)[:, None]
         offset = token64 * experts + col[None, :]
         chosen = (tl.load(map_ptr + offset, mask=inside, other=0) != 0) & inside
-        by_expert = col.to(tl.int64)[None, :] * tokens + token64           # cum is [experts, tokens]
+        by_expert = col.to(tl.int64)[None, :] * tokens + token64  # cum is [experts, tokens]
         earlier = tl.load(cum_ptr + by_expert, mask=inside, other=0) - 1  # tokens before t routed to e
         counts = tl.load(cum_ptr + col.to(tl.int64) * tokens + tokens - 1, mask=real, other=0)
-        start = tl.cumsum(counts, axis=0) - counts                        # each expert's first row
+        start = tl.cumsum(counts, axis=0) - counts  # each expert's first row
         row = (start[None, :] + earlier).to(tl.int64)
-        slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1                  # j-th chosen expert of t
+        slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # j-th chosen expert of t
         ok = tl.sum(chosen.to(tl.int32), axis=1) == K
         write = chosen & ok[:, None] & (slot < K)
         tl.store(rows_ptr + row, token64 + tl.zeros_like(row), mask=write)
@@ -80,6 +92,19 @@ def unchecked_topk_rows(routing_map: torch.Tensor, k: int):
     bad = torch.zeros(1, dtype=torch.int32, device=routed.device)
     block_e = triton.next_power_of_2(experts)
     per_program = max(1, 2048 // block_e)
-    launch(_topk_rows_kernel, (triton.cdiv(tokens, per_program),), routed.view(torch.int8), cum, rows, slot_rows,
-           sources, bad, tokens, experts, K=k, ROWS=per_program, BLOCK_E=block_e)
+    launch(
+        _topk_rows_kernel,
+        (triton.cdiv(tokens, per_program),),
+        routed.view(torch.int8),
+        cum,
+        rows,
+        slot_rows,
+        sources,
+        bad,
+        tokens,
+        experts,
+        K=k,
+        ROWS=per_program,
+        BLOCK_E=block_e,
+    )
     return rows, slot_rows, sources, bad

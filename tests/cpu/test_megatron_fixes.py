@@ -1,0 +1,218 @@
+"""moe_sft/runtime/megatron_fixes.py: each test first runs megatron-core's own (unfixed) code on the
+buggy case and asserts the bug, then asserts the fixed behaviour. When a megatron-core release fixes
+a bug, its first half fails: drop the fix (or narrow its version range in FIXES)."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_sft.runtime import cpu_compat, megatron_fixes
+from moe_sft.runtime.megatron_fixes import original
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (the CPU emulation runs megatron here)")
+needs_no_te = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None, reason="the bug exists only without Transformer Engine"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fixed():
+    megatron_fixes.apply_megatron_fixes()
+    cpu_compat.apply_cpu_compat()
+
+
+def test_every_fix_is_applied_on_the_tested_version_and_logged_as_skipped_on_another():
+    from megatron.core import package_info
+
+    assert package_info.__version__.startswith(megatron_fixes.MCORE_0_16)
+    applied = megatron_fixes._applied["done"]
+    megatron_fixes._applied["done"] = False
+    calls = []
+    saved = megatron_fixes.FIXES
+    try:
+        megatron_fixes.FIXES = (megatron_fixes.Fix(lambda: calls.append(1) or "x", ("0.16.",)),)
+        lines = megatron_fixes.apply_megatron_fixes(version="0.99.0")
+    finally:
+        megatron_fixes.FIXES, megatron_fixes._applied["done"] = saved, applied
+    assert not calls and len(lines) == 1 and "not applied" in lines[0] and "0.99.0" in lines[0]
+
+
+@needs_no_te
+def test_router_gemm_name_without_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    fixed_value = moe_utils.__dict__.pop("te_general_gemm")
+    try:  # megatron: the name was never bound
+        with pytest.raises(NameError, match="te_general_gemm"):
+            moe_utils.router_gating_linear(x, w, None, torch.float32)
+    finally:
+        moe_utils.te_general_gemm = fixed_value
+    assert moe_utils.te_general_gemm is None
+    torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.t())
+
+
+@needs_no_te
+def test_mla_have_te_says_te_is_absent():
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    assert original(mla, "HAVE_TE") is True  # megatron: TE "available" (its mock classes imported)
+    with pytest.raises(TypeError):  # ... so MLA's constructor runs isinstance(linear_proj, <mock>)
+        isinstance(torch.nn.Linear(2, 2), mla.TELinear)
+    assert mla.HAVE_TE is False
+
+
+def _dist_opt_with_adam_state(step: float):
+    main = torch.zeros(3)
+    state = {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3), "step": torch.tensor(step)}
+    inner = SimpleNamespace(param_groups=[{"params": [main]}], state={main: state})
+    model_param = torch.zeros(3)
+    self = SimpleNamespace(
+        config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        optimizer=inner,
+        model_param_group_index_map={model_param: (0, 0)},
+    )
+    return self, model_param, main, state
+
+
+def test_fully_reshardable_load_without_a_step_tensor():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    loaded = {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)}
+    self, model_param, _, _ = _dist_opt_with_adam_state(7.0)
+    with pytest.raises(KeyError, match="step"):  # megatron: every state key is read from the loaded tensors
+        original(DistributedOptimizer, "_set_main_param_and_optimizer_states")(self, model_param, loaded)
+    self, model_param, main, state = _dist_opt_with_adam_state(7.0)
+    DistributedOptimizer._set_main_param_and_optimizer_states(self, model_param, loaded)
+    assert main.tolist() == [1.0] * 3 and state["exp_avg_sq"].tolist() == [3.0] * 3
+    assert float(state["step"]) == 7.0
+
+
+def test_loaded_step_tensors_are_not_shared_between_parameters():
+    """megatron's load_state_dict leaves one 'step' tensor in every parameter's state (measured end to
+    end by tests/dist/test_quickstart_e2e.py's resume equivalence); torch's Adam then counts a step
+    once per parameter. The fix gives each parameter its own tensor after megatron's load."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+
+    def steps_after_one_update(unshare: bool) -> list[float]:
+        adam = torch.optim.Adam(params, lr=0.1)
+        shared = torch.tensor(4.0)  # what megatron's load leaves: one tensor for every parameter
+        for p in params:
+            p.grad = torch.ones(2)
+            adam.state[p] = {"step": shared, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+        if unshare:
+            megatron_fixes.unshare_step_tensors(adam)
+        adam.step()
+        return [float(adam.state[p]["step"]) for p in params]
+
+    assert steps_after_one_update(unshare=False) == [7.0] * 3  # one update counted three times
+    assert steps_after_one_update(unshare=True) == [5.0] * 3
+    assert DistributedOptimizer.load_state_dict.__wrapped__ is original(DistributedOptimizer, "load_state_dict")
+
+
+def _hybrid_optimizer_case():
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import Range
+
+    model_param = torch.arange(6, dtype=torch.bfloat16)  # the weights just loaded
+    main = torch.zeros(4)  # this rank's fp32 shard: elements 2..5, still the pre-load values
+    cpu_copy = torch.zeros(4)  # what the hybrid optimizer steps on the CPU
+    hdo = HybridDeviceOptimizer.__new__(HybridDeviceOptimizer)
+    hdo.gpu_params_map_cpu_copy, hdo.param_to_fp32_param = {main: cpu_copy}, {}
+    hdo.param_update_in_fp32, hdo.state = True, {main: {"master_param": cpu_copy}}
+    dist_opt = SimpleNamespace(
+        optimizer=hdo,
+        config=SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        ddp_config=SimpleNamespace(use_megatron_fsdp=False),
+        is_stub_optimizer=False,
+        model_float16_groups=[[model_param]],
+        shard_fp32_from_float16_groups=[[main]],
+        model_fp32_groups=[],
+        shard_fp32_groups=[],
+        _get_model_param_range_map=lambda p: {"param": Range(2, 6)},
+    )
+    return dist_opt, hdo, main, cpu_copy
+
+
+def test_hybrid_optimizer_main_params_and_cpu_copies_follow_loaded_weights():
+    """Optimizer CPU offload: reload_model_params must refresh the fp32 main shard *and* the CPU copy
+    the hybrid optimizer steps; a resume that loads the main shard must refresh the CPU copy."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    dist_opt, hdo, main, cpu_copy = _hybrid_optimizer_case()
+    original(DistributedOptimizer, "_copy_model_params_to_main_params")(dist_opt)
+    assert main.tolist() == cpu_copy.tolist() == [0.0] * 4  # megatron: returns early for the HDO
+    hdo.param_update_in_fp32 = True
+    with pytest.raises(KeyError):  # megatron: a resume refreshes precision-aware copies only
+        original(HybridDeviceOptimizer, "_update_fp32_params_by_new_state")(hdo)
+
+    dist_opt, hdo, main, cpu_copy = _hybrid_optimizer_case()
+    DistributedOptimizer._copy_model_params_to_main_params(dist_opt)
+    assert main.tolist() == cpu_copy.tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert dist_opt.optimizer is hdo
+    main.copy_(torch.tensor([7.0, 8.0, 9.0, 10.0]))
+    hdo._update_fp32_params_by_new_state()
+    assert cpu_copy.tolist() == [7.0, 8.0, 9.0, 10.0]
+
+
+def test_expert_bias_counts_skip_padding_tokens():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def router():
+        return SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
+
+    routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    padding = torch.tensor([False, False, True, True])  # the last two tokens are padding
+    with pytest.raises(RuntimeError):  # megatron: [tokens, experts] & [tokens] broadcasts over experts
+        original(TopKRouter, "_apply_expert_bias")(router(), routing_map, padding_mask=padding)
+    r = router()
+    TopKRouter._apply_expert_bias(r, routing_map, padding_mask=padding)
+    assert r.local_tokens_per_expert.tolist() == [1.0, 1.0, 2.0]
+
+
+def test_mtp_full_recompute_with_packed_sequence_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    layer = SimpleNamespace(
+        config=SimpleNamespace(
+            fp8=None, distribute_saved_activations=False, recompute_method="uniform", recompute_num_layers=1
+        )
+    )
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+    def forward(hidden_states, packed_seq_params):
+        assert packed_seq_params is params
+        return hidden_states * 2
+
+    x = torch.randn(5, 1, 4, requires_grad=True)
+    with pytest.raises(TypeError, match="save_for_backward"):  # megatron: the params go to save_for_backward
+        original(MultiTokenPredictionLayer, "_checkpointed_forward")(
+            layer, forward, hidden_states=x, packed_seq_params=params
+        )
+    out = MultiTokenPredictionLayer._checkpointed_forward(layer, forward, hidden_states=x, packed_seq_params=params)
+    out.sum().backward()
+    torch.testing.assert_close(out, x.detach() * 2)
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+@needs_no_te
+def test_output_discarding_checkpoint_has_no_fp8_without_te():
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    megatrons = CheckpointWithoutOutput.__new__(CheckpointWithoutOutput)
+    original(CheckpointWithoutOutput, "__init__")(megatrons, fp8=False)
+    assert megatrons.fp8 is True  # megatron: `fp8 is not None`; its forward then asks TE's FP8 state
+    ckpt = CheckpointWithoutOutput(fp8=False)
+    assert ckpt.fp8 is False
+    x = torch.randn(3, requires_grad=True)
+    y = ckpt.checkpoint(torch.nn.functional.silu, x)
+    torch.testing.assert_close(y, torch.nn.functional.silu(x.detach()))
