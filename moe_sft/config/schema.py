@@ -149,7 +149,17 @@ class DataConfig:
         "trained turns: all_assistant | last_assistant; a message's numeric 'weight' overrides",
         ("all_assistant", "last_assistant"),
     )
-    end_of_turn: str | None = _f(None, "string closing an assistant turn; null = eos token, <|im_end|> or <|eot_id|>")
+    end_of_turn: str | None = _f(
+        None,
+        "string closing every assistant turn; null = eos token, <|im_end|> or <|eot_id|>, else the next "
+        "role tag (GLM: <|user|>/<|observation|>, trained) or the end of the text",
+    )
+    close_last_turn: bool = _f(
+        True,
+        "templates that close no turn with an end token (GLM): append the role tag the model emits to hand "
+        "over (<|user|>) after a trained last assistant turn, trained as its stop token, which the template "
+        "does not write there; false = no stop token for that turn, ids exactly apply_chat_template's",
+    )
     max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
     pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
     pad_documents_to: int | None = _f(

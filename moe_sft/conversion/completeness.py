@@ -19,6 +19,9 @@ import torch
 from moe_sft.conversion import mapping
 from moe_sft.conversion.mapping import Entry, MappingError
 from moe_sft.models.family import Family
+from moe_sft.runtime.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def check_hf_coverage(
@@ -49,7 +52,16 @@ def check_hf_coverage(
         )
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     dropped = [re.compile(p) for p in family.dropped + ((r"lm_head\.weight",) if tied else ())]
-    unconsumed = {n for n in hf_names - set(wanted) - set(empty) if not any(p.fullmatch(n) for p in dropped)}
+    left = hf_names - set(wanted) - set(empty)
+    by_config = family.dropped_for_config(hf_cfg) if family.dropped_for_config and hf_cfg is not None else {}
+    for pattern, why in by_config.items():
+        matched = {n for n in left if re.fullmatch(pattern, n)}
+        if matched:
+            log.warning(
+                "%s: not converting %d HF tensor(s) (%s): %s", family.name, len(matched), why, mapping._list(matched, 5)
+            )
+        left -= matched
+    unconsumed = {n for n in left if not any(p.fullmatch(n) for p in dropped)}
     if unconsumed:
         raise MappingError(
             f"HF checkpoint has {len(unconsumed)} tensor(s) the {family.name} mapping "

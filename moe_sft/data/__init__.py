@@ -2,6 +2,7 @@
 
     formats.py   files (jsonl/json/parquet/HF save_to_disk) and row formats → validated conversations
     chat.py      chat template → token ids + per-token loss weights (spans from the rendered text)
+    turn_ends.py where a turn ends: an end-of-turn string, or the next role tag (GLM)
     cache.py     per-file pre-tokenized memory-mapped cache, built once (worker processes), shared by ranks
     sampling.py  per-epoch order, mixture weights, held-out split (computed permutations, O(1) memory)
     packing.py   best-fit-decreasing packing, THD micro-batches with cu_seqlens (pure functions)

@@ -29,6 +29,17 @@ Assistant spans in the rendered text are found one of two ways:
   content is not rendered (a tool-call-only turn): the render of `messages[:i]` still ends with
   the previous message as the full text shows it, and the turn starts where the longest common
   suffix of the two ends.
+
+A turn ends with the first end-of-turn string after its start (the eos token, `<|im_end|>`,
+`<|eot_id|>`, or `data.end_of_turn`), which is trained. Templates that close no turn with one
+(GLM-4.5/4.6/4.7: `...answer<|user|>`, `...</tool_call><|observation|>`) end a turn where the next
+message's role tag begins: the render of `messages[:i + 1]` ends with the turn as the full text
+shows it, so the turn ends where their longest common suffix ends, and the role tag that follows
+is trained when it hands over to the user or a tool (`moe_sft.data.turn_ends.end_at_role_tag`).
+The last turn ends with the text, which has nothing after it: when that turn is trained, the tag
+the template writes after it once a user message (after a tool call: a tool result) follows (GLM:
+`<|user|>`, `<|observation|>`, its stop tokens) is appended to the ids with the turn's weight
+(`ChatOptions.close_last_turn`, default on; off keeps the ids exactly `apply_chat_template`'s).
 """
 
 from __future__ import annotations
@@ -53,6 +64,14 @@ from moe_sft.data.formats import (
     to_conversation,
 )
 from moe_sft.data.stats import DataStats
+from moe_sft.data.turn_ends import (
+    added_token_at,
+    common_suffix,
+    end_at_role_tag,
+    handover_tag,
+    turn_end,
+    writes_end_of_turn,
+)
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
@@ -99,8 +118,9 @@ class ChatOptions:
     max_seq_len: int = 2048
     overlong: str = "truncate"  # truncate | drop conversations longer than max_seq_len
     loss_on: str = "all_assistant"  # all_assistant | last_assistant (a message "weight" overrides)
-    end_of_turn: str | None = None  # string closing an assistant turn; None = eos token or a known one
+    end_of_turn: str | None = None  # string closing every assistant turn; None = eos, a known one or a role tag
     chat_template: str | None = None  # template text; None = the tokenizer's
+    close_last_turn: bool = True  # append the stop token (role tag) after a last turn the template leaves open
 
     def check(self) -> None:
         if self.overlong not in ("truncate", "drop"):
@@ -138,6 +158,7 @@ def tokenize_conversation(
     loss_on: str = "all_assistant",
     tools: list | None = None,
     chat_template: str | None = None,
+    close_last_turn: bool = True,
 ) -> TokenizedDoc | None:
     """Tokenize one conversation; None when it is dropped (overlong).
 
@@ -146,7 +167,7 @@ def tokenize_conversation(
     every conversation longer than `max_seq_len`. Raises RowError (a DataFormatError) for a row
     the template cannot render or that has nothing to train on.
     """
-    options = ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, chat_template)
+    options = ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, chat_template, close_last_turn)
     options.check()
     return _tokenize(tokenizer, options, messages, tools, source)
 
@@ -159,11 +180,15 @@ def _tokenize(tokenizer, options: ChatOptions, messages: list[dict], tools, sour
 
 @dataclass(frozen=True)
 class Rendered:
-    """A conversation rendered by the template: its text and (start, end, loss weight) per trained span."""
+    """A conversation rendered by the template: its text and (start, end, loss weight) per trained span,
+    plus token ids to append after the text's own (the stop token of a last turn the template leaves
+    open, see `close_last_turn`) and their loss weight."""
 
     text: str
     spans: list[tuple[int, int, float]]
     source: str
+    appended_ids: tuple[int, ...] = ()
+    appended_weight: float = 0.0
 
 
 def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], tools, source: str) -> Rendered:
@@ -178,12 +203,16 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as apply_chat_template does
     weights = message_weights(messages, options.loss_on)
     plain = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+    appended: tuple[int, ...] = ()
     try:
         if has_generation_markers(template):
             text, spans = spans_from_markers(tokenizer, template, plain, tools, weights, where)
         else:
             ends = [options.end_of_turn] if options.end_of_turn else _default_ends(tokenizer)
-            text, spans = spans_from_prefixes(tokenizer, template, plain, tools, ends, where)
+            role_tags = not options.end_of_turn  # an explicit end_of_turn must close every turn
+            text, spans, open_last = spans_from_prefixes(tokenizer, template, plain, tools, ends, where, role_tags)
+            if open_last and options.close_last_turn and weights[-1] > 0:
+                appended = _last_turn_stop_ids(tokenizer, template, plain, tools, text, where)
     except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
         raise RowError(TEMPLATE_ERROR, f"{where}: the chat template rejected this row: {e}") from e
     if not spans:
@@ -193,21 +222,41 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
             "assistant messages (and, if it uses {% generation %}, that the block wraps "
             "their content)",
         )
-    return Rendered(text, [(s, e, weights[i]) for s, e, i in spans], source)
+    return Rendered(text, [(s, e, weights[i]) for s, e, i in spans], source, appended, weights[-1] if appended else 0.0)
+
+
+def _last_turn_stop_ids(
+    tokenizer, template: str, messages: list[dict], tools, full: str, where: str
+) -> tuple[int, ...]:
+    """Ids of the role tag that would close the last (assistant) turn: the one the template writes
+    after it when the message the model hands over to follows, a user message (GLM: `<|user|>`), or
+    a tool result after a turn that calls tools (GLM: `<|observation|>`); see `turn_ends.handover_tag`."""
+    calls = messages[-1].get("tool_calls") or []
+    follower = {"role": "user", "content": _SENTINEL}
+    if calls:
+        call = calls[0] if isinstance(calls[0], dict) else {}
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        follower = {"role": "tool", "content": _SENTINEL, "tool_call_id": call.get("id"), "name": function.get("name")}
+        follower = {k: v for k, v in follower.items() if v is not None}
+    extended = _render(tokenizer, template, [*messages, follower], tools)
+    tag = handover_tag(tokenizer, extended, full, messages[-1], f"{where}: messages[{len(messages) - 1}]")
+    return tuple(tokenizer(tag, add_special_tokens=False)["input_ids"])
 
 
 def finish(
     rendered: Rendered, input_ids: Sequence[int], offsets: Sequence[tuple[int, int]], options: ChatOptions
 ) -> TokenizedDoc | None:
-    """Token weights from the spans, then truncation or dropping by max_seq_len (None = dropped)."""
+    """Token weights from the spans (and the appended ids), then truncation or dropping by max_seq_len
+    (None = dropped)."""
     token_weights = weights_from_spans(offsets, rendered.spans)
+    token_weights += [rendered.appended_weight] * len(rendered.appended_ids)
     if not any(w > 0 for w in token_weights[1:]):
         raise RowError(
             NO_TRAINABLE_TOKENS,
             f"{rendered.source or 'conversation'}: no assistant token has a loss "
             f"weight > 0 (loss_on={options.loss_on}, message weights); nothing to learn",
         )
-    ids, source = list(input_ids), rendered.source
+    ids, source = [*input_ids, *rendered.appended_ids], rendered.source
     if len(ids) <= options.max_seq_len:
         return TokenizedDoc(ids, token_weights, source)
     if options.overlong == "drop":
@@ -267,11 +316,19 @@ def spans_from_markers(
 
 
 def spans_from_prefixes(
-    tokenizer, template: str, messages: list[dict], tools, ends: list[str], where: str
-) -> tuple[str, list[tuple[int, int, int]]]:
-    """Rendered text and (start, end, message index) of each assistant turn (see module doc)."""
+    tokenizer, template: str, messages: list[dict], tools, ends: list[str], where: str, role_tags: bool = False
+) -> tuple[str, list[tuple[int, int, int]], bool]:
+    """Rendered text, (start, end, message index) of each assistant turn (see module doc), and
+    whether the last message is an assistant turn left open: ended by the end of the text, not by
+    an end-of-turn string.
+
+    role_tags: a turn no end-of-turn string closes may end where the next message's role tag
+    begins (GLM-4.5), see `turn_ends.end_at_role_tag`; templates that never write an end-of-turn string
+    take that path directly, so a later turn's text cannot be mistaken for the end token.
+    """
     full = _render(tokenizer, template, messages, tools)
-    spans, cursor = [], 0
+    tagged = role_tags and not writes_end_of_turn(template, ends)
+    spans, cursor, open_last = [], 0, False
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -287,10 +344,24 @@ def spans_from_prefixes(
             start = len(prefix)
         else:
             start = _start_after_rerendered_history(tokenizer, template, messages, tools, i, full, cursor, where)
-        end = _turn_end(full, start, ends, f"{where}: messages[{i}]")
+        here = f"{where}: messages[{i}]"
+        end = None if tagged else turn_end(full, start, ends, here, required=not role_tags)
+        if end is None:
+            end = end_at_role_tag(
+                tokenizer,
+                lambda n: _render(tokenizer, template, messages[:n], tools),
+                messages,
+                i,
+                full,
+                start,
+                ends,
+                here,
+            )
+            # The last turn ran to the end of the text with no end-of-turn string closing it.
+            open_last = i == len(messages) - 1 and end == len(full) and not any(full.endswith(e) for e in ends)
         spans.append((start, end, i))
         cursor = end
-    return full, spans
+    return full, spans, open_last
 
 
 def _start_after_rerendered_history(
@@ -308,9 +379,11 @@ def _start_after_rerendered_history(
         if pos >= 0:
             return pos + len(header)
         # A generation prompt that also opens a block the history does not show (DeepSeek-R1's
-        # "<think>\n"): a prefix of it, at least half, directly followed by the turn's own text.
-        for cut in range(len(header) - 1, (len(header) + 1) // 2 - 1, -1):
-            if limit - cut >= cursor and full.startswith(header[:cut], limit - cut):
+        # "<think>\n", MiniMax-M2's "]~b]ai\n<think>\n" before a turn without reasoning): a prefix of
+        # it, at least half or cut where an added token starts, directly followed by the turn's text.
+        for cut in range(len(header) - 1, 0, -1):
+            whole = 2 * cut >= len(header) or added_token_at(tokenizer, header, cut) is not None
+            if whole and limit - cut >= cursor and full.startswith(header[:cut], limit - cut):
                 return limit
     start = _start_after_aligned_history(full, bare, header, cursor, limit, messages[i - 1])
     if start is not None:
@@ -340,7 +413,7 @@ def _start_after_aligned_history(
     best, best_len = None, 0
     s = full.find(bare[-1], cursor, limit) if bare else -1
     while s >= 0:
-        n = _common_suffix(bare, full, s + 1)
+        n = common_suffix(bare, full, s + 1)
         if n > best_len:
             best, best_len = s + 1, n
         s = full.find(bare[-1], s + 1, limit)
@@ -349,41 +422,6 @@ def _start_after_aligned_history(
         return None
     start = best + len(header)
     return start if full.startswith(header, best) and start <= limit else None
-
-
-def _common_suffix(a: str, text: str, end: int) -> int:
-    """Length of the longest common suffix of `a` and `text[:end]`: doubling while the suffixes match,
-    then bisection (suffix equality is monotone), so the cost follows the match, not the text."""
-
-    def match(n: int) -> bool:
-        return a[len(a) - n :] == text[end - n : end]
-
-    most, lo, hi = min(len(a), end), 0, 1
-    while hi <= most and match(hi):
-        lo, hi = hi, 2 * hi
-    hi = min(hi, most + 1)  # the shortest length known not to match (most + 1: none)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if match(mid) else (lo, mid)
-    return lo
-
-
-def _turn_end(text: str, start: int, ends: list[str], where: str) -> int:
-    """Index just past the end-of-turn string closing the assistant turn that starts at `start`.
-
-    Candidates are the eos token and known end-of-turn tokens, and the *earliest* one found wins:
-    a base-model tokenizer (Qwen3 base: eos `<|endoftext|>`) ships a ChatML template whose turns
-    end with `<|im_end|>`, while the eos may appear only later, or not at all.
-    """
-    found = [(pos, end) for end in ends if (pos := text.find(end, start)) >= 0]
-    if not found:
-        raise RowError(
-            TEMPLATE_ERROR,
-            f"{where}: the assistant turn is not closed by any of {ends}; set "
-            "data.end_of_turn to your template's end-of-turn string",
-        )
-    pos, end = min(found)
-    return pos + len(end)
 
 
 def weights_from_spans(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int, float]]) -> list[float]:
@@ -451,12 +489,15 @@ def tokenize_files(
     end_of_turn: str | None = None,
     loss_on: str = "all_assistant",
     fmt: RowFormat | None = None,
+    close_last_turn: bool = True,
 ) -> tuple[list[TokenizedDoc], DataStats]:
     """Every row of `paths` tokenized in memory, fail-fast (small data and tests; training uses
     the on-disk cache of moe_sft.data.cache). Returns the kept documents and their statistics."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    rows = RowTokenizer(tokenizer, ChatOptions(max_seq_len, overlong, loss_on, end_of_turn), fmt)
+    rows = RowTokenizer(
+        tokenizer, ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, close_last_turn=close_last_turn), fmt
+    )
     docs, stats = [], DataStats.empty(max_seq_len)
     for path in paths:
         for line, payload in iter_records(path):

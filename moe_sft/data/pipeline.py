@@ -35,7 +35,12 @@ class DataPipeline:
 
 def cache_spec(data, tokenizer_path: str) -> CacheSpec:
     options = ChatOptions(
-        data.max_seq_len, data.overlong, data.loss_on, data.end_of_turn, read_chat_template(data.chat_template)
+        data.max_seq_len,
+        data.overlong,
+        data.loss_on,
+        data.end_of_turn,
+        read_chat_template(data.chat_template),
+        data.close_last_turn,
     )
     return CacheSpec(str(tokenizer_path), options, RowFormat.make(data.format, dict(data.fields)))
 

@@ -25,6 +25,8 @@ BLOCK_H = 1024  # hidden columns per program: 128 threads x 8 bf16 (16-byte load
 
 
 def _gather_sum_torch(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if src.shape[0] == 0:  # no rows (an EP rank whose experts got no token): every slot is empty
+        return src.new_zeros(index.shape[0], src.shape[-1])
     rows = src.index_select(0, index.clamp_min(0).reshape(-1)).view(*index.shape, src.shape[-1])
     rows = rows.masked_fill((index < 0).unsqueeze(-1), 0)
     return rows.sum(dim=1)  # bf16: accumulated in fp32, rounded once

@@ -26,6 +26,10 @@ class SFTTransformerConfig(TransformerConfig):
     """Epsilon of MLA's q/kv latent norms (transformers' DeepSeek-V3 builds them with 1e-6
     whatever rms_norm_eps says). None: layernorm_epsilon."""
 
+    qk_norm_full_width: bool | None = None
+    """q/k RMSNorm over all heads at once, with one weight of width heads * head_dim (MiniMax-M2's
+    q_norm / k_norm; moe_sft/layers/full_width_qk_norm.py). None: megatron's per-head qk_layernorm."""
+
 
 @dataclass
 class SFTMLATransformerConfig(MLATransformerConfig, SFTTransformerConfig):

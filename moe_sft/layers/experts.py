@@ -68,8 +68,10 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
         w1 = self.weight1.view(self.num_local_experts, hidden, -1)
         w2 = self.weight2.view(self.num_local_experts, -1, hidden)
         if x.numel() == 0:
-            # Keep every expert weight in the autograd graph so gradients (zeros) exist.
-            return x @ w1.sum(0)[:, : w2.shape[1]] @ w2.sum(0), None
+            # Keep every expert weight in the autograd graph so gradients (zeros) exist, and the
+            # probs too: their all-gather's backward is a collective every EP rank must run (a rank
+            # whose experts got no token skipped it and EP2 on gloo deadlocked).
+            return x @ w1.sum(0)[:, : w2.shape[1]] @ w2.sum(0) + permuted_probs.sum() * 0, None
         h = grouped_matmul(x, w1, tokens_per_expert, self.weight1)
         # megatron's compiled SwiGLU x probs (one kernel each way on CUDA; the probs product in fp32,
         # rounded once): a separate bf16 multiply took 10.6 ms per step on the H200 benchmark

@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from moe_sft.layers.attention import VarlenCoreAttention
 from moe_sft.layers.experts import TorchGroupedMLP
+from moe_sft.layers.full_width_qk_norm import FullWidthKNorm, FullWidthQNorm
 from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
 from moe_sft.layers.router import FamilyRouter
 from moe_sft.models.shape import is_moe_layer_of_config
@@ -59,7 +60,9 @@ def _moe_spec() -> ModuleSpec:
 
 
 def _gqa_attention(config: TransformerConfig) -> ModuleSpec:
-    qk_norm = RMSNorm if config.qk_layernorm else IdentityOp
+    q_norm = k_norm = RMSNorm if config.qk_layernorm else IdentityOp
+    if getattr(config, "qk_norm_full_width", None):
+        q_norm, k_norm = FullWidthQNorm, FullWidthKNorm
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -67,8 +70,8 @@ def _gqa_attention(config: TransformerConfig) -> ModuleSpec:
             linear_qkv=ColumnParallelLinear,
             core_attention=VarlenCoreAttention,
             linear_proj=RowParallelLinear,
-            q_layernorm=qk_norm,
-            k_layernorm=qk_norm,
+            q_layernorm=q_norm,
+            k_layernorm=k_norm,
         ),
     )
 
@@ -121,7 +124,12 @@ def _check_te_covers(config: TransformerConfig) -> None:
     """TE's spec builds megatron's router and fuses MLA's latent norms with layernorm_epsilon."""
     differs = [
         name
-        for name in ("moe_router_group_score_topk", "moe_router_normalize_topk", "mla_latent_layernorm_epsilon")
+        for name in (
+            "moe_router_group_score_topk",
+            "moe_router_normalize_topk",
+            "mla_latent_layernorm_epsilon",
+            "qk_norm_full_width",
+        )
         if getattr(config, name, None) is not None
     ]
     if differs:

@@ -104,23 +104,8 @@ def _rope_kwargs(cfg) -> dict:
 
 
 HF_LATENT_NORM_EPS = 1e-6
-HF_GROUP_SCORE_TOPK = 2  # DeepseekV3TopkRouter ranks a group by the sum of its two best scores
-
-
-def _routing_config(cfg) -> dict:
-    """DeepseekV3TopkRouter: sigmoid scores, bias for the choice only, `topk_group` of `n_group`
-    groups, weights renormalised exactly when `norm_topk_prob`, times `routed_scaling_factor`.
-    Where megatron's rule differs (router.py), the config says so."""
-    topk, groups, kept = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-    same_groups = kept >= groups or topk // kept == HF_GROUP_SCORE_TOPK
-    normalize = bool(cfg.norm_topk_prob)
-    return dict(
-        moe_router_topk=topk,
-        moe_router_num_groups=groups,
-        moe_router_group_topk=kept,
-        moe_router_group_score_topk=None if same_groups else HF_GROUP_SCORE_TOPK,
-        moe_router_normalize_topk=None if normalize == (topk > 1) else normalize,
-    )
+HF_GROUP_SCORE_TOPK = shared_rules.HF_GROUP_SCORE_TOPK  # public names kept for kimi_k2 and tests
+_routing_config = shared_rules.sigmoid_group_routing_config
 
 
 def transformer_config_kwargs(cfg) -> dict:
@@ -149,10 +134,7 @@ def transformer_config_kwargs(cfg) -> dict:
         num_moe_experts=num_experts(cfg),
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_shared_expert_intermediate_size=(cfg.n_shared_experts or 0) * cfg.moe_intermediate_size or None,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
-        **_routing_config(cfg),
+        **shared_rules.sigmoid_group_routing_config(cfg),
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(layers)],
         init_method_std=cfg.initializer_range,
         mtp_num_layers=num_mtp_layers(cfg) or None,

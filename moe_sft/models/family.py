@@ -48,6 +48,9 @@ class Family:
     # run on a CPU: the parity sweep (moe_sft/conversion/parity.py) draws from it.
     sample_hf_config: Callable[..., object] | None = None
     dropped: tuple[str, ...] = ()  # regexes of HF tensors deliberately not loaded
+    # HF config -> {regex: why}: tensors this config declares that are deliberately not loaded
+    # (MiniMax-M2's MTP modules, `model.layers.{N + k}.*`); conversion logs each reason it uses.
+    dropped_for_config: Callable[[object], dict[str, str]] | None = None
     training_defaults: dict = field(default_factory=dict)
     transform_context: Callable[[object], dict] | None = None
     # Multi-token-prediction layers after the decoder (DeepSeek-V3's num_nextn_predict_layers).

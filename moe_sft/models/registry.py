@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from moe_sft.models import deepseek_v3, mixtral, qwen3_moe
+from moe_sft.models import deepseek_v3, glm4_moe, kimi_k2, minimax_m2, mixtral, qwen3_moe
 from moe_sft.models.family import Family, UnsupportedConfigError
 
-FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, mixtral.FAMILY, deepseek_v3.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
+    deepseek_v3.FAMILY,
+    glm4_moe.FAMILY,
+    kimi_k2.FAMILY,
+    minimax_m2.FAMILY,
+)
 
 
 def supported_model_types() -> list[str]:

@@ -1,6 +1,7 @@
 """Mapping rules several families share: shared experts, the router's expert bias, and the
 multi-token-prediction (MTP) layers with their copies of the embedding and the LM head
-(DeepSeek-V3 and the families built like it: GLM-4.5, Kimi-K2, ...).
+(DeepSeek-V3 and the families built like it: GLM-4.5, Kimi-K2, ...); and their one routing
+config (`sigmoid_group_routing_config`).
 
 MTP in HF checkpoints: MTP layer k is stored as `model.layers.{N + k}` (N decoder layers) with
 enorm, hnorm, eh_proj, shared_head.norm, a full decoder layer, and copies of the embedding and
@@ -58,3 +59,26 @@ def shared_expert_rules(num_shared_experts: int, prefix: str = "mlp.shared_exper
 def expert_bias_rule(hf_name: str = "mlp.gate.e_score_correction_bias") -> Rule:
     """The aux-loss-free routing bias (megatron's router.expert_bias, moe_router_enable_expert_bias)."""
     return Rule("decoder.layers.{layer}.mlp.router.expert_bias", (L + hf_name,), layers="moe")
+
+
+HF_GROUP_SCORE_TOPK = 2  # DeepseekV3TopkRouter / Glm4MoeTopkRouter rank a group by its two best scores
+
+
+def sigmoid_group_routing_config(cfg) -> dict:
+    """DeepseekV3TopkRouter (and Glm4MoeTopkRouter, the same code): sigmoid scores, the expert
+    bias for the choice only, `topk_group` of `n_group` groups, weights renormalised exactly when
+    `norm_topk_prob`, times `routed_scaling_factor`. Where megatron's rule differs
+    (layers/router.py), the config says so."""
+    topk, groups, kept = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    same_groups = kept >= groups or topk // kept == HF_GROUP_SCORE_TOPK
+    normalize = bool(cfg.norm_topk_prob)
+    return dict(
+        moe_router_topk=topk,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=kept,
+        moe_router_group_score_topk=None if same_groups else HF_GROUP_SCORE_TOPK,
+        moe_router_normalize_topk=None if normalize == (topk > 1) else normalize,
+    )

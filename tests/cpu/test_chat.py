@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from moe_sft.data.chat import (
-    _common_suffix,
     _render,
     has_generation_markers,
     tokenize_conversation,
@@ -24,6 +23,7 @@ from moe_sft.data.chat import (
     weights_from_spans,
 )
 from moe_sft.data.formats import NO_TRAINABLE_TOKENS, TEMPLATE_ERROR, DataFormatError, RowError
+from moe_sft.data.turn_ends import common_suffix as _common_suffix
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo"
 

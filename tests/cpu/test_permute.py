@@ -105,6 +105,8 @@ def test_gather_sum_adds_the_named_rows_in_slot_order_and_skips_empty_slots():
     expected = torch.stack([src[4] + src[0], torch.zeros(5, dtype=torch.float64), 2 * src[5] + src[2]])
     assert torch.equal(gather_sum(src, index), expected)
     assert gather_sum(src, index[:, :0]).count_nonzero() == 0  # no slots at all: zeros
+    # no rows at all (an EP rank whose experts got no token: EP2 of the tiny GLM-4.5 crashed here)
+    assert torch.equal(gather_sum(src[:0], torch.full((3, 2), -1)), torch.zeros(3, 5, dtype=torch.float64))
     half = src.to(torch.bfloat16)
     exact = half.double().index_select(0, index.clamp_min(0).flatten()).view(3, 3, 5)
     exact = (exact * (index >= 0).unsqueeze(-1)).sum(1)

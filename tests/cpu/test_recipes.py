@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 
 from moe_sft.config import load_config
+from moe_sft.models import registry
+from moe_sft.plan.shapes import load_shape
 
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 
 def test_the_family_recipes_are_shipped():
     assert {"quickstart", "qwen3_30b_a3b", "mixtral_8x7b", "deepseek_v3"} <= set(RECIPES)
+    assert {"deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -24,6 +27,13 @@ def test_recipe_loads_with_overrides(name, monkeypatch):
     )
     assert cfg.trainer.output_dir == "/tmp/x" and cfg.trainer.max_steps == 7
     assert cfg.model.moe_expert_capacity_factor is None  # dropless unless asked
-    # each family's own balancing: aux loss (Qwen3, Mixtral); bias + sequence aux (DeepSeek-V3)
-    expected = "seq_aux_loss" if name.startswith("deepseek") else "aux_loss"
-    assert cfg.model.moe_router_load_balancing_type == expected
+    # each family's own balancing: aux loss (Qwen3, Mixtral, MiniMax-M2); bias + sequence aux
+    # (DeepSeek-V3, Kimi-K2, GLM-4.5); the quickstart's tiny model is a Qwen3-MoE
+    assert cfg.model.moe_router_load_balancing_type == _family_balancing(cfg)
+
+
+def _family_balancing(cfg) -> str:
+    if not cfg.model.hf_config:
+        return "aux_loss"
+    shape, _ = load_shape(cfg.model.hf_config)
+    return registry.family_for_model_type(shape.model_type).training_defaults["moe_router_load_balancing_type"]

@@ -46,6 +46,9 @@ LAYERS = {
     "qwen3_moe": [(0, "dense"), (1, "moe")],
     "mixtral": [(0, "moe"), (1, "moe")],
     "deepseek_v3": [(0, "dense"), (1, "moe"), (2, "mtp 0 (moe)")],
+    "kimi_k2": [(0, "dense"), (1, "moe")],
+    "glm4_moe": [(0, "dense"), (1, "moe")],
+    "minimax_m2": [(0, "moe"), (1, "moe")],
 }
 
 
@@ -139,6 +142,22 @@ CORRUPTIONS = {  # family → [(description, edit, the layer it must fail)]
         ("experts swapped in the MTP layer", _swap_experts(2, _GATE_UP_DOWN), 2),
         ("kv_b_proj scaled by 1.05 in the MoE layer", _scale("model.layers.1.self_attn.kv_b_proj.weight", 1.05), 1),
         ("dense down_proj scaled by 1.05", _scale("model.layers.0.mlp.down_proj.weight", 1.05), 0),
+    ],
+    "kimi_k2": [
+        ("experts swapped in the MoE layer", _swap_experts(1, _GATE_UP_DOWN), 1),
+        ("kv_b_proj scaled by 1.05 in the dense layer", _scale("model.layers.0.self_attn.kv_b_proj.weight", 1.05), 0),
+    ],
+    "glm4_moe": [
+        ("experts swapped in the MoE layer", _swap_experts(1, _GATE_UP_DOWN), 1),
+        ("o_proj scaled by 1.05 in the dense layer", _scale("model.layers.0.self_attn.o_proj.weight", 1.05), 0),
+    ],
+    "minimax_m2": [
+        (
+            "experts swapped in layer 1",
+            _swap_experts(1, tuple(f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w2", "w3"))),
+            1,
+        ),
+        ("o_proj scaled by 1.05 in layer 0", _scale("model.layers.0.self_attn.o_proj.weight", 1.05), 0),
     ],
 }
 

@@ -1,0 +1,142 @@
+"""Where an assistant turn ends in a rendered conversation: an end-of-turn string, or (templates
+that close no turn with one, GLM-4.5/4.6/4.7) the next message's role tag or the end of the text.
+Pure string functions on the rendered text; moe_sft.data.chat finds the turns' starts and calls them.
+"""
+
+from __future__ import annotations
+
+from moe_sft.data.formats import TEMPLATE_ERROR, RowError
+
+
+def common_suffix(a: str, text: str, end: int) -> int:
+    """Length of the longest common suffix of `a` and `text[:end]`: doubling while the suffixes match,
+    then bisection (suffix equality is monotone), so the cost follows the match, not the text."""
+
+    def match(n: int) -> bool:
+        return a[len(a) - n :] == text[end - n : end]
+
+    most, lo, hi = min(len(a), end), 0, 1
+    while hi <= most and match(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, most + 1)  # the shortest length known not to match (most + 1: none)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if match(mid) else (lo, mid)
+    return lo
+
+
+def turn_end(text: str, start: int, ends: list[str], where: str, required: bool = True, stop: int | None = None):
+    """Index just past the end-of-turn string closing the assistant turn that starts at `start`
+    (searched in text[start:stop]); None when there is none and it is not `required`.
+
+    Candidates are the eos token and known end-of-turn tokens, and the *earliest* one found wins:
+    a base-model tokenizer (Qwen3 base: eos `<|endoftext|>`) ships a ChatML template whose turns
+    end with `<|im_end|>`, while the eos may appear only later, or not at all.
+    """
+    stop = len(text) if stop is None else stop
+    found = [(pos, end) for end in ends if (pos := text.find(end, start, stop)) >= 0]
+    if not found:
+        if not required:
+            return None
+        raise RowError(
+            TEMPLATE_ERROR,
+            f"{where}: the assistant turn is not closed by any of {ends}; set "
+            "data.end_of_turn to your template's end-of-turn string",
+        )
+    pos, end = min(found)
+    return pos + len(end)
+
+
+def writes_end_of_turn(template: str, ends: list[str]) -> bool:
+    """Whether the template source can write an end-of-turn string (literally or as `eos_token`)."""
+    return "eos_token" in template or any(end in template for end in ends)
+
+
+HANDOVER_ROLES = ("user", "tool")  # roles whose tag the model emits to end its turn (GLM's stop tokens)
+
+
+def end_at_role_tag(
+    tokenizer, render_history, messages: list[dict], i: int, full: str, start: int, ends: list[str], where: str
+) -> int:
+    """End of assistant turn `i` in a template that closes turns by the next role tag (GLM-4.5).
+
+    The render of `messages[:i + 1]` (`render_history(i + 1)`) ends with turn i's own tail (content,
+    tool calls) as the full text shows it, even where the full text drops the turn's reasoning: the
+    turn's text ends where the longest common suffix of the two ends (`x`; the end of the text for
+    the last message).
+    An end-of-turn string inside the turn still closes it. Otherwise the next message's header
+    starts at x with an added token, its role tag: it is trained when the next message is a user
+    or tool message, as the model generates that tag to hand over (GLM-4.5 stops on `<|user|>` and
+    `<|observation|>`; ms-swift trains both too). Before a system or assistant message the turn
+    ends at x. The last turn ends with the text: the template writes nothing after it (chat.py
+    appends the tag `handover_tag` finds, unless data.close_last_turn=false).
+    """
+    if i == len(messages) - 1:
+        x = len(full)
+    else:
+        x = _aligned_end(full, render_history(i + 1), start, messages[i])
+    end = None if x is None else turn_end(full, start, ends, where, required=False, stop=x)
+    if end is not None:
+        return end
+    # The turn's text must run straight into the tag (or the end): a template that writes
+    # whitespace there (Gemma's "<end_of_turn>\n<start_of_turn>") closes turns with a token we
+    # do not know, and guessing would train the wrong one.
+    direct = x is not None and x > start and not full[x - 1].isspace()
+    tag = added_token_at(tokenizer, full, x) if direct and x < len(full) else None
+    if not direct or (tag is None and x < len(full)):
+        raise RowError(
+            TEMPLATE_ERROR,
+            f"{where}: the assistant turn is not closed by any of {ends}, nor followed directly by a "
+            "role tag (an added token of the tokenizer starting the next message) or the end of the "
+            "text; set data.end_of_turn to your template's end-of-turn string",
+        )
+    if x == len(full):
+        return x
+    return x + len(tag) if messages[i + 1]["role"] in HANDOVER_ROLES else x
+
+
+def handover_tag(tokenizer, extended: str, full: str, message: dict, where: str) -> str:
+    """The role tag that closes the last assistant turn of `full` once a user message follows it.
+
+    `extended` is the conversation rendered with a user message (a tool result after a turn that
+    calls tools) appended. GLM's template writes nothing after the last turn, so that turn would
+    train no stop token; the tag the model generates to hand over (`<|user|>`, `<|observation|>`)
+    is the added token that starts where the turn's text (the
+    longest common suffix of `full` and a prefix of `extended`: the template may re-render the
+    turn, GLM drops its reasoning once a user message follows) ends in `extended`.
+    """
+    x = _aligned_end(extended, full, 0, message)
+    direct = x is not None and x > 0 and not extended[x - 1].isspace()
+    tag = added_token_at(tokenizer, extended, x) if direct and x < len(extended) else None
+    if tag is None:
+        raise RowError(
+            TEMPLATE_ERROR,
+            f"{where}: the last assistant turn ends with the text, and with a user (or tool) message after "
+            "it the template does not follow it directly with a role tag (an added token of the tokenizer), so its "
+            "stop token is unknown; set data.end_of_turn to your template's end-of-turn string, or "
+            "data.close_last_turn=false to train no stop token after the last turn",
+        )
+    return tag
+
+
+def _aligned_end(full: str, history: str, start: int, message: dict) -> int | None:
+    """The x >= start where full[:x] shares the longest suffix with `history` (earliest on ties),
+    provided that suffix holds the message's content; else None."""
+    best, best_len = None, 0
+    x = full.find(history[-1], start) if history else -1
+    while x >= 0:
+        n = common_suffix(history, full, x + 1)
+        if n > best_len:
+            best, best_len = x + 1, n
+        x = full.find(history[-1], x + 1)
+    content = message.get("content")
+    shown = content.split("</think>")[-1].strip() if isinstance(content, str) else ""  # reasoning may be dropped
+    if best is None or shown not in history[len(history) - best_len :]:
+        return None
+    return best
+
+
+def added_token_at(tokenizer, text: str, pos: int) -> str | None:
+    """The longest added token (special tokens, role tags) that `text` has at `pos`, or None."""
+    hits = [t for t in tokenizer.get_added_vocab() if t and text.startswith(t, pos)]
+    return max(hits, key=len) if hits else None

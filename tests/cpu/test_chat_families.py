@@ -1,0 +1,543 @@
+"""Chat templates of today's MoE families masked exactly: GLM-4.5 (turns closed by the next role tag),
+Kimi-K2, DeepSeek-V3.1 (thinking / non-thinking turns, history without reasoning) and MiniMax-M2
+(reasoning kept). Each template below is written here after the structure of the family's released
+chat_template (role tags, reasoning and tool-call layout); the role tags are added special tokens on
+a copy of the demo tokenizer. For each: the token ids equal `apply_chat_template` (for GLM, plus the
+stop token `<|user|>` appended after a trained last turn, which its template leaves open), and the
+loss weights lie on every token of every trained assistant turn (its closing token included) and on
+nothing of system/user/tool turns, under all_assistant, last_assistant and per-message weights."""
+
+from __future__ import annotations
+
+from itertools import groupby
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from moe_sft.data.chat import tokenize_conversation
+from moe_sft.data.formats import RowError
+
+DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo"
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {
+    "id": "functions.get_weather:0",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+AGENT = [
+    {"role": "system", "content": "You are a weather bot."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.", "tool_calls": [CALL]},
+    {"role": "tool", "content": '{"sky": "sunny"}', "tool_call_id": "functions.get_weather:0"},
+    {"role": "assistant", "content": "It is sunny in Paris.", "reasoning_content": "The tool says sunny."},
+    {"role": "user", "content": "Thanks! And tomorrow?"},
+    {"role": "assistant", "content": "I cannot forecast.", "reasoning_content": "No forecast tool."},
+]
+
+# GLM-4.5/4.6: `[gMASK]<sop>`, role tags and no end-of-turn token; `<|assistant|>` then `\n<think>...</think>`
+# (empty for history turns before the last user message and for turns without reasoning), `\n` + content,
+# tool calls as `<tool_call>name` + `<arg_key>`/`<arg_value>` pairs; tool results after `<|observation|>`.
+GLM45_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- if tools -%}{{ '<|system|>\\n# Tools\\n\\n<tools>\\n' }}"
+    "{%- for tool in tools -%}{{ tool | tojson }}{{ '\\n' }}{%- endfor -%}"
+    "{{ '</tools>\\n\\nFor each function call, output <tool_call>{function-name}...</tool_call>' }}{%- endif -%}"
+    "{%- set ns = namespace(last_user_index=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user_index = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{ '<|user|>\\n' + m.content }}"
+    "{%- elif m.role == 'assistant' -%}{{ '<|assistant|>' }}"
+    "{%- set content = m.content -%}"
+    "{%- if m.reasoning_content is string -%}{%- set reasoning = m.reasoning_content -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- else -%}{%- set reasoning = '' -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user_index and reasoning -%}{{ '\\n<think>' + reasoning.strip() + '</think>' }}"
+    "{%- else -%}{{ '\\n<think></think>' }}{%- endif -%}"
+    "{%- if content.strip() -%}{{ '\\n' + content.strip() }}{%- endif -%}"
+    "{%- for tc in m.tool_calls or [] -%}{%- set f = tc.function -%}{{ '\\n<tool_call>' + f.name }}"
+    "{%- for k, v in f.arguments.items() -%}"
+    "{{ '\\n<arg_key>' + k + '</arg_key>\\n<arg_value>' + (v if v is string else v | tojson) + '</arg_value>' }}"
+    "{%- endfor -%}{{ '\\n</tool_call>' }}{%- endfor -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|observation|>' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- elif m.role == 'system' -%}{{ '<|system|>\\n' + m.content }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
+GLM_TOKENS = [
+    "[gMASK]",
+    "<sop>",
+    "<|endoftext|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
+]
+GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+
+# Kimi-K2: `<|im_system|>system<|im_middle|>...<|im_end|>`, a default system turn, tools declared in a
+# `tool_declare` turn, tool calls in a `<|tool_calls_section_begin|>` block, tool results as `## Return of`.
+KIMI_K2_TEMPLATE = (
+    "{%- if tools -%}{{ '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if loop.first and m.role != 'system' -%}"
+    "{{ '<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>' }}"
+    "{%- endif -%}"
+    "{%- if m.role == 'system' -%}{{ '<|im_system|>system<|im_middle|>' }}"
+    "{%- elif m.role == 'user' -%}{{ '<|im_user|>user<|im_middle|>' }}"
+    "{%- elif m.role == 'assistant' -%}{{ '<|im_assistant|>assistant<|im_middle|>' }}"
+    "{%- else -%}{{ '<|im_system|>tool<|im_middle|>' }}{%- endif -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}{{ m.content + '<|tool_calls_section_begin|>' }}"
+    "{%- for tc in m.tool_calls -%}"
+    "{{ '<|tool_call_begin|>' + tc.id + '<|tool_call_argument_begin|>' + (tc.function.arguments | tojson) }}"
+    "{{ '<|tool_call_end|>' }}{%- endfor -%}{{ '<|tool_calls_section_end|>' }}"
+    "{%- elif m.role == 'tool' -%}{{ '## Return of ' + m.tool_call_id + '\\n' + m.content }}"
+    "{%- else -%}{{ m.content }}{%- endif -%}"
+    "{{ '<|im_end|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_assistant|>assistant<|im_middle|>' }}{%- endif -%}"
+)
+KIMI_TOKENS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
+KIMI_CALL = (
+    '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}'
+    "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+)
+
+# DeepSeek-V3.1: bos + system prompt, `<｜User｜>`, `<｜Assistant｜>` + `</think>` (non-thinking) or
+# `<think>` (thinking, here kept for the turn after the last user message, as SFT frameworks train V3.1
+# thinking data; history turns lose their reasoning as in the released template), `<｜end▁of▁sentence｜>`
+# closing every assistant turn; tool calls in `<｜tool▁calls▁begin｜>`, results in `<｜tool▁output▁begin｜>`,
+# after which the assistant continues without a header.
+DEEPSEEK_V31_TEMPLATE = (
+    "{%- set ns = namespace(system_prompt='', is_last_user=false, is_tool=false, last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'system' -%}{%- set ns.system_prompt = m.content -%}{%- endif -%}"
+    "{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{{ bos_token + ns.system_prompt }}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{%- set ns.is_last_user = true -%}{%- set ns.is_tool = false -%}"
+    "{{ '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}"
+    "{%- if ns.is_last_user -%}{{ '<｜Assistant｜></think>' }}{%- endif -%}"
+    "{%- set ns.is_last_user = false -%}{%- set ns.is_tool = false -%}{{ m.content + '<｜tool▁calls▁begin｜>' }}"
+    "{%- for tc in m.tool_calls -%}"
+    "{{ '<｜tool▁call▁begin｜>' + tc.function.name + '<｜tool▁sep｜>' + (tc.function.arguments | tojson) }}"
+    "{{ '<｜tool▁call▁end｜>' }}{%- endfor -%}{{ '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>', 1)[1] -%}{%- endif -%}"
+    "{%- if ns.is_last_user -%}{{ '<｜Assistant｜>' }}"
+    "{%- if reasoning and loop.index0 > ns.last_user -%}{{ '<think>' + reasoning + '</think>' }}"
+    "{%- else -%}{{ '</think>' }}{%- endif -%}{%- endif -%}"
+    "{%- set ns.is_last_user = false -%}{%- set ns.is_tool = false -%}{{ content + '<｜end▁of▁sentence｜>' }}"
+    "{%- elif m.role == 'tool' -%}{%- set ns.is_last_user = false -%}{%- set ns.is_tool = true -%}"
+    "{{ '<｜tool▁output▁begin｜>' + m.content + '<｜tool▁output▁end｜>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt and ns.is_last_user and not ns.is_tool -%}{{ '<｜Assistant｜>' }}"
+    "{%- if thinking is defined and thinking -%}{{ '<think>' }}{%- else -%}{{ '</think>' }}{%- endif -%}{%- endif -%}"
+)
+DEEPSEEK_TOKENS = [
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+]
+EOS_DS = "<｜end▁of▁sentence｜>"
+
+# MiniMax-M2: `]~!b[]~b]system\n...[e~[\n`, `]~b]user\n`, `]~b]ai\n`, `]~b]tool\n<response>...`, every turn
+# closed by `[e~[` + `\n`; reasoning kept as `<think>\n...\n</think>\n\n`; tool calls as `<minimax:tool_call>`
+# with `<invoke>`/`<parameter>`; the generation prompt opens a think block.
+MINIMAX_M2_TEMPLATE = (
+    "{{ ']~!b[]~b]system\\n' }}"
+    "{%- if messages[0].role == 'system' -%}{{ messages[0].content }}{%- else -%}{{ 'You are MiniMax.' }}{%- endif -%}"
+    "{%- if tools -%}{{ '\\n\\n# Tools\\n<tools>\\n' }}{%- for tool in tools -%}"
+    "{{ '<tool>' + (tool.function | tojson) + '</tool>\\n' }}{%- endfor -%}{{ '</tools>' }}{%- endif -%}"
+    "{{ '[e~[\\n' }}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{ ']~b]user\\n' + m.content + '[e~[\\n' }}"
+    "{%- elif m.role == 'assistant' -%}{{ ']~b]ai\\n' }}"
+    "{%- set content = m.content -%}"
+    "{%- if m.reasoning_content is string -%}{%- set reasoning = m.reasoning_content -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].strip('\\n').split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].strip('\\n') -%}"
+    "{%- else -%}{%- set reasoning = '' -%}{%- endif -%}"
+    "{%- if reasoning -%}{{ '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{%- endif -%}"
+    "{{ content }}"
+    "{%- if m.tool_calls -%}{{ '\\n<minimax:tool_call>\\n' }}{%- for tc in m.tool_calls -%}"
+    "{{ '<invoke name=\"' + tc.function.name + '\">\\n' }}{%- for k, v in tc.function.arguments.items() -%}"
+    "{{ '<parameter name=\"' + k + '\">' + v + '</parameter>\\n' }}{%- endfor -%}{{ '</invoke>\\n' }}"
+    "{%- endfor -%}{{ '</minimax:tool_call>' }}{%- endif -%}"
+    "{{ '[e~[\\n' }}"
+    "{%- elif m.role == 'tool' -%}{{ ']~b]tool\\n<response>' + m.content + '</response>[e~[\\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ ']~b]ai\\n<think>\\n' }}{%- endif -%}"
+)
+MINIMAX_TOKENS = ["]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
+
+R_CHAT = [
+    {"role": "system", "content": "Think step by step."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "<think>add</think>4"},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6"},
+    {"role": "user", "content": "4+4?"},
+    {"role": "assistant", "content": "<think>once more</think>8"},
+]
+DS_TOOL_CHAT = [
+    AGENT[0],
+    AGENT[1],
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    AGENT[3],
+    {"role": "assistant", "content": "It is sunny in Paris."},
+    AGENT[5],
+    {"role": "assistant", "content": "<think>No forecast tool.</think>I cannot forecast."},
+]
+
+# name: (added tokens, template, eos, bos, messages, tools, the trained text of each assistant turn).
+FAMILIES = {
+    "glm45_agent": (
+        GLM_TOKENS,
+        GLM45_TEMPLATE,
+        "<|endoftext|>",
+        None,
+        AGENT,
+        [WEATHER_TOOL],
+        [
+            # History turns lose their reasoning; each turn ends with the role tag that hands over.
+            f"\n<think></think>\n{GLM_CALL}<|observation|>",
+            "\n<think></think>\nIt is sunny in Paris.<|user|>",
+            # The last turn: the template writes nothing after it; its stop token is appended.
+            "\n<think>No forecast tool.</think>\nI cannot forecast.<|user|>",
+        ],
+    ),
+    "glm45_chat": (
+        GLM_TOKENS,
+        GLM45_TEMPLATE,
+        "<|endoftext|>",
+        None,
+        R_CHAT,
+        None,
+        ["\n<think></think>\n4<|user|>", "\n<think></think>\n6<|user|>", "\n<think>once more</think>\n8<|user|>"],
+    ),
+    "kimi_k2_agent": (
+        KIMI_TOKENS,
+        KIMI_K2_TEMPLATE,
+        "[EOS]",
+        "[BOS]",
+        AGENT,
+        [WEATHER_TOOL],
+        [KIMI_CALL, "It is sunny in Paris.<|im_end|>", "I cannot forecast.<|im_end|>"],
+    ),
+    "kimi_k2_chat": (
+        KIMI_TOKENS,
+        KIMI_K2_TEMPLATE,
+        "[EOS]",
+        "[BOS]",
+        R_CHAT[1:],
+        None,
+        ["<think>add</think>4<|im_end|>", "6<|im_end|>", "<think>once more</think>8<|im_end|>"],
+    ),
+    "deepseek_v31_chat": (
+        DEEPSEEK_TOKENS,
+        DEEPSEEK_V31_TEMPLATE,
+        EOS_DS,
+        "<｜begin▁of▁sentence｜>",
+        R_CHAT,
+        None,
+        # Non-thinking and history turns: `</think>` is the generation prompt's; the thinking turn is
+        # trained from `<think>` (its header `<｜Assistant｜>` is not).
+        [f"4{EOS_DS}", f"6{EOS_DS}", f"<think>once more</think>8{EOS_DS}"],
+    ),
+    "deepseek_v31_agent": (
+        DEEPSEEK_TOKENS,
+        DEEPSEEK_V31_TEMPLATE,
+        EOS_DS,
+        "<｜begin▁of▁sentence｜>",
+        DS_TOOL_CHAT,
+        None,
+        [
+            f'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{{"city": "Paris"}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>{EOS_DS}',
+            f"It is sunny in Paris.{EOS_DS}",
+            f"<think>No forecast tool.</think>I cannot forecast.{EOS_DS}",
+        ],
+    ),
+    "minimax_m2_agent": (
+        MINIMAX_TOKENS,
+        MINIMAX_M2_TEMPLATE,
+        "[e~[",
+        None,
+        AGENT,
+        [WEATHER_TOOL],
+        [
+            # The generation prompt opens `<think>\n`: turns with reasoning are trained after it.
+            'I should call the tool.\n</think>\n\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+            '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>[e~[',
+            "The tool says sunny.\n</think>\n\nIt is sunny in Paris.[e~[",
+            "No forecast tool.\n</think>\n\nI cannot forecast.[e~[",
+        ],
+    ),
+    "minimax_m2_chat": (
+        MINIMAX_TOKENS,
+        MINIMAX_M2_TEMPLATE,
+        "[e~[",
+        None,
+        R_CHAT,
+        None,
+        ["add\n</think>\n\n4[e~[", "6[e~[", "once more\n</think>\n\n8[e~["],
+    ),
+}
+# Families whose template leaves the last turn open: the stop token appended after it (close_last_turn).
+LAST_TURN_STOP = {"glm45_agent": "<|user|>", "glm45_chat": "<|user|>"}
+MODES = {
+    "all_assistant": (None, [1.0, 1.0, 1.0]),
+    "last_assistant": (None, [0.0, 0.0, 1.0]),
+    "per_message_weights": ([0.5, 0.0, 2.0], [0.5, 0.0, 2.0]),
+}
+
+
+def _tokenizer(name: str):
+    tokens, template, eos, bos, *_ = FAMILIES[name]
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    tok.chat_template = template
+    tok.add_tokens(tokens, special_tokens=True)
+    tok.eos_token = eos
+    if bos:
+        tok.bos_token = bos
+    return tok
+
+
+def masked_runs(tok, doc) -> list[tuple[str, float]]:
+    runs, pos = [], 0
+    for weight, group in groupby(doc.loss_weights):
+        n = len(list(group))
+        if weight > 0:
+            runs.append((tok.decode(doc.input_ids[pos : pos + n], skip_special_tokens=False), weight))
+        pos += n
+    return runs
+
+
+def _expected_weights(tok, text: str, messages, trained: list[str], weights: list[float]) -> list[float]:
+    """Independent oracle: each turn's expected trained text, searched after the previous message's text,
+    gives a character span; a token takes the weight of the span it lies in, and none straddles one."""
+    spans, cursor, turns = [], 0, iter(zip(trained, weights))
+    for m in messages:
+        if m["role"] == "assistant":
+            want, w = next(turns)
+            start = text.find(want, cursor)
+            assert start >= cursor, (want, text[cursor:])
+            cursor = start + len(want)
+            spans.append((start, cursor, w))
+        elif m.get("content") and (pos := text.find(m["content"], cursor)) >= 0:
+            cursor = pos + len(m["content"])
+    out = []
+    for a, b in tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]:
+        inside = [w for s, e, w in spans if s <= a and b <= e]
+        assert inside or not any(a < e and b > s for s, e, _ in spans), f"token {text[a:b]!r} straddles a span"
+        out.append(inside[0] if inside else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_templates_train_exactly_the_assistant_turns(name, mode):
+    _, _, _, _, messages, tools, trained = FAMILIES[name]
+    tok = _tokenizer(name)
+    message_weights, expected = MODES[mode]
+    rows = [dict(m) for m in messages]
+    if message_weights:
+        for m, w in zip([m for m in rows if m["role"] == "assistant"], message_weights):
+            m["weight"] = w
+    loss_on = "last_assistant" if mode == "last_assistant" else "all_assistant"
+    doc = tokenize_conversation(tok, rows, 4096, tools=tools, loss_on=loss_on)
+    # The ids are exactly the template's own rendering and tokenization (+ GLM's last stop token).
+    ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    stop = LAST_TURN_STOP.get(name, "")
+    text += stop
+    assert list(doc.input_ids) == list(ids) + ([tok.convert_tokens_to_ids(stop)] if stop else [])
+    assert list(doc.loss_weights) == _expected_weights(tok, text, messages, trained, expected)
+    assert masked_runs(tok, doc) == [(t, w) for t, w in zip(trained, expected) if w > 0]
+    # Nothing of system, user or tool turns, nor the tools list, is trained.
+    trained_text = "".join(t for t, _ in masked_runs(tok, doc))
+    for m in messages:
+        if m["role"] != "assistant" and m.get("content"):
+            assert m["content"] not in trained_text, m
+    assert "Weather of a city" not in trained_text
+
+
+def test_glm_turns_end_at_the_next_role_tag():
+    tok = _tokenizer("glm45_agent")
+    text = tok.apply_chat_template(AGENT, tools=[WEATHER_TOOL], tokenize=False)
+    # The template closes no turn: the next role tag follows the assistant text directly.
+    assert "</tool_call><|observation|>" in text and "Paris.<|user|>" in text and text.endswith("I cannot forecast.")
+    # Two assistant turns in a row, and a system message after a turn: no handover tag is trained there.
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "assistant", "content": "How can I help?"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Bye."},
+    ]
+    doc = tokenize_conversation(tok, messages, 4096)
+    assert [t for t, _ in masked_runs(tok, doc)] == [
+        "\n<think></think>\nHello.",
+        "\n<think></think>\nHow can I help?",
+        "\n<think></think>\nBye.<|user|>",
+    ]
+    # Reasoning written inline in the content gives the same tokens and weights as reasoning_content.
+    inline = [dict(m) for m in AGENT]
+    for m in inline:
+        if m["role"] == "assistant":
+            m["content"] = f"<think>{m.pop('reasoning_content')}</think>{m['content']}"
+    a = tokenize_conversation(tok, AGENT, 4096, tools=[WEATHER_TOOL])
+    b = tokenize_conversation(tok, inline, 4096, tools=[WEATHER_TOOL])
+    assert (list(a.input_ids), list(a.loss_weights)) == (list(b.input_ids), list(b.loss_weights))
+
+
+def test_role_tag_templates_need_a_tag_or_an_explicit_end():
+    tok = _tokenizer("glm45_chat")
+    # An explicit data.end_of_turn must close every turn: GLM has none, so the row is rejected.
+    with pytest.raises(RowError, match=r"^g\.jsonl:1: messages\[2\]: .*not closed by any of \['<\|im_end\|>'\]"):
+        tokenize_conversation(tok, R_CHAT, 4096, source="g.jsonl:1", end_of_turn="<|im_end|>")
+    # A template whose next header is plain text (no added token) gives no closing token: rejected.
+    plain = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    plain.chat_template = GLM45_TEMPLATE.replace("<|user|>", "USER:")
+    plain.add_tokens([t for t in GLM_TOKENS if t != "<|user|>"], special_tokens=True)
+    plain.eos_token = "<|endoftext|>"
+    with pytest.raises(RowError, match=r"messages\[2\]: .*nor followed directly by a role tag"):
+        tokenize_conversation(plain, R_CHAT, 4096)
+
+
+# Gemma's layout: turns closed by `<end_of_turn>` (neither the eos nor a known end-of-turn string) and a
+# newline before the next `<start_of_turn>`: not a role-tag template, so no closing token is guessed.
+GEMMA_LIKE_TEMPLATE = (
+    "{{ bos_token }}{%- for m in messages -%}"
+    "{{ '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role) + '\\n' + m.content + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def test_unknown_end_tokens_are_not_guessed():
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    tok.chat_template = GEMMA_LIKE_TEMPLATE
+    tok.add_tokens(["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    tok.eos_token, tok.bos_token = "<eos>", "<bos>"
+    messages = R_CHAT[1:5]
+    for rows in (messages, messages[:2]):  # multi-turn, and a single turn ending the text
+        with pytest.raises(RowError, match=r"messages\[1\]: .*nor followed directly by a role tag.*data\.end_of_turn"):
+            tokenize_conversation(tok, rows, 4096)
+    doc = tokenize_conversation(tok, messages, 4096, end_of_turn="<end_of_turn>")
+    assert masked_runs(tok, doc) == [("<think>add</think>4<end_of_turn>", 1.0), ("6<end_of_turn>", 1.0)]
+
+
+def _demo_chatml_prefix_diff():
+    """The demo ChatML template without its {% generation %} markers (the prefix-diff path)."""
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    tok.chat_template = tok.chat_template.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    return tok
+
+
+@pytest.mark.parametrize("weight", [1.0, 2.5])
+def test_glm_last_turn_is_closed_by_its_stop_token(weight):
+    tok = _tokenizer("glm45_chat")
+    user, observation = tok.convert_tokens_to_ids(["<|user|>", "<|observation|>"])
+    rows = {
+        "single_turn": (R_CHAT[1:3], None, user),
+        "single_turn_system": (R_CHAT[:3], None, user),
+        "multi_turn": (R_CHAT, None, user),
+        "agent": (AGENT, [WEATHER_TOOL], user),
+        # A last turn that calls a tool hands over to the tool: GLM's stop token there is <|observation|>.
+        "tool_call_last": (AGENT[:3], [WEATHER_TOOL], observation),
+    }
+    for name, (messages, tools, stop) in rows.items():
+        weighted = [*messages[:-1], {**messages[-1], "weight": weight}]
+        ids = list(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False))
+        doc = tokenize_conversation(tok, weighted, 4096, tools=tools)
+        assert list(doc.input_ids) == [*ids, stop], name
+        # The appended token is trained with the turn's weight, as the rest of the turn; the labels
+        # shift as for any token (it is predicted from the turn's last token).
+        assert list(doc.loss_weights[-2:]) == [weight, weight], name
+        assert masked_runs(tok, doc)[-1][0].endswith(tok.convert_ids_to_tokens(stop)), name
+        # close_last_turn=false: exactly the template's ids, the turn's own tokens weighted the same.
+        off = tokenize_conversation(tok, weighted, 4096, tools=tools, close_last_turn=False)
+        assert list(off.input_ids) == ids, name
+        assert list(off.loss_weights) == list(doc.loss_weights[:-1]), name
+    # A row ending with a user message, or whose last turn is not trained, gets nothing appended.
+    for messages in (R_CHAT[:4], R_CHAT[:6]):
+        doc = tokenize_conversation(tok, messages, 4096)
+        assert list(doc.input_ids) == list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+    untrained = [*R_CHAT[:-1], {**R_CHAT[-1], "weight": 0.0}]
+    doc = tokenize_conversation(tok, untrained, 4096)
+    assert list(doc.input_ids) == list(tok.apply_chat_template(R_CHAT, tokenize=True, return_dict=False))
+    assert doc.loss_weights[-1] == 0.0
+
+
+def test_closed_turns_get_nothing_appended():
+    """ChatML, Kimi-K2, DeepSeek-V3.1 and MiniMax-M2 close every turn with their own end token."""
+    cases = [(_demo_chatml_prefix_diff(), "chatml")] + [
+        (_tokenizer(name), name) for name in ("kimi_k2_agent", "deepseek_v31_agent", "minimax_m2_agent")
+    ]
+    for tok, name in cases:
+        rows = [(R_CHAT[1:3], None), (R_CHAT, None)] + ([] if name == "chatml" else [(AGENT, [WEATHER_TOOL])])
+        for messages, tools in rows:
+            ids = list(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False))
+            assert list(tokenize_conversation(tok, messages, 4096, tools=tools).input_ids) == ids, name
+
+
+def test_glm_like_last_turn_without_a_stop_tag_is_an_error():
+    # A template whose user header is plain text: a single-turn row's last turn has no tag to append.
+    plain = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    plain.chat_template = GLM45_TEMPLATE.replace("<|user|>", "USER:")
+    plain.add_tokens([t for t in GLM_TOKENS if t != "<|user|>"], special_tokens=True)
+    plain.eos_token = "<|endoftext|>"
+    with pytest.raises(RowError, match=r"^g\.jsonl:1: messages\[2\]: the last assistant turn .*data\.end_of_turn"):
+        tokenize_conversation(plain, R_CHAT[:3], 4096, source="g.jsonl:1")
+    doc = tokenize_conversation(plain, R_CHAT[:3], 4096, close_last_turn=False)
+    assert list(doc.input_ids) == list(plain.apply_chat_template(R_CHAT[:3], tokenize=True, return_dict=False))
