@@ -114,6 +114,9 @@ def test_triton_gather_sum_equals_the_torch_sum_of_the_gathered_rows():
         tol = dict(rtol=2**-8, atol=1e-5) if src.dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(ours.double(), exact, **tol)
         torch.testing.assert_close(torch_ops.double(), exact, **tol)
+    # an EP rank whose experts got no token: no rows, every slot empty -> zeros
+    empty = gather_sum.gather_sum(rows[:0], torch.full((5, 8), -1, device="cuda"))
+    assert empty.shape == (5, 2048) and empty.count_nonzero() == 0
 
 
 @pytest.mark.parametrize("tokens,experts,k", [(4096, 128, 8), (4096, 256, 8), (1000, 60, 4), (7, 8, 2)])
