@@ -203,6 +203,8 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> MiniMaxM2Config:
         router_aux_loss_coef=0.001,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        bos_token_id=None,  # the released ids (200034, 200020) lie outside a tiny vocabulary
+        eos_token_id=None,
     )
     kwargs.update(overrides)
     return MiniMaxM2Config(**kwargs)
