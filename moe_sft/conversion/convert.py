@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moe_sft.conversion import completeness, mcore_io, streaming
+from moe_sft.conversion import completeness, mapping, mcore_io, streaming
 from moe_sft.conversion import workers as conversion_workers
 from moe_sft.conversion.hf_source import load_hf_config, prepare
 from moe_sft.conversion.meta_model import meta_model
@@ -75,6 +75,12 @@ def convert(
                     field,
                     count,
                 )
+        if job.copies_absent and spec.index == 0:
+            log.info(
+                "the checkpoint stores no MTP copies of the embedding / LM head (%s): they equal the "
+                "main ones, which megatron's MTP uses; the export leaves them out too",
+                mapping._list(job.copies_absent, 5),
+            )
         model = meta_model(job.family, job.hf_cfg, job.precision)
         completeness.check_produced(job.entries, model.state_dict(keep_vars=True))  # before any write
         written = streaming.save_streaming(
@@ -95,6 +101,8 @@ def convert(
         )
         if job.mtp_dropped:
             meta["mtp_dropped_from_config"] = job.mtp_dropped
+        if job.copies_absent:  # export writes back exactly what the source stored
+            meta[mcore_io.COPIES_ABSENT] = job.copies_absent
         mcore_io.write_meta(tmp, meta)
         (tmp / conversion_workers.RUN_STAMP).unlink()
         mcore_io.commit_dir(tmp, out_path)

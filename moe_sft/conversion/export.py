@@ -195,14 +195,14 @@ def export_with_stats(
     """`export`, also returning what it read and wrote."""
     started = time.time()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    mcore_io.read_meta(ckpt_dir)
+    meta = mcore_io.read_meta(ckpt_dir)
     left = mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_export_dir(ckpt_dir, out))
     if left:
         log.warning("replacing %s.tmp: %s", out_dir, left)
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
     torch_dtype = DTYPES[dtype]
     reader = DistCheckpointReader(ckpt_dir)
-    plan = export_plan.build(family, hf_cfg, reader, read_bytes)
+    plan = export_plan.build(family, hf_cfg, reader, read_bytes, meta.get(mcore_io.COPIES_ABSENT, ()))
     writer = StreamingSafetensorsWriter(
         out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes, source=str(ckpt_dir.resolve())
     )

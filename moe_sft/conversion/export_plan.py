@@ -249,10 +249,14 @@ def _param_plan_whole(entry, shape, dtype, pairs, hf_shapes) -> ParamPlan:
     )
 
 
-def build(family, hf_cfg, reader: DistCheckpointReader, read_bytes: int = DEFAULT_READ_BYTES) -> ExportPlan:
-    """Plan the export of the checkpoint `reader` reads; every gate runs here, before any read."""
+def build(
+    family, hf_cfg, reader: DistCheckpointReader, read_bytes: int = DEFAULT_READ_BYTES, copies_absent=()
+) -> ExportPlan:
+    """Plan the export of the checkpoint `reader` reads; every gate runs here, before any read.
+    `copies_absent`: the HF copies the converted source did not store (mapping.without_copies),
+    left out of the export too."""
     model = meta_model(family, hf_cfg, "fp32")
-    entries = mapping.expand(family, hf_cfg)
+    entries = mapping.without_copies(mapping.expand(family, hf_cfg), copies_absent)
     completeness.check_produced(entries, model.state_dict(keep_vars=True))  # every megatron parameter exported
     found, tensors = _pieces_by_param(model)
     stored = reader.tensors()

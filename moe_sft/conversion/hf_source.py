@@ -4,7 +4,7 @@ what the trainer loads), its shards (checked dtypes, FP8 block shape) and the ch
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -70,6 +70,7 @@ class Job:
     entries: list
     ctx: dict
     mtp_dropped: dict | None = None  # {config field: MTP layers declared} when the checkpoint has none
+    copies_absent: list[str] = field(default_factory=list)  # mapping.without_copies: HF copies not stored
 
 
 def prepare(hf_path: str | Path) -> Job:
@@ -86,5 +87,9 @@ def prepare(hf_path: str | Path) -> Job:
         family.check_supported(hf_cfg)
     precision = check_dtypes(reader)
     entries = mapping.expand(family, hf_cfg)
+    # Copies of the embedding / LM head in MTP layers hold nothing: GLM-4.6 stores none of them.
+    copies_absent = mapping.absent_copies(entries, reader.names())
+    entries = mapping.without_copies(entries, copies_absent)
     completeness.check_hf_coverage(family, entries, reader.names(), hf_cfg, reader.empty_names())
-    return Job(family, hf_cfg, reader, precision, entries, mapping.transform_context(family, hf_cfg), mtp_dropped)
+    ctx = mapping.transform_context(family, hf_cfg)
+    return Job(family, hf_cfg, reader, precision, entries, ctx, mtp_dropped, copies_absent)

@@ -17,7 +17,7 @@ import torch
 from moe_sft.models.builder import padded_vocab_size
 from moe_sft.models.family import Family, Rule
 from moe_sft.models.hf_config import num_experts
-from moe_sft.models.transforms import CopiesDifferError, Transform
+from moe_sft.models.transforms import CopiesDifferError, Transform, keeping
 
 
 class MappingError(ValueError):
@@ -102,6 +102,25 @@ def drop_absent_mtp(family: Family, hf_cfg, hf_names: set[str]) -> dict | None:
         return None
     setattr(hf_cfg, field, 0)
     return {field: declared}
+
+
+def without_copies(entries: list[Entry], absent) -> list[Entry]:
+    """The entries with the HF names in `absent` left out, where they are copies (`Transform.copies`)
+    that hold no information: GLM-4.6's MTP layer stores no copy of the embedding and LM head,
+    which DeepSeek-V3 and GLM-4.5 carry. Absent names that are not such copies stay in, for the
+    completeness gate to name."""
+    absent, out = set(absent), []
+    for entry in entries:
+        kept = [i for i, n in enumerate(entry.hf) if i == 0 or n not in absent]
+        if entry.transform.copies and len(kept) < len(entry.hf):
+            entry = Entry(entry.mcore, tuple(entry.hf[i] for i in kept), keeping(entry.transform, kept))
+        out.append(entry)
+    return out
+
+
+def absent_copies(entries: list[Entry], hf_names: set[str]) -> list[str]:
+    """The copies (`without_copies`) the entries name that `hf_names`, a checkpoint's, lacks."""
+    return sorted(n for e in entries if e.transform.copies for n in e.hf[1:] if n not in hf_names)
 
 
 def _list(names, limit=20) -> str:

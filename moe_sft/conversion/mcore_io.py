@@ -44,6 +44,9 @@ HF_SIDE_FILES = (
 CONVERT_STAMP = ".moe_sft_run"
 EXPORT_STAMP = ".moe_sft_export"
 STEP_DIR = re.compile(r"step_(\d+)")  # the trainer's checkpoints/step_0000010
+# Meta key: the HF copies (of the embedding / LM head, in MTP layers) the source did not store
+# (mapping.without_copies); the export leaves them out too.
+COPIES_ABSENT = "hf_copies_absent"
 
 
 class OutputDirError(CheckpointError):

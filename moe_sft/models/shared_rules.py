@@ -6,6 +6,8 @@ config (`sigmoid_group_routing_config`).
 MTP in HF checkpoints: MTP layer k is stored as `model.layers.{N + k}` (N decoder layers) with
 enorm, hnorm, eh_proj, shared_head.norm, a full decoder layer, and copies of the embedding and
 lm_head; megatron holds it as `mtp.layers.{k}` and reuses the main embedding and output layer.
+The copies hold nothing (T.PAD_VOCAB_MTP_SHARED checks them): GLM-4.6 stores none, which the
+engine leaves out (mapping.without_copies).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ only slice, concatenate, transpose and reshape — no arithmetic. Names carry la
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ class Transform:
       per-expert blocks, each made from that expert's HF tensors alone (checked in
       tests/cpu/test_streaming_convert.py); `expert_block(shape, experts)` is the shape of expert
       e's block as a tensor of its own.
+
+    `copies`: the HF tensors after the first are copies of it (checked equal on the way in) that
+    carry no information, so a checkpoint may lack any of them (`keeping`).
     """
 
     name: str
@@ -34,6 +38,7 @@ class Transform:
     to_hf: Callable[[torch.Tensor, dict], list[torch.Tensor]]
     row_separable: bool = False
     expert_block: Callable[[tuple[int, ...], int], tuple[int, ...]] | None = None
+    copies: bool = False
 
     @property
     def expert_separable(self) -> bool:
@@ -188,8 +193,27 @@ def _shared_vocab_to(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
     return [main] + [main.clone() for _ in range(ctx["num_mtp_layers"])]
 
 
-# Vocab padding + one copy per MTP layer (the official checkpoint carries them).
-PAD_VOCAB_MTP_SHARED = Transform("pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to, row_separable=True)
+# Vocab padding + one copy per MTP layer (DeepSeek-V3's and GLM-4.5's checkpoints carry them,
+# GLM-4.6's does not: `keeping`).
+PAD_VOCAB_MTP_SHARED = Transform(
+    "pad_vocab_mtp_shared", _shared_vocab_from, _shared_vocab_to, row_separable=True, copies=True
+)
+
+
+def keeping(transform: Transform, positions: Sequence[int]) -> Transform:
+    """`transform` (a `copies` one) for the HF tensors at `positions` of its names only: the main
+    tensor (position 0) and the copies a checkpoint stores. Copies are interchangeable, so the
+    stored ones go in as they are and only those come out."""
+    if not transform.copies or not positions or positions[0] != 0:
+        raise ValueError(f"{transform.name}: only copies after the first may be left out, not {list(positions)}")
+    kept = tuple(positions)
+
+    def to_hf(t: torch.Tensor, ctx: dict) -> list[torch.Tensor]:
+        tensors = transform.to_hf(t, ctx)
+        return [tensors[i] for i in kept]
+
+    return dataclasses.replace(transform, to_hf=to_hf)
+
 
 ALL_TRANSFORMS = (
     IDENTITY,

@@ -11,9 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_sft.conversion import fp8, mapping, parity
+from moe_sft.conversion import fp8, mapping, mcore_io, parity
 from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export, load_model_from_checkpoint
+from moe_sft.conversion.hf_source import prepare
+from moe_sft.conversion.single_rank import single_rank_model
 from moe_sft.models import glm4_moe
 from moe_sft.models.family import UnsupportedConfigError
 from tests.cpu.test_families import PARITY_TOL, _all_tensors
@@ -120,6 +122,81 @@ def test_mtp_logits_match_the_reference_with_packed_documents(mtp_ckpt):
     mtp_diff = max((r[1] - o[1]).abs().max().item() for r, o in zip(refs, ours))
     print(f"glm4_moe MTP: main {main_diff:.3e}, mtp {mtp_diff:.3e} max abs logit diff")
     assert main_diff <= PARITY_TOL and mtp_diff <= PARITY_TOL, (main_diff, mtp_diff)
+
+
+# GLM-4.6's release stores its MTP layer without the copies of the embedding and the LM head that
+# GLM-4.5 and DeepSeek-V3 carry (llama.cpp issue #16359): they hold nothing, megatron's MTP uses
+# the main ones, so conversion accepts their absence and the export writes back what was stored.
+EMBED_COPY, HEAD_COPY = "model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"
+
+
+def _without(src, dst, names) -> None:
+    """A copy of the checkpoint `src` with the HF tensors `names` deleted from its shards."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v for k, v in load_file(str(f)).items() if k not in names}, str(dst / f.name))
+        elif f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
+@pytest.mark.parametrize("absent", [(EMBED_COPY, HEAD_COPY), (EMBED_COPY,)], ids=["glm_4_6", "embed_copy_only"])
+def test_mtp_layer_without_the_embedding_and_head_copies(mtp_ckpt, tmp_path, absent):
+    hf, ref, tmp = mtp_ckpt
+    _without(tmp / "hf", tmp_path / "hf", absent)
+    source = _all_tensors(tmp_path / "hf")
+    meta = convert(tmp_path / "hf", tmp_path / "mcore", max_chunk_bytes=2048)  # rows streamed in pieces
+    assert meta[mcore_io.COPIES_ABSENT] == sorted(absent)
+    assert mcore_io.read_meta(tmp_path / "mcore")[mcore_io.COPIES_ABSENT] == sorted(absent)
+    model = load_model_from_checkpoint(tmp_path / "mcore").eval()
+    with_copies = load_model_from_checkpoint(tmp / "mcore").state_dict()
+    assert all(torch.equal(v, with_copies[k]) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor))
+    # the single-rank (in-memory) converter reads the same entries
+    job = prepare(tmp_path / "hf")
+    try:
+        single = single_rank_model(job.family, job.hf_cfg, job.precision)
+        mapping.load_hf_into_state(job.entries, job.reader.get, job.ctx, single.state_dict())
+    finally:
+        job.reader.close()
+    assert all(torch.equal(v, with_copies[k]) for k, v in single.state_dict().items() if isinstance(v, torch.Tensor))
+    model.run_mtp = True
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (19, 40, 7)]
+    with torch.no_grad():
+        ours = _packed_outputs(model, docs)
+    refs = [reference_logits(hf, ref, d) for d in docs]
+    main_diff = max((r[0] - o[0]).abs().max().item() for r, o in zip(refs, ours))
+    mtp_diff = max((r[1] - o[1]).abs().max().item() for r, o in zip(refs, ours))
+    assert main_diff <= PARITY_TOL and mtp_diff <= PARITY_TOL, (main_diff, mtp_diff)
+    export(tmp_path / "mcore", tmp_path / "out", dtype="fp32", read_bytes=4096)
+    after = _all_tensors(tmp_path / "out")
+    assert set(after) == set(source) and not set(absent) & set(after)
+    assert all(torch.equal(source[k], after[k]) for k in source)
+
+
+def test_copies_absent_per_mtp_layer():
+    """With two MTP layers, each layer's copies are left out or kept on their own."""
+    cfg = glm4_moe.tiny_hf_config(vocab_size=VOCAB, num_nextn_predict_layers=2)
+    entries = mapping.expand(FAMILY, cfg)
+    absent = ["model.layers.3.embed_tokens.weight", "model.layers.2.shared_head.head.weight"]
+    kept = {e.mcore: e for e in mapping.without_copies(entries, absent)}
+    embed, head = kept["embedding.word_embeddings.weight"], kept["output_layer.weight"]
+    assert embed.hf == ("model.embed_tokens.weight", "model.layers.2.embed_tokens.weight")
+    assert head.hf == ("lm_head.weight", "model.layers.3.shared_head.head.weight")
+    ctx = mapping.transform_context(FAMILY, cfg)
+    weight = torch.randn(ctx["padded_vocab_size"], cfg.hidden_size)
+    assert all(torch.equal(t, weight[:VOCAB]) for t in embed.transform.to_hf(weight, ctx))
+    assert len(embed.transform.to_hf(weight, ctx)) == 2
+    assert mapping.absent_copies(entries, {n for e in entries for n in e.hf} - set(absent)) == sorted(absent)
+    # only copies: a missing main tensor or MTP module stays in, for the completeness gate
+    assert mapping.without_copies(entries, ["lm_head.weight", "model.layers.2.eh_proj.weight"]) == entries
+
+
+def test_mtp_layer_missing_a_module_tensor_is_refused_by_name(mtp_ckpt, tmp_path):
+    _, _, tmp = mtp_ckpt
+    _without(tmp / "hf", tmp_path / "hf", (EMBED_COPY, HEAD_COPY, "model.layers.2.eh_proj.weight"))
+    with pytest.raises(mapping.MappingError, match=r"lacks 1 tensor\(s\).*model\.layers\.2\.eh_proj\.weight"):
+        convert(tmp_path / "hf", tmp_path / "mcore")
 
 
 # ----------------------------------------------------------------------------- FP8
