@@ -13,6 +13,9 @@ from moe_sft.conversion import completeness, mapping
 from moe_sft.conversion.hf_reader import CheckpointError, HFCheckpointReader
 from moe_sft.conversion.streaming_reader import StreamingHFReader
 from moe_sft.models import registry
+from moe_sft.runtime.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def load_hf_config(path: Path, check_supported: bool = True):
@@ -73,9 +76,26 @@ class Job:
     copies_absent: list[str] = field(default_factory=list)  # mapping.without_copies: HF copies not stored
 
 
+def remote_code_note(path: Path, family) -> str | None:
+    """What a checkpoint with its own modeling code (config.json's `auto_map`, *.py files next to
+    it: Kimi-K2, MiniMax-M2 releases) gets: a line saying that code is not run, or None."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    files = sorted(p.name for p in Path(path).glob("*.py"))
+    if not raw.get("auto_map") and not files:
+        return None
+    named = ", ".join(([f"auto_map {sorted(raw['auto_map'])}"] if raw.get("auto_map") else []) + files)
+    return (
+        f"{path} ships its own modeling code ({named}): moe-sft reads config.json and the safetensors "
+        f"weights only and builds the {family.name} family's megatron model; that code is never run "
+        "(no trust_remote_code)"
+    )
+
+
 def prepare(hf_path: str | Path) -> Job:
     """Read config + shard headers; the completeness gate for HF tensors runs here."""
     family, hf_cfg = load_hf_config(Path(hf_path), check_supported=False)
+    if note := remote_code_note(Path(hf_path), family):
+        log.info(note)
     declares_mtp = family.num_mtp_layers(hf_cfg) > 0
     if not declares_mtp:
         family.check_supported(hf_cfg)  # before any shard is opened

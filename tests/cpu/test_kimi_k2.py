@@ -86,9 +86,16 @@ def test_released_layout_reads_as_deepseek_v3_under_kimis_type(released):
     assert kw["moe_layer_freq"] == [0, 1] and kw["mtp_num_layers"] is None
 
 
-def test_convert_and_export_keep_model_type_architectures_and_auto_map(released):
+def test_convert_and_export_keep_model_type_architectures_and_auto_map(released, capsys):
     tmp, source = released
+    (tmp / "hf" / "modeling_deepseek.py").write_text("raise SystemExit('remote code must never run')\n")
     convert(tmp / "hf", tmp / "mcore")
+    said = capsys.readouterr().out
+    assert (
+        "ships its own modeling code (auto_map ['AutoConfig', 'AutoModel', 'AutoModelForCausalLM'], "
+        "modeling_deepseek.py): moe-sft reads config.json and the safetensors weights only" in said
+    ), said
+    assert "that code is never run (no trust_remote_code)" in said
     meta = json.loads((tmp / "mcore" / "moe_sft_meta.json").read_text())
     assert meta["family"] == "kimi_k2" and meta["model_type"] == "kimi_k2"
     assert json.loads((tmp / "mcore" / "hf" / "config.json").read_text()) == source  # copied as given
