@@ -126,12 +126,15 @@ def gqa_shape_fields(c, name: str) -> dict:
     return fields
 
 
-def gqa_moe_shape(c, name: str, *, qk_norm: bool, moe_ffn: int, is_moe_layer) -> shape.ModelShape:
+def gqa_moe_shape(
+    c, name: str, *, qk_norm: bool, moe_ffn: int, is_moe_layer, qk_norm_full_width: bool = False
+) -> shape.ModelShape:
     """The ModelShape of a GQA family without shared experts or MTP (c: shape.config_view)."""
     fields = gqa_shape_fields(c, name)
     return shape.ModelShape(
         **fields,
         qk_norm=qk_norm,
+        qk_norm_full_width=qk_norm_full_width,
         ffn=int(c.intermediate_size),
         moe_ffn=int(moe_ffn),
         shared_ffn=0,

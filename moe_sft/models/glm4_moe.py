@@ -145,6 +145,7 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
     return S.ModelShape(
         **fields,
         qk_norm=bool(c.use_qk_norm),
+        qkv_bias=bool(S.field(c, "attention_bias", default=False)),
         ffn=int(c.intermediate_size),
         moe_ffn=moe_ffn,
         shared_ffn=int(S.field(c, "n_shared_experts", default=1)) * moe_ffn,

@@ -162,7 +162,9 @@ def gpt_model_kwargs(cfg) -> dict:
 
 def shape(cfg, name: str = "model") -> S.ModelShape:
     c = S.config_view(cfg)
-    return common.gqa_moe_shape(c, name, qk_norm=True, moe_ffn=c.intermediate_size, is_moe_layer=is_moe_layer)
+    return common.gqa_moe_shape(
+        c, name, qk_norm=True, moe_ffn=c.intermediate_size, is_moe_layer=is_moe_layer, qk_norm_full_width=True
+    )
 
 
 def rules(cfg) -> list[Rule]:

@@ -145,6 +145,8 @@ class ModelShape:
     tie_embeddings: bool
     mla: MLA | None = None
     glu: bool = True  # SwiGLU: 3 matmuls per MLP, else 2
+    qk_norm_full_width: bool = False  # q/k norms over all heads (MiniMax-M2), not one head's width
+    qkv_bias: bool = False  # biases on the q, k and v projections (GLM-4.5 attention_bias)
 
     @property
     def padded_vocab(self) -> int:
@@ -193,6 +195,7 @@ class ModelShape:
             num_kv_heads=config.num_query_groups or config.num_attention_heads,
             head_dim=config.kv_channels,
             qk_norm=bool(getattr(config, "qk_layernorm", False)),
+            qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
             ffn=config.ffn_hidden_size,
             num_experts=config.num_moe_experts or 0,
             topk=config.moe_router_topk or 0,

@@ -45,9 +45,11 @@ def attention_params(s: ModelShape, tp: int, backend: str = "torch") -> int:
     h = s.hidden
     norms = h  # input_layernorm
     if s.mla is None:
-        qkv = h * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // tp
+        qkv = (h + s.qkv_bias) * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // tp
         proj = s.num_heads * s.head_dim * h // tp
         qk_norm = 2 * s.head_dim if s.qk_norm else 0
+        if s.qk_norm_full_width:  # one weight per q and k channel, split over TP with the heads
+            qk_norm = (s.num_heads + s.num_kv_heads) * s.head_dim // tp
         return norms + qkv + proj + qk_norm
     m = s.mla
     qhd = m.qk_nope + m.qk_rope

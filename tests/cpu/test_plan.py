@@ -310,7 +310,7 @@ def fake_world():
 
 
 def test_parameter_counts_per_rank_are_exact(fake_world):
-    from moe_sft.models import deepseek_v3, mixtral, qwen3_moe
+    from moe_sft.models import deepseek_v3, glm4_moe, kimi_k2, minimax_m2, mixtral, qwen3_moe
     from moe_sft.plan.params import stage_params
 
     cases = [
@@ -333,6 +333,9 @@ def test_parameter_counts_per_rank_are_exact(fake_world):
             dict(pp=4, vpp=2, ep=2, first=2, last=2),
         ),
         (mixtral.FAMILY, mixtral.tiny_hf_config(num_hidden_layers=2), 4, dict(tp=2, ep=2, etp=2)),
+        (glm4_moe.FAMILY, glm4_moe.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
+        (minimax_m2.FAMILY, minimax_m2.tiny_hf_config(num_hidden_layers=2), 4, dict(tp=2, ep=2, etp=2)),
+        (kimi_k2.FAMILY, kimi_k2.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
     ]
     for family, hf, world, par in cases:
         shape = shape_from_hf_dict(hf.to_dict())
