@@ -84,3 +84,20 @@ def sigmoid_group_routing_config(cfg) -> dict:
         moe_router_group_score_topk=None if same_groups else HF_GROUP_SCORE_TOPK,
         moe_router_normalize_topk=None if normalize == (topk > 1) else normalize,
     )
+
+
+def sample_group_routed_moe(rng, groups: int, per_group: int, kept: int, layers: int) -> dict:
+    """The MoE fields of a random DeepSeek-V3-style config (`sample_hf_config`): `groups` expert
+    groups of `per_group` experts (2+ each: transformers ranks a group by its two best), `kept` of
+    them per token, top-1 up to every kept expert, 0..2 shared experts, the router's normalisation
+    and scaling, and 0..layers leading dense layers."""
+    return dict(
+        n_routed_experts=groups * per_group,
+        n_group=groups,
+        topk_group=kept,
+        num_experts_per_tok=rng.randint(1, kept * per_group),
+        n_shared_experts=rng.randint(0, 2),
+        norm_topk_prob=rng.random() < 0.7,
+        routed_scaling_factor=rng.choice([1.0, 2.5, rng.uniform(0.5, 3)]),
+        first_k_dense_replace=rng.randint(0, layers),
+    )
