@@ -344,6 +344,29 @@ class KernelsConfig:
 
 
 @dataclass(kw_only=True)
+class PeftConfig:
+    """Parameter-efficient fine-tuning: LoRA/DoRA adapters on a frozen base (moe_sft/peft/)."""
+
+    method: str = _f("none", "none (full-parameter SFT) | lora | dora", ("none", "lora", "dora"))
+    rank: int = _f(16, "adapter rank r (A: r x in, B: out x r)")
+    alpha: float = _f(32.0, "scaling numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = _f(0.0, "dropout on the adapter's input (training only; 0 = off)")
+    target_modules: list[str] = _f(
+        ["attention", "experts"],
+        "where adapters go: shorthands attention | dense_mlp | shared_experts | experts | all_linear, or "
+        "fnmatch patterns over module names with global layer numbers (e.g. 'decoder.layers.*.self_attention.linear_qkv')",
+    )
+    share_expert_factor: str = _f(
+        "none",
+        "routed experts: none (one A and B per expert) | a (one A per layer, shared by its experts) | b (one B)",
+        ("none", "a", "b"),
+    )
+    lr: float | None = _f(None, "adapter learning rate; null = optimizer.lr")
+    train_router: bool = _f(False, "also train the MoE routers (full weights); else frozen with the base")
+    init_seed: int = _f(0, "seed of the adapters' A initialisation (B starts at zero: the model starts as the base)")
+
+
+@dataclass(kw_only=True)
 class HardwareConfig:
     """What the recipe is planned for (python -m moe_sft.plan, trainer.dry_run, recipes/slurm).
 
@@ -373,6 +396,9 @@ class TrainConfig:
     )
     kernels: KernelsConfig = dataclasses.field(
         default_factory=KernelsConfig, metadata={"help": "kernels section (moe_sft/kernels/)"}
+    )
+    peft: PeftConfig = dataclasses.field(
+        default_factory=PeftConfig, metadata={"help": "LoRA/DoRA section (moe_sft/peft/)"}
     )
     hardware: HardwareConfig = dataclasses.field(
         default_factory=HardwareConfig, metadata={"help": "planned hardware (planner / dry run only)"}

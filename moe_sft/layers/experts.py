@@ -61,6 +61,9 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
     def __init__(self, num_local_experts, config, pg_collection=None):
         with _grouped_gemm_package_not_required():
             super().__init__(num_local_experts, config, pg_collection=pg_collection)
+        # LoRA beside the grouped weights (moe_sft/peft/experts.py), set when adapters are added:
+        # it needs the tokens between fc1 and the activation, which no forward hook sees.
+        self.adapter = None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
@@ -71,9 +74,15 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
             # Keep every expert weight in the autograd graph so gradients (zeros) exist, and the
             # probs too: their all-gather's backward is a collective every EP rank must run (a rank
             # whose experts got no token skipped it and EP2 on gloo deadlocked).
-            return x @ w1.sum(0)[:, : w2.shape[1]] @ w2.sum(0) + permuted_probs.sum() * 0, None
+            out = x @ w1.sum(0)[:, : w2.shape[1]] @ w2.sum(0) + permuted_probs.sum() * 0
+            return out + (self.adapter.zero_contribution() if self.adapter is not None else 0), None
         h = grouped_matmul(x, w1, tokens_per_expert, self.weight1)
+        if self.adapter is not None:
+            h = h + self.adapter.fc1(x, tokens_per_expert)
         # megatron's compiled SwiGLU x probs (one kernel each way on CUDA; the probs product in fp32,
         # rounded once): a separate bf16 multiply took 10.6 ms per step on the H200 benchmark
         h = self.activation_func_with_probs(h, permuted_probs.unsqueeze(-1))
-        return grouped_matmul(h, w2, tokens_per_expert, self.weight2), None
+        out = grouped_matmul(h, w2, tokens_per_expert, self.weight2)
+        if self.adapter is not None:
+            out = out + self.adapter.fc2(h, tokens_per_expert)
+        return out, None

@@ -28,6 +28,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
+from moe_sft.peft import state as peft_state
 from moe_sft.runtime.logs import get_logger
 from moe_sft.trainer import checkpoint_integrity
 from moe_sft.trainer.guard import HELPER_IGNORED_SIGNALS, shield_helper_process
@@ -70,11 +71,33 @@ def sharded_metadata() -> dict:
     }
 
 
-def model_sharded_state(model_chunks) -> dict:
+def model_sharded_state(model_chunks, part: str = "saved") -> dict:
+    """The model's entries. An adapted model (LoRA/DoRA) saves and resumes only what it trains
+    (part="saved": the adapters, and the routers when trained); its frozen base is loaded on its
+    own (part="base")."""
     model_chunks, meta = unwrap(model_chunks), sharded_metadata()
+
+    def entries(chunk) -> dict:
+        full = chunk.sharded_state_dict(metadata=meta)
+        if not getattr(chunk, "is_adapted", False):
+            return full
+        if part == "base":
+            return peft_state.base_entries(full)
+        return peft_state.trainable_entries(chunk, full, meta["dp_cp_group"])
+
     if len(model_chunks) == 1:
-        return {"model": model_chunks[0].sharded_state_dict(metadata=meta)}
-    return {f"model{i}": chunk.sharded_state_dict(metadata=meta) for i, chunk in enumerate(model_chunks)}
+        return {"model": entries(model_chunks[0])}
+    return {f"model{i}": entries(chunk) for i, chunk in enumerate(model_chunks)}
+
+
+def _load_into(model_chunks, sharded: dict, state: dict, part: str) -> None:
+    for key, chunk in zip(sharded, unwrap(model_chunks)):
+        if not getattr(chunk, "is_adapted", False):
+            chunk.load_state_dict(state[key])
+        elif part == "base":
+            peft_state.load_partial(chunk, state[key], peft_state.is_adapter_key)
+        else:
+            peft_state.load_partial(chunk, state[key], peft_state.frozen_key(chunk))
 
 
 def _rng_object() -> ShardedObject:
@@ -301,10 +324,9 @@ def load_model_weights(path: Path, model_chunks) -> None:
     Storage is keyed by each ShardedTensor's global key, not by the dict path, so the chunks of
     a VPP model read the single 'model' a converter wrote.
     """
-    sharded = model_sharded_state(model_chunks)
+    sharded = model_sharded_state(model_chunks, part="base")
     state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
-    for key, chunk in zip(sharded, unwrap(model_chunks)):
-        chunk.load_state_dict(state[key])
+    _load_into(model_chunks, sharded, state, part="base")
 
 
 def load_full(
@@ -321,8 +343,7 @@ def load_full(
     if common.get("world_size") != dist.get_world_size():
         sharded.pop("rng_state")
     state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
-    for key, chunk in zip(model_sharded_state(model_chunks), unwrap(model_chunks)):
-        chunk.load_state_dict(state[key])
+    _load_into(model_chunks, model_sharded_state(model_chunks), state, part="saved")
     if load_optimizer:
         saved_parts = _optimizer_part_count(common["optimizer"])
         if saved_parts != len(_optimizer_parts(optimizer)):

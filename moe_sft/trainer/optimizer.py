@@ -11,13 +11,21 @@ from moe_sft.kernels import install as kernels
 from moe_sft.trainer import checkpoint, freeze
 
 
+def peak_lr(cfg) -> float:
+    """optimizer.lr, or peft.lr for a LoRA/DoRA run that sets it (everything trained there is
+    adapters, and the routers when peft.train_router)."""
+    p = cfg.peft
+    return p.lr if p.method != "none" and p.lr is not None else cfg.optimizer.lr
+
+
 def build_optimizer(cfg, model, tconfig, rt) -> tuple:
     """(optimizer, scheduler, log lines) for the DDP-wrapped `model` chunks; wires the optimizer's
     loss scaling and gradient finalisation into `tconfig` for megatron's pipeline schedule."""
     o = cfg.optimizer
+    lr = peak_lr(cfg)
     oc = MegatronOptimizerConfig(
         optimizer="adam",
-        lr=o.lr,
+        lr=lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1,
@@ -50,8 +58,8 @@ def build_optimizer(cfg, model, tconfig, rt) -> tuple:
     steps = max(cfg.trainer.max_steps, o.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if o.lr_warmup_steps else o.lr,
-        max_lr=o.lr,
+        init_lr=0.0 if o.lr_warmup_steps else lr,
+        max_lr=lr,
         min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_steps,
         lr_decay_steps=steps,

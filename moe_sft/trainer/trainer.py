@@ -30,6 +30,8 @@ from moe_sft.kernels import install as kernels
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
+from moe_sft.peft import install as peft_install
+from moe_sft.peft import run_meta as peft_meta
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice
 from moe_sft.runtime import distributed
@@ -275,11 +277,16 @@ class Trainer:
         if self.cfg.checkpoint.resume != "auto" or latest is None:
             checkpoint_integrity.verify_loadable(mcore, "model.mcore_path")
             return ModelSource(
-                meta=dict(mcore_io.read_meta(mcore), base_mcore_path=str(mcore.resolve())),
+                meta=dict(
+                    mcore_io.read_meta(mcore),
+                    base_mcore_path=str(mcore.resolve()),
+                    **peft_meta.record(self.cfg.peft, mcore),
+                ),
                 hf_side=mcore / mcore_io.HF_SUBDIR,
                 resume_path=None,
             )
         resume_path = checkpoint.step_dir(self.ckpt_root, latest)
+        peft_meta.check_resume(mcore_io.read_meta(resume_path), self.cfg.peft, mcore, resume_path)
         if note := checkpoint_integrity.check_same_model(resume_path, mcore):
             log.info(note)
         checkpoint_integrity.verify_loadable(resume_path, "resume checkpoint", self.ckpt_root)
@@ -345,6 +352,9 @@ class Trainer:
         tconfig = build_transformer_config(family, hf_cfg, opts)
         chunks = build_model_chunks(family, hf_cfg, tconfig, opts)
         train_mtp = self._setup_mtp(chunks, tconfig)
+        if self.cfg.peft.method != "none":
+            for line in peft_install.add_adapters(chunks, self.cfg.peft, tconfig, self.rt.device):
+                log.info(line)
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
         frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
         if patterns:
@@ -396,9 +406,13 @@ class Trainer:
     def _resume(self, model, optimizer, scheduler, batches) -> tuple[int, int]:
         """Loads the weights (and for a resume everything else); returns (start step, consumed tokens)."""
         path = self.source.resume_path
-        if path is None:
+        adapted = self.cfg.peft.method != "none"
+        if path is None or adapted:  # a LoRA checkpoint holds the adapters, not the base
             checkpoint.load_model_weights(Path(self.cfg.model.mcore_path), model)
-            log.info(f"loaded weights from {self.cfg.model.mcore_path}")
+            log.info(f"loaded {'the frozen base' if adapted else 'weights'} from {self.cfg.model.mcore_path}")
+        if path is None:
+            if adapted:
+                peft_install.init_dora_magnitudes(checkpoint.unwrap(model))
             optimizer.reload_model_params()  # fp32 main params follow the loaded (bf16) weights
             return 0, 0
         template = {"data_state": batches.state_dict(), "step": 0, "consumed_tokens": 0}

@@ -1,0 +1,142 @@
+"""Adding the adapters: freeze the base, place one adapter beside every targeted module (before
+megatron's DDP sees the parameters), and draw A the same way at every layout."""
+
+from __future__ import annotations
+
+import fnmatch
+import zlib
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from moe_sft.config import ConfigError
+from moe_sft.config.schema import PeftConfig
+from moe_sft.layers.experts import TorchGroupedMLP
+from moe_sft.peft import targets
+from moe_sft.peft.experts import ExpertAdapter
+from moe_sft.peft.linear import LinearAdapter, Part, add_adapter_output
+from moe_sft.peft.state import adapters
+
+ROUTER_PATTERN = "*.mlp.router.*"
+
+
+def _generator(cfg: PeftConfig, global_name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(cfg.init_seed * 1_000_003 + zlib.crc32(global_name.encode()))
+
+
+def _parts(name: str, module, tconfig) -> tuple[list[Part], int]:
+    """The projections a fused linear holds (as transformers keeps them apart), and how their
+    rows interleave (query groups of linear_qkv)."""
+    out_local = module.weight.shape[0]
+    if name.endswith("self_attention.linear_qkv"):
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        groups = tconfig.num_query_groups // tp
+        q = tconfig.num_attention_heads // tp * tconfig.kv_channels
+        kv = groups * tconfig.kv_channels
+        return [Part("q", q), Part("k", kv), Part("v", kv)], groups
+    if name.endswith("linear_fc1") and tconfig.gated_linear_unit:
+        return [Part("gate", out_local // 2), Part("up", out_local // 2)], 1
+    return [Part("", out_local)], 1
+
+
+def _check_rank(cfg: PeftConfig, name: str, dims: dict[str, int]) -> None:
+    too_small = {k: v for k, v in dims.items() if v < cfg.rank}
+    if too_small:
+        raise ConfigError(
+            f"peft.rank={cfg.rank} exceeds {name}'s {', '.join(f'{k}={v}' for k, v in too_small.items())}: "
+            f"a rank above a projection's dims adds nothing; lower peft.rank to <= {min(dims.values())} "
+            "or leave this module out of peft.target_modules"
+        )
+
+
+def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> LinearAdapter:
+    column = isinstance(module, ColumnParallelLinear)
+    parts, groups = _parts(global_name, module, tconfig)
+    tp_group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+    tp = torch.distributed.get_world_size(tp_group)
+    out_local, in_local = module.weight.shape
+    full_in, full_out = (in_local, out_local * tp) if column else (in_local * tp, out_local)
+    _check_rank(cfg, global_name, {"in": full_in, "out": full_out})
+    adapter = LinearAdapter(
+        module,
+        column=column,
+        parts=parts,
+        groups=groups,
+        rank=cfg.rank,
+        alpha=cfg.alpha,
+        dropout=cfg.dropout,
+        dora=cfg.method == "dora",
+        tp_group=tp_group,
+        sequence_parallel=bool(getattr(module, "sequence_parallel", False)),
+    )
+    in_offset = 0 if column else torch.distributed.get_rank(tp_group) * in_local
+    adapter.reset_a(_generator(cfg, global_name), full_in, in_offset)
+    module.register_forward_hook(add_adapter_output)
+    return adapter
+
+
+def _expert_adapter(cfg: PeftConfig, global_name: str, module: TorchGroupedMLP) -> ExpertAdapter:
+    if cfg.method == "dora":
+        raise ConfigError(
+            "peft.method=dora on routed experts is not supported (nor by peft for fused expert parameters); "
+            "use peft.method=lora, or leave 'experts' out of peft.target_modules (DoRA then covers the "
+            "attention, dense MLPs and shared experts)"
+        )
+    hidden = module.config.hidden_size
+    ffn = (
+        module.weight2.numel()
+        // module.num_local_experts
+        // hidden
+        * parallel_state.get_expert_tensor_parallel_world_size()
+    )
+    _check_rank(cfg, global_name, {"hidden": hidden, "expert ffn": ffn})
+    adapter = ExpertAdapter(module, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, share=cfg.share_expert_factor)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    adapter.reset_a(
+        _generator(cfg, global_name),
+        parallel_state.get_expert_tensor_parallel_rank(),
+        ep_rank * module.num_local_experts,
+        ep * module.num_local_experts,
+    )
+    return adapter
+
+
+def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
+    """Freezes every base parameter, adds the adapters, unfreezes the routers if asked; the log lines."""
+    for chunk in chunks:
+        chunk.is_adapted = True  # checkpoints then hold the trained part only (moe_sft/peft/state.py)
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+    found = targets.resolve(chunks, list(cfg.target_modules), device)
+    for global_name, _, _, module in found:
+        if isinstance(module, TorchGroupedMLP):
+            module.adapter = _expert_adapter(cfg, global_name, module)
+        else:
+            module.adapter = _linear_adapter(cfg, global_name, module, tconfig)
+    if cfg.train_router:
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if fnmatch.fnmatchcase(name, ROUTER_PATTERN):
+                    param.requires_grad_(True)
+    trained = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+    kinds = sorted({targets_kind(n) for n, *_ in found})
+    return [
+        f"peft: {cfg.method} rank {cfg.rank} alpha {cfg.alpha:g} on {len(found)} modules ({', '.join(kinds)}); "
+        f"{trained / 1e6:.3f}M trainable parameters on this rank, the base frozen"
+    ]
+
+
+def targets_kind(global_name: str) -> str:
+    return global_name.split(".", 3)[-1]
+
+
+def init_dora_magnitudes(chunks) -> None:
+    """DoRA's magnitude starts as each output row's norm of the loaded base weight (peft)."""
+    for chunk in chunks:
+        for _, local, adapter in adapters(chunk):
+            if isinstance(adapter, LinearAdapter) and adapter.dora:
+                base = chunk.get_submodule(local)
+                with torch.no_grad():
+                    adapter.lora_magnitude.copy_(adapter._row_norm(base.weight.float()).to(base.weight.dtype))

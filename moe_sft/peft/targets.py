@@ -1,0 +1,75 @@
+"""Where adapters go: `peft.target_modules` entries (shorthands or fnmatch patterns) resolved to
+the model's adaptable modules, named with global layer numbers so a pattern means the same module
+at every pipeline layout."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from moe_sft.config import ConfigError
+from moe_sft.layers.experts import TorchGroupedMLP
+
+_LAYER = "decoder.layers.*."
+SHORTHANDS: dict[str, tuple[str, ...]] = {
+    "attention": (_LAYER + "self_attention.linear_*",),
+    "dense_mlp": (_LAYER + "mlp.linear_fc1", _LAYER + "mlp.linear_fc2"),
+    "shared_experts": (_LAYER + "mlp.shared_experts.linear_fc1", _LAYER + "mlp.shared_experts.linear_fc2"),
+    "experts": (_LAYER + "mlp.experts",),
+}
+SHORTHANDS["all_linear"] = tuple(p for v in SHORTHANDS.values() for p in v)
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def is_adaptable(module: torch.nn.Module) -> bool:
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, TorchGroupedMLP))
+
+
+def global_module_name(chunk, name: str) -> str:
+    """`decoder.layers.{local}.…` → `decoder.layers.{global}.…` (global = the model's layer index)."""
+    if match := _LOCAL_LAYER.match(name):
+        global_index = chunk.decoder.layers[int(match.group(1))].layer_number - 1
+        return f"decoder.layers.{global_index}." + name[match.end() :]
+    return name
+
+
+def adaptable_modules(chunk):
+    """(global name, local name, module) of every module an adapter can sit beside (the LM head
+    and embeddings excluded: their adapters would not be peft's either)."""
+    for name, module in chunk.named_modules():
+        if is_adaptable(module) and not name.startswith(("output_layer", "embedding")):
+            yield global_module_name(chunk, name), name, module
+
+
+def _patterns(entry: str) -> tuple[str, ...]:
+    return SHORTHANDS.get(entry, (entry,))
+
+
+def resolve(chunks, entries: list[str], device: str) -> list[tuple[str, str, int, torch.nn.Module]]:
+    """(global name, local name, chunk index, module) of every targeted module. An entry that matches
+    nothing on any rank is an error listing the module names that exist (per kind)."""
+    hits = torch.zeros(len(entries), device=device)
+    found, names = [], set()
+    for index, chunk in enumerate(chunks):
+        for global_name, local_name, module in adaptable_modules(chunk):
+            names.add(re.sub(r"layers\.\d+\.", "layers.*.", global_name))
+            matched = [
+                i for i, e in enumerate(entries) if any(fnmatch.fnmatchcase(global_name, p) for p in _patterns(e))
+            ]
+            for i in matched:
+                hits[i] += 1
+            if matched:
+                found.append((global_name, local_name, index, module))
+    dist.all_reduce(hits)
+    unmatched = [e for e, n in zip(entries, hits.tolist()) if n == 0]
+    if unmatched:
+        raise ConfigError(
+            f"peft.target_modules: {unmatched} match no module of this model. Shorthands: "
+            f"{', '.join(SHORTHANDS)}; the adaptable modules here are {sorted(names)} "
+            "(patterns are fnmatch over these names with global layer numbers)"
+        )
+    return found
