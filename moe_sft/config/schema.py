@@ -364,6 +364,11 @@ class PeftConfig:
     lr: float | None = _f(None, "adapter learning rate; null = optimizer.lr")
     train_router: bool = _f(False, "also train the MoE routers (full weights); else frozen with the base")
     init_seed: int = _f(0, "seed of the adapters' A initialisation (B starts at zero: the model starts as the base)")
+    fp8_base: bool = _f(
+        False,
+        "keep the frozen base in FP8 on the GPU (e4m3 values, 128x128 block scales as DeepSeek-V3 ships them), "
+        "dequantised per layer in the forward and backward; no resident bf16 copy",
+    )
 
 
 @dataclass(kw_only=True)

@@ -19,8 +19,6 @@ data-parallel ranks by megatron's DDP (it needs expert TP 1; validation says so)
 
 from __future__ import annotations
 
-import math
-
 import torch
 from megatron.core import parallel_state
 
@@ -59,18 +57,16 @@ class ExpertAdapter(torch.nn.Module):
     def _shared(self, name: str) -> bool:
         return name.startswith(f"lora_{self.share.upper()}") if self.share != "none" else False
 
-    def reset_a(self, generator: torch.Generator, etp_rank: int, ep_offset: int, global_experts: int) -> None:
-        """peft's kaiming-uniform A, drawn for every expert and the whole input dim and sliced to
-        this rank's experts (and expert-TP slice of A2): the same adapters at every layout."""
-        count = 1 if self.share == "a" else global_experts
+    def reset_a(self, initial_a, etp_rank: int, ep_offset: int) -> None:
+        """A1/A2 from `initial_a(name, experts, full_in)` (every expert, the whole input dim),
+        sliced to this rank's experts and expert-TP slice of A2: the same adapters at every layout."""
         first = 0 if self.share == "a" else ep_offset
-        for a, split in ((self.lora_A1, False), (self.lora_A2, True)):
+        for name, split in (("lora_A1", False), ("lora_A2", True)):
+            a = getattr(self, name)
             full_in = a.shape[1] * (self._etp_size() if split else 1)
-            bound = 1 / math.sqrt(full_in)  # kaiming_uniform_(a=sqrt(5)) on fan_in = full_in
-            full = torch.empty(count, full_in, a.shape[2]).uniform_(-bound, bound, generator=generator)
             in_offset = etp_rank * a.shape[1] if split else 0
             with torch.no_grad():
-                a.copy_(full[first : first + a.shape[0], in_offset : in_offset + a.shape[1]])
+                a.copy_(initial_a(name, full_in)[first : first + a.shape[0], in_offset : in_offset + a.shape[1]])
 
     def _etp_size(self) -> int:
         return torch.distributed.get_world_size(self.etp_group)

@@ -4,6 +4,7 @@ megatron's DDP sees the parameters), and draw A the same way at every layout."""
 from __future__ import annotations
 
 import fnmatch
+import math
 import zlib
 
 import torch
@@ -21,8 +22,15 @@ from moe_sft.peft.state import adapters
 ROUTER_PATTERN = "*.mlp.router.*"
 
 
-def _generator(cfg: PeftConfig, global_name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(cfg.init_seed * 1_000_003 + zlib.crc32(global_name.encode()))
+def initial_a(seed: int, name: str, rows: int, full_in: int, experts: int | None = None) -> torch.Tensor:
+    """The starting A of one adapter factor (`name`: global module name + factor), drawn on the CPU
+    from its own seed: peft's kaiming-uniform (a=sqrt(5)), bound 1/sqrt(fan_in), for the whole input
+    dim (and every expert: experts x full_in x rows), so every layout starts from the same adapters
+    and tests can rebuild them."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = 1 / math.sqrt(full_in)
+    shape = (rows, full_in) if experts is None else (experts, full_in, rows)
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
 def _parts(name: str, module, tconfig) -> tuple[list[Part], int]:
@@ -71,7 +79,7 @@ def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> Linea
         sequence_parallel=bool(getattr(module, "sequence_parallel", False)),
     )
     in_offset = 0 if column else torch.distributed.get_rank(tp_group) * in_local
-    adapter.reset_a(_generator(cfg, global_name), full_in, in_offset)
+    adapter.reset_a(lambda part: initial_a(cfg.init_seed, f"{global_name}:{part}", cfg.rank, full_in), in_offset)
     module.register_forward_hook(add_adapter_output)
     return adapter
 
@@ -94,11 +102,11 @@ def _expert_adapter(cfg: PeftConfig, global_name: str, module: TorchGroupedMLP) 
     adapter = ExpertAdapter(module, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, share=cfg.share_expert_factor)
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
+    experts = 1 if cfg.share_expert_factor == "a" else ep * module.num_local_experts
     adapter.reset_a(
-        _generator(cfg, global_name),
+        lambda name, full_in: initial_a(cfg.init_seed, f"{global_name}:{name}", cfg.rank, full_in, experts),
         parallel_state.get_expert_tensor_parallel_rank(),
         ep_rank * module.num_local_experts,
-        ep * module.num_local_experts,
     )
     return adapter
 

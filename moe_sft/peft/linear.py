@@ -25,7 +25,6 @@ gradient (the paper's section 4.3), and m initialised to |W|.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -107,15 +106,12 @@ class LinearAdapter(torch.nn.Module):
     def factors(self, part: str) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
         return getattr(self, self._name("lora_A", part)), getattr(self, self._name("lora_B", part))
 
-    def reset_a(self, generator: torch.Generator, full_in: int, in_offset: int) -> None:
-        """Kaiming-uniform A (peft's default, a=sqrt(5)) drawn for the whole input dim and sliced,
-        so every layout starts from the same adapters."""
+    def reset_a(self, initial_a, in_offset: int) -> None:
+        """A from `initial_a(part)` (the whole input dim), sliced to this rank's input columns."""
         for part in self.part_names:
             a, _ = self.factors(part)
-            bound = 1 / math.sqrt(full_in)  # kaiming_uniform_(a=sqrt(5)) on fan_in = full_in
-            full = torch.empty(a.shape[0], full_in).uniform_(-bound, bound, generator=generator)
             with torch.no_grad():
-                a.copy_(full[:, in_offset : in_offset + a.shape[1]])
+                a.copy_(initial_a(part)[:, in_offset : in_offset + a.shape[1]])
 
     # ------------------------------------------------------------------ math
     def delta_weight(self) -> torch.Tensor:
