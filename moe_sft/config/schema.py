@@ -363,6 +363,11 @@ class PeftConfig:
     )
     lr: float | None = _f(None, "adapter learning rate; null = optimizer.lr")
     train_router: bool = _f(False, "also train the MoE routers (full weights); else frozen with the base")
+    train_embeddings: bool = _f(
+        False,
+        "also train the input embedding and the LM head (full weights; peft's modules_to_save): needed when "
+        "the base's vocabulary does not fit the task yet (new tokens, a random base)",
+    )
     init_seed: int = _f(0, "seed of the adapters' A initialisation (B starts at zero: the model starts as the base)")
     fp8_base: bool = _f(
         False,

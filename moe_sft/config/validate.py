@@ -413,6 +413,41 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def check_peft(cfg: TrainConfig, world_size: int) -> list[str]:
+    """LoRA/DoRA options (moe_sft/peft/); the model-dependent checks (targets, rank vs dims) run
+    once the model's shape is known, still before any weight is loaded."""
+    p, errors = cfg.peft, []
+    if p.method == "none":
+        return []
+    if p.rank < 1:
+        errors.append(f"peft.rank={p.rank} must be >= 1 (typical: 8-64)")
+    if p.alpha <= 0:
+        errors.append(f"peft.alpha={p.alpha} must be > 0 (the update is alpha/rank * B @ A; typical: 2 x rank)")
+    if not 0 <= p.dropout < 1:
+        errors.append(f"peft.dropout={p.dropout} must be in [0, 1)")
+    if p.method == "dora" and p.dropout > 0:
+        errors.append(
+            f"peft.dropout={p.dropout} with peft.method=dora: DoRA's magnitude then rescales a base output computed "
+            "on the dropped-out input, which needs a second base GEMM per layer; set peft.dropout=0 or use lora"
+        )
+    if not p.target_modules:
+        errors.append("peft.target_modules is empty; name the adapted modules, e.g. [attention, experts]")
+    if p.lr is not None and p.lr <= 0:
+        errors.append(f"peft.lr={p.lr} must be > 0, or null for optimizer.lr")
+    if _te_backend(cfg.model.backend):
+        errors.append(
+            "peft.method with model.backend=te is not supported: the adapters sit beside the torch-native "
+            "spec's linears and grouped experts; use model.backend=torch (the default, tested path)"
+        )
+    if p.share_expert_factor != "none" and cfg.parallel.expert_tp > 1:
+        errors.append(
+            f"peft.share_expert_factor={p.share_expert_factor!r} needs expert tensor parallel 1 (a factor shared by "
+            f"the experts is reduced over TP and DP, which expert TP={cfg.parallel.expert_tp} splits differently); "
+            "set parallel.expert_tensor_parallel_size=1 or peft.share_expert_factor=none"
+        )
+    return errors
+
+
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_proj", "shared_experts")
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
@@ -530,6 +565,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("optimizer", check_optimizer),
     ("trainer", check_trainer),
     ("model", check_model),
+    ("peft", check_peft),
     ("model_paths", check_model_paths),
 )
 

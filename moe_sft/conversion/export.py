@@ -10,6 +10,11 @@ plus the largest unit and the HF tensors made from it, whatever the model size a
 checkpoint is chunked. docs/conversion_at_scale.md
 ("Export") has the measurements.
 
+A LoRA/DoRA run's checkpoint (adapters only, moe_sft/peft/merge.py) exports merged: the plan and
+the units come from its base (meta `peft_base`), each adapted unit is merged in fp32 with the
+adapters read from the run's checkpoint, and tensors the run trained itself (routers) are read
+from there.
+
 `load_model_from_checkpoint` (the whole single-rank model, for --verify and tests) lives here too.
 """
 
@@ -30,6 +35,7 @@ from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
 from moe_sft.conversion.meta_model import View
 from moe_sft.conversion.single_rank import single_rank_model
+from moe_sft.peft import merge
 from moe_sft.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -201,8 +207,15 @@ def export_with_stats(
         log.warning("replacing %s.tmp: %s", out_dir, left)
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
     torch_dtype = DTYPES[dtype]
-    reader = DistCheckpointReader(ckpt_dir)
-    plan = export_plan.build(family, hf_cfg, reader, read_bytes, meta.get(mcore_io.COPIES_ABSENT, ()))
+    model_dir = merge.base_dir(ckpt_dir, meta) if merge.is_adapter_run(meta) else ckpt_dir
+    reader = DistCheckpointReader(model_dir)
+    copies_absent = mcore_io.read_meta(model_dir).get(mcore_io.COPIES_ABSENT, ())
+    plan = export_plan.build(family, hf_cfg, reader, read_bytes, copies_absent)
+    adapters = None
+    if model_dir != ckpt_dir:
+        adapters = merge.RunAdapters(ckpt_dir, meta, plan.ctx)
+        readers = {p.entry.mcore: adapters.reader_for(p, reader) for p in plan.params}
+        adapters.check_consumed(plan.params)
     writer = StreamingSafetensorsWriter(
         out_dir, plan.hf_specs(), torch_dtype, max_shard_bytes, source=str(ckpt_dir.resolve())
     )
@@ -211,8 +224,12 @@ def export_with_stats(
     buffer = torch.empty(max((p.largest_unit_bytes() for p in plan.params), default=0), dtype=torch.uint8)
     try:
         for param in plan.params:
+            source = readers[param.entry.mcore] if adapters else reader
+            merging = adapters is not None and adapters.adapted(param.entry.mcore) is not None
             for first, stop in param.units:
-                unit = _read_unit(reader, param, first, stop, buffer)
+                unit = _read_unit(source, param, first, stop, buffer)
+                if merging:
+                    unit = adapters.merge(param, first, stop, unit)
                 _write_unit(writer, param, first, stop, unit, plan.ctx)
                 del unit
                 if progress is not None:
@@ -233,8 +250,8 @@ def export_with_stats(
     stats = ExportStats(
         len(plan.hf_specs()),
         writer.total_bytes,
-        reader.tensor_bytes,
-        reader.file_bytes,
+        reader.tensor_bytes + (adapters.reader.tensor_bytes if adapters else 0),
+        reader.file_bytes + (adapters.reader.file_bytes if adapters else 0),
         sum(len(p.units) for p in plan.params),
         time.time() - started,
     )

@@ -20,6 +20,7 @@ from moe_sft.peft.linear import LinearAdapter, Part, add_adapter_output
 from moe_sft.peft.state import adapters
 
 ROUTER_PATTERN = "*.mlp.router.*"
+EMBEDDING_PATTERNS = ("embedding.*", "output_layer.*")
 
 
 def initial_a(seed: int, name: str, rows: int, full_in: int, experts: int | None = None) -> torch.Tensor:
@@ -63,9 +64,10 @@ def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> Linea
     parts, groups = _parts(global_name, module, tconfig)
     tp_group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
     tp = torch.distributed.get_world_size(tp_group)
-    out_local, in_local = module.weight.shape
-    full_in, full_out = (in_local, out_local * tp) if column else (in_local * tp, out_local)
-    _check_rank(cfg, global_name, {"in": full_in, "out": full_out})
+    in_local = module.weight.shape[1]
+    full_in = in_local if column else in_local * tp
+    outs = {f"out[{p.name}]" if p.name else "out": p.out_local * (tp if column else 1) for p in parts}
+    _check_rank(cfg, global_name, {"in": full_in, **outs})
     adapter = LinearAdapter(
         module,
         column=column,
@@ -123,11 +125,13 @@ def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
             module.adapter = _expert_adapter(cfg, global_name, module)
         else:
             module.adapter = _linear_adapter(cfg, global_name, module, tconfig)
-    if cfg.train_router:
-        for chunk in chunks:
-            for name, param in chunk.named_parameters():
-                if fnmatch.fnmatchcase(name, ROUTER_PATTERN):
-                    param.requires_grad_(True)
+    trained_in_full = ((ROUTER_PATTERN,) if cfg.train_router else ()) + (
+        EMBEDDING_PATTERNS if cfg.train_embeddings else ()
+    )
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if any(fnmatch.fnmatchcase(name, p) for p in trained_in_full):
+                param.requires_grad_(True)
     trained = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
     kinds = sorted({targets_kind(n) for n, *_ in found})
     return [

@@ -12,7 +12,7 @@ from moe_sft.config.schema import PeftConfig
 from moe_sft.conversion import mcore_io
 
 # The fields that define the adapters' shapes and placement: resuming with others cannot load.
-SHAPE_FIELDS = ("method", "rank", "target_modules", "share_expert_factor", "train_router")
+SHAPE_FIELDS = ("method", "rank", "target_modules", "share_expert_factor", "train_router", "train_embeddings")
 
 
 def base_identity(mcore_path: Path) -> str:

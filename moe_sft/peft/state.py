@@ -36,7 +36,9 @@ def _linear_entries(local: str, global_name: str, adapter: LinearAdapter, dp_cp_
         axis = {k: 1 for k in state if k.startswith("lora_A")}
     axis = {k: v for k, v in axis.items() if v is not None}
     prefix = f"{global_name}.adapter."
-    sharded = make_sharded_tensors_for_checkpoint(state, prefix, axis, tp_group=adapter.tp_group, dp_cp_group=dp_cp_group)
+    sharded = make_sharded_tensors_for_checkpoint(
+        state, prefix, axis, tp_group=adapter.tp_group, dp_cp_group=dp_cp_group
+    )
     return {f"{local}.adapter.{k[len(prefix) :]}": v for k, v in sharded.items()}
 
 

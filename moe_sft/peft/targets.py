@@ -73,3 +73,32 @@ def resolve(chunks, entries: list[str], device: str) -> list[tuple[str, str, int
             "(patterns are fnmatch over these names with global layer numbers)"
         )
     return found
+
+
+def smallest_dims(shape) -> dict[str, int]:
+    """Per shorthand, the smallest input or output width among its projections (a ModelShape)."""
+    if shape.mla is not None:
+        attention = min(d for d in (shape.hidden, shape.mla.q_lora, shape.mla.kv_lora) if d)
+    else:
+        attention = min(shape.hidden, shape.num_kv_heads * shape.head_dim)
+    dims = {"attention": attention}
+    if not all(shape.moe_layers):
+        dims["dense_mlp"] = min(shape.hidden, shape.ffn)
+    if shape.shared_ffn:
+        dims["shared_experts"] = min(shape.hidden, shape.shared_ffn)
+    if shape.num_experts:
+        dims["experts"] = min(shape.hidden, shape.moe_ffn)
+    dims["all_linear"] = min(dims.values())
+    return dims
+
+
+def rank_errors(rank: int, entries: list[str], shape) -> list[str]:
+    """peft.rank against the model's widths, from its shape alone (before the model is built);
+    the exact per-module check runs again when the adapters are added."""
+    dims = smallest_dims(shape)
+    return [
+        f"peft.rank={rank} exceeds the smallest projection width of '{entry}' in this model ({dims[entry]}); "
+        f"lower peft.rank to <= {dims[entry]} (typical: 8-64)"
+        for entry in entries
+        if entry in dims and rank > dims[entry]
+    ]

@@ -23,7 +23,14 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig
 
-from moe_sft.config import ConfigError, TrainConfig, save_resolved_config, validate_against_model, validate_config
+from moe_sft.config import (
+    ConfigError,
+    TrainConfig,
+    format_errors,
+    save_resolved_config,
+    validate_against_model,
+    validate_config,
+)
 from moe_sft.config.validate import doc_multiple_for, optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
 from moe_sft.kernels import install as kernels
@@ -32,6 +39,7 @@ from moe_sft.models.builder import ModelOptions, build_model_chunks, build_trans
 from moe_sft.models.hf_config import num_experts
 from moe_sft.peft import install as peft_install
 from moe_sft.peft import run_meta as peft_meta
+from moe_sft.peft import targets as peft_targets
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice
 from moe_sft.runtime import distributed
@@ -350,6 +358,12 @@ class Trainer:
         m, p = self.cfg.model, self.cfg.parallel
         opts = ModelOptions.from_recipe(m, p, self.rt.precision, self.rt.backend, self.rt.device)
         tconfig = build_transformer_config(family, hf_cfg, opts)
+        if self.cfg.peft.method != "none":  # before any weight is allocated
+            errors = peft_targets.rank_errors(
+                self.cfg.peft.rank, list(self.cfg.peft.target_modules), family.shape(hf_cfg)
+            )
+            if errors:
+                raise ConfigError(format_errors(errors))
         chunks = build_model_chunks(family, hf_cfg, tconfig, opts)
         train_mtp = self._setup_mtp(chunks, tconfig)
         if self.cfg.peft.method != "none":

@@ -1,0 +1,420 @@
+"""The frozen base of a LoRA run kept in FP8 on the GPU (`peft.fp8_base`): e4m3 values with one fp32
+`scale_inv` per 128x128 block, the format DeepSeek-V3, Kimi-K2, GLM-4.5 and MiniMax-M2 release.
+
+Every frozen weight of the decoder's Column/RowParallelLinear and of the grouped experts
+(weight1/weight2, blocks per expert) is replaced by its FP8 values (the module's `weight`,
+`weight1`, `weight2` become float8_e4m3fn parameters without gradient, same shapes) and a
+non-persistent buffer `<name>_scale_inv`. Each GEMM dequantises its weight right before it and
+drops it after: an autograd function saves the FP8 weight (never a bf16 copy) and dequantises it
+again in the backward for the input gradient; a frozen weight has no weight gradient. Peak extra
+memory: one layer's largest dequantised weight. Embeddings, the LM head, norms and routers stay as
+they are.
+
+How the modules are reached without touching megatron's classes:
+- Column/RowParallelLinear: both forwards hand their weight to `self._forward_impl(input=...,
+  weight=..., ...)`; an instance attribute `_forward_impl` runs the FP8 GEMM instead (the same
+  arguments megatron's linear_with_frozen_weight takes, so TP/SP behave as megatron's frozen path).
+- TorchGroupedMLP: an instance `forward` with the same steps as TorchGroupedMLP.forward, through
+  the FP8 grouped GEMM.
+
+Values: quantisation is DeepSeek-V3's (scale_inv = amax(block) / 448, q = w / scale_inv, e4m3),
+dequantisation its `weight_dequant` (fp32 product, then the compute dtype), both equal to
+moe_sft/conversion/fp8.py's reference functions (tests/cpu/test_peft_fp8_base.py). The blocks are
+those of megatron's local matrix: at TP 1 / ETP 1 they are the source's 128x128 blocks, so a
+base converted from an FP8 release (dequantised exactly into bf16) re-quantises to the source's
+FP8 values bit for bit (the scales to bf16 precision; tested).
+
+Loading (`load_quantised`): the converted checkpoint is read one decoder layer at a time into
+bf16 buffers of that layer only, each quantised right after, so the whole base never exists in
+bf16 on the GPU. Building the model without its bf16 base in the first place is
+`placeholder_base()` (the build then allocates no base memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from moe_sft.layers.experts import TorchGroupedMLP, grouped_matmul
+
+BLOCK = (128, 128)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+SCALE = "_scale_inv"
+# Dequantise / quantise at most this many elements at once (fp32 temporaries of 1 GiB).
+_CHUNK_ELEMENTS = 2**28
+_SKIPPED = ("output_layer", "embedding")
+_LAYER = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.)")
+
+
+# ----------------------------------------------------------------------------- block (de)quantisation
+
+
+def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return -(-rows // block[0]), -(-cols // block[1])
+
+
+def _padded(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = t.shape[-2:]
+    br, bc = _blocks(rows, cols, block)
+    pad_r, pad_c = br * block[0] - rows, bc * block[1] - cols
+    return torch.nn.functional.pad(t, (0, pad_c, 0, pad_r)) if pad_r or pad_c else t
+
+
+def _tiles(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """(..., R, C) padded to whole blocks -> (..., R/bm, bm, C/bn, bn)."""
+    t = _padded(t, block)
+    *lead, rows, cols = t.shape
+    return t.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1])
+
+
+def _chunks(n: int, per_item: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale_inv per block) of a (..., R, C) weight, blocks over its last two dims
+    (conversion.fp8.quantize_blocks for every leading index, vectorised)."""
+    *lead, rows, cols = weight.shape
+    flat = weight.reshape(-1, rows, cols)
+    q = torch.empty(flat.shape, dtype=FP8, device=weight.device)
+    scale = torch.empty(flat.shape[0], *_blocks(rows, cols, block), dtype=torch.float32, device=weight.device)
+    for part in _chunks(flat.shape[0], rows * cols):
+        tiles = _tiles(flat[part].float(), block)
+        s = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
+        scale[part] = s
+        values = (tiles / s[:, :, None, :, None]).to(FP8)
+        q[part] = values.flatten(-4, -3).flatten(-2, -1)[:, :rows, :cols]
+    return q.reshape(weight.shape), scale.reshape(*lead, *scale.shape[1:])
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """w = fp8 x scale_inv of its block, computed in fp32 and rounded once to `dtype`
+    (DeepSeek-V3's weight_dequant; conversion.fp8.dequantize_blocks for every leading index)."""
+    *lead, rows, cols = q.shape
+    flat, flat_scale = q.reshape(-1, rows, cols), scale.reshape(-1, *scale.shape[-2:])
+    out = torch.empty(flat.shape, dtype=dtype, device=q.device)
+    for part in _chunks(flat.shape[0], rows * cols):
+        tiles = _tiles(flat[part].float(), block) * flat_scale[part][:, :, None, :, None]
+        out[part] = tiles.flatten(-4, -3).flatten(-2, -1)[:, :rows, :cols]
+    return out.reshape(q.shape)
+
+
+# ----------------------------------------------------------------------------- the GEMMs
+
+
+class _Fp8FrozenLinear(torch.autograd.Function):
+    """megatron's LinearWithFrozenWeight with the weight dequantised from FP8 on the fly."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, allreduce_dgrad, tp_group, block):
+        ctx.save_for_backward(q, scale)
+        ctx.allreduce_dgrad, ctx.tp_group, ctx.block = allreduce_dgrad, tp_group, block
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        out = torch.matmul(x, dequantize(q, scale, block, x.dtype).t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, scale = ctx.saved_tensors
+        grad_x = grad.matmul(dequantize(q, scale, ctx.block, grad.dtype))
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_x, group=ctx.tp_group)
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+        return grad_x, None, None, grad_bias, None, None, None
+
+
+class _Fp8GroupedMatmul(torch.autograd.Function):
+    """x rows grouped by expert times the dequantised w[expert] (experts x in x out); input
+    gradient only."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, tokens_per_expert, block):
+        ctx.save_for_backward(q, scale, tokens_per_expert)
+        ctx.block = block
+        with torch.no_grad():
+            return grouped_matmul(x, dequantize(q, scale, block, x.dtype), tokens_per_expert)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, scale, tokens_per_expert = ctx.saved_tensors
+        w = dequantize(q, scale, ctx.block, grad.dtype)
+        with torch.no_grad():
+            grad_x = grouped_matmul(grad.contiguous(), w.transpose(1, 2), tokens_per_expert)
+        return grad_x, None, None, None, None
+
+
+def _fp8_linear_impl(
+    self,
+    input,
+    weight,
+    bias,
+    gradient_accumulation_fusion,
+    allreduce_dgrad,
+    sequence_parallel,
+    tp_group,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    **_,
+):
+    """Instance `_forward_impl` of an FP8 linear: the arguments of megatron's
+    linear_with_frozen_weight (sequence-parallel gather, dgrad all-reduce), the weight from FP8."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    return _Fp8FrozenLinear.apply(input, weight, self.weight_scale_inv, bias, allreduce_dgrad, tp_group, self.fp8_block)
+
+
+def _fp8_experts_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+    """TorchGroupedMLP.forward with both grouped GEMMs through the FP8 weights."""
+    x, n, hidden = permuted_local_hidden_states, self.num_local_experts, self.config.hidden_size
+    if x.numel() == 0:  # no weight gradient to keep alive; the probs' and adapters' collectives still run
+        out = x * 0 + permuted_probs.sum() * 0
+        return out + (self.adapter.zero_contribution() if self.adapter is not None else 0), None
+    w1, w2 = self.weight1.view(n, hidden, -1), self.weight2.view(n, -1, hidden)
+    h = _Fp8GroupedMatmul.apply(x, w1, self.weight1_scale_inv, tokens_per_expert, self.fp8_block)
+    if self.adapter is not None:
+        h = h + self.adapter.fc1(x, tokens_per_expert)
+    h = self.activation_func_with_probs(h, permuted_probs.unsqueeze(-1))
+    out = _Fp8GroupedMatmul.apply(h, w2, self.weight2_scale_inv, tokens_per_expert, self.fp8_block)
+    if self.adapter is not None:
+        out = out + self.adapter.fc2(h, tokens_per_expert)
+    return out, None
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def _weights(module) -> list[tuple[str, tuple[int, ...]]]:
+    """(parameter name, shape its blocks are taken over) of an FP8-able module: a linear's
+    (out x in) weight, a grouped MLP's (experts x in x out) stacks."""
+    if isinstance(module, TorchGroupedMLP):
+        n, hidden = module.num_local_experts, module.config.hidden_size
+        return [("weight1", (n, hidden, -1)), ("weight2", (n, -1, hidden))]
+    return [("weight", tuple(module.weight.shape))]
+
+
+def frozen_base_modules(chunk):
+    """(local name, module) of every module whose base weight goes to FP8: the frozen
+    Column/RowParallelLinear and grouped experts outside the embedding and the LM head."""
+    for name, module in chunk.named_modules():
+        if name.startswith(_SKIPPED) or not isinstance(
+            module, (ColumnParallelLinear, RowParallelLinear, TorchGroupedMLP)
+        ):
+            continue
+        params = [getattr(module, p, None) for p, _ in _weights(module)]
+        if all(p is not None and not p.requires_grad for p in params):
+            yield name, module
+
+
+def is_fp8(module) -> bool:
+    return hasattr(module, "fp8_block")
+
+
+def _store(module, name: str, shape, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """The FP8 values in place of the parameter (same 2-D shape), the scales beside them."""
+    old = getattr(module, name)
+    fp8 = torch.nn.Parameter(q.reshape(old.shape), requires_grad=False)
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce"):
+        if hasattr(old, attr):
+            setattr(fp8, attr, getattr(old, attr))
+    setattr(module, name, fp8)
+    module.register_buffer(name + SCALE, scale, persistent=False)
+
+
+def quantize_module(module, block: tuple[int, int] = BLOCK) -> None:
+    """Replace the module's (bf16 / fp32) base weights by their FP8 values + block scales; the
+    first call also routes its forward through the FP8 GEMMs."""
+    if not is_fp8(module):
+        module.base_dtype = getattr(module, _weights(module)[0][0]).dtype
+    for name, shape in _weights(module):
+        weight = getattr(module, name)
+        if is_placeholder(weight):  # built by placeholder_base: the checkpoint fills it (load_quantised)
+            q = torch.zeros(weight.shape, dtype=FP8, device=weight.device).view(shape)
+            scale = torch.ones(q.shape[:-2] + _blocks(*q.shape[-2:], block), device=weight.device)
+        else:
+            q, scale = quantize(weight.detach().view(shape), block)
+        _store(module, name, shape, q, scale)
+        del weight
+    if not is_fp8(module):
+        module.fp8_block = tuple(block)
+        if isinstance(module, TorchGroupedMLP):
+            module.forward = types.MethodType(_fp8_experts_forward, module)
+        else:
+            module._forward_impl = types.MethodType(_fp8_linear_impl, module)
+
+
+def install(chunks, block: tuple[int, int] = BLOCK) -> list[str]:
+    """FP8 storage for every frozen base weight of `chunks` (after the adapters are added: they
+    take their dtype from the base); the log lines."""
+    count, before, after = 0, 0, 0
+    for chunk in chunks:
+        for _, module in frozen_base_modules(chunk):
+            for name, _ in _weights(module):
+                p = getattr(module, name)
+                before += p.numel() * p.element_size()
+            quantize_module(module, block)
+            for name, _ in _weights(module):
+                after += getattr(module, name).numel() + getattr(module, name + SCALE).numel() * 4
+            count += 1
+    return [
+        f"peft.fp8_base: {count} frozen base modules held in FP8 (e4m3, {block[0]}x{block[1]} block scales), "
+        f"{before / 2**30:.2f} -> {after / 2**30:.2f} GiB on this rank; dequantised per GEMM in forward and backward"
+    ]
+
+
+def fp8_modules(chunk):
+    return [(name, m) for name, m in chunk.named_modules() if is_fp8(m)]
+
+
+def dequantized_weights(chunk, dtype: torch.dtype = torch.float32):
+    """(local state key, dequantised value) of every FP8 weight of `chunk` (tests, merge, export)."""
+    for name, module in fp8_modules(chunk):
+        for pname, shape in _weights(module):
+            q = getattr(module, pname).view(shape)
+            value = dequantize(q, getattr(module, pname + SCALE), module.fp8_block, dtype)
+            yield f"{name}.{pname}", value.reshape(getattr(module, pname).shape)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _group_of(name: str) -> str:
+    match = _LAYER.match(name)
+    return match.group(1) if match else ""
+
+
+def load_quantised(chunks, load) -> int:
+    """Fill the FP8 storage from a checkpoint without its whole base in bf16: for each decoder (or
+    MTP) layer in turn, its FP8 modules get bf16 buffers, `load(keep)` loads the chunk entries whose
+    local state key `keep(key)` accepts into the chunks, and the buffers are quantised and freed.
+    Everything else (embedding, norms, routers, LM head, adapters' base) comes in one last call.
+    Returns the number of `load` calls."""
+    groups: dict[str, list] = {}
+    for chunk_index, chunk in enumerate(chunks):
+        for name, module in fp8_modules(chunk):
+            groups.setdefault(f"{chunk_index}:{_group_of(name)}", []).append((chunk_index, name, module))
+    fp8_prefixes = {(c, f"{n}.") for members in groups.values() for c, n, _ in members}
+    calls = 0
+    for members in groups.values():
+        for _, _, module in members:
+            for pname, _ in _weights(module):
+                setattr(module, pname, torch.nn.Parameter(_bf16_like(module, pname), requires_grad=False))
+        prefixes = {(c, f"{n}.") for c, n, _ in members}
+        load(lambda c, key, p=prefixes: any(c == pc and key.startswith(pre) for pc, pre in p))
+        calls += 1
+        for _, _, module in members:
+            quantize_module(module, module.fp8_block)
+    load(lambda c, key: not any(c == pc and key.startswith(pre) for pc, pre in fp8_prefixes))
+    return calls + 1
+
+
+def _bf16_like(module, pname: str) -> torch.Tensor:
+    fp8 = getattr(module, pname)
+    return torch.empty(fp8.shape, dtype=module.base_dtype, device=fp8.device)
+
+
+# ----------------------------------------------------------------------------- building without the bf16 base
+
+
+@contextlib.contextmanager
+def placeholder_base():
+    """Build the model with the Column/RowParallelLinear and grouped-expert weights as placeholders
+    (right shape, dtype and device, one element of storage: expanded views), initialisation skipped
+    for them. `install` then gives them FP8 storage and `materialise_placeholders` real storage to
+    any left (the LM head, trainable weights); the checkpoint fills both."""
+    from megatron.core.tensor_parallel import layers as tp_layers
+    from megatron.core.transformer.moe import experts as mcore_experts
+
+    classes = (ColumnParallelLinear, RowParallelLinear, mcore_experts.GroupedMLP)
+    mode = _PlaceholderMode()
+    originals = {cls: cls.__init__ for cls in classes}
+    init_fns = {
+        (mod, fn): getattr(mod, fn)
+        for mod in (tp_layers, mcore_experts)
+        for fn in ("_initialize_affine_weight_gpu", "_initialize_affine_weight_cpu")
+        if hasattr(mod, fn)
+    }
+
+    def wrapped(original):
+        def __init__(self, *args, **kwargs):
+            mode.depth += 1
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                mode.depth -= 1
+
+        return __init__
+
+    def skip_placeholder(original, dim_at: int, stride_at: int):
+        def init(weight, *args, **kwargs):
+            if not is_placeholder(weight):
+                return original(weight, *args, **kwargs)
+            # what megatron's initialisers set besides the values
+            dim = kwargs.get("partition_dim", args[dim_at - 1] if len(args) >= dim_at else 0)
+            stride = kwargs.get("stride", args[stride_at - 1] if len(args) >= stride_at else 1)
+            tp_layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=dim, stride=stride)
+            return None
+
+        return init
+
+    positions = {"_initialize_affine_weight_gpu": (2, 3), "_initialize_affine_weight_cpu": (4, 6)}
+    for cls in classes:
+        cls.__init__ = wrapped(originals[cls])
+    for (mod, fn), original in init_fns.items():
+        setattr(mod, fn, skip_placeholder(original, *positions[fn]))
+    try:
+        with mode:
+            yield
+    finally:
+        for cls in classes:
+            cls.__init__ = originals[cls]
+        for (mod, fn), original in init_fns.items():
+            setattr(mod, fn, original)
+
+
+def is_placeholder(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and 0 in t.stride()
+
+
+class _PlaceholderMode(torch.overrides.TorchFunctionMode):
+    """Inside a linear's / grouped MLP's __init__, a >= 2-D torch.empty is an expanded one-element
+    tensor (the bias, 1-D, stays real)."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth and func is torch.empty:
+            size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            if len(size) >= 2:
+                one = torch.empty(1, dtype=kwargs.get("dtype"), device=kwargs.get("device"))
+                return one.expand(*size)
+        return func(*args, **kwargs)
+
+
+def materialise_placeholders(chunks) -> int:
+    """Real (uninitialised) storage for any placeholder weight `install` did not turn into FP8."""
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            for pname, param in list(module.named_parameters(recurse=False)):
+                if is_placeholder(param):
+                    real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device))
+                    real.requires_grad_(param.requires_grad)
+                    real.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
+                    setattr(module, pname, real)
+                    count += 1
+    return count

@@ -1,0 +1,211 @@
+"""The adapters' math on one rank (in-process, fp32): LoRA and DoRA beside a megatron linear equal
+peft's on the same nn.Linear (outputs and gradients); the grouped expert adapter equals a loop over
+experts; a whole adapted model equals the model whose weights are the merged ones; and the bad
+inputs fail with errors naming the field and the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moe_sft.config import ConfigError
+from moe_sft.config.schema import PeftConfig
+from moe_sft.models import registry
+from moe_sft.models.forward import packed_logits
+from moe_sft.peft import install, state, targets
+
+
+@pytest.fixture(scope="module")
+def family():
+    return registry.family_by_name("qwen3_moe")
+
+
+def _model(family, **overrides):
+    from moe_sft.conversion.single_rank import single_rank_model
+
+    torch.manual_seed(0)
+    return single_rank_model(family, family.tiny_hf_config(num_hidden_layers=2, **overrides))
+
+
+def _adapted(family, cfg: PeftConfig, **overrides):
+    model = _model(family, **overrides)
+    tconfig = model.config
+    install.add_adapters([model], cfg, tconfig, "cpu")
+    install.init_dora_magnitudes([model])
+    torch.manual_seed(1)
+    with torch.no_grad():  # B starts at 0: move it so the adapters change the output
+        for name, param in model.named_parameters():
+            if ".adapter.lora_B" in name:
+                param.normal_(0, 0.05)
+    return model
+
+
+def _docs(vocab):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 12, 5)]
+
+
+def test_linear_lora_and_dora_equal_peft_on_the_same_linear(family):
+    """One unfused row of the attention (linear_proj) against peft's Linear wrapper."""
+    from peft import LoraConfig, get_peft_model
+
+    for method in ("lora", "dora"):
+        model = _adapted(family, PeftConfig(method=method, rank=4, alpha=8, target_modules=["attention"]))
+        proj = model.decoder.layers[0].self_attention.linear_proj
+        ref = torch.nn.Sequential()
+        ref.add_module("proj", torch.nn.Linear(proj.weight.shape[1], proj.weight.shape[0], bias=False))
+        ref.proj.weight.data.copy_(proj.weight.data)
+        ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], use_dora=method == "dora"))
+        layer = ref.base_model.model.proj
+        layer.lora_A["default"].weight.data.copy_(proj.adapter.lora_A.data)
+        layer.lora_B["default"].weight.data.copy_(proj.adapter.lora_B.data)
+        if method == "dora":
+            mag = layer.lora_magnitude_vector["default"].weight
+            assert torch.allclose(mag, proj.adapter.lora_magnitude, atol=1e-6)  # both start at |W| per row
+            mag.data.copy_(proj.adapter.lora_magnitude.data * 1.1)
+            proj.adapter.lora_magnitude.data.mul_(1.1)
+        x = torch.randn(5, 1, proj.weight.shape[1], requires_grad=True)
+        ours, _ = proj(x)
+        theirs = ref(x)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        (ours.square().sum()).backward()
+        g_ours = [proj.adapter.lora_A.grad, proj.adapter.lora_B.grad]
+        x_grad = x.grad.clone()
+        x.grad = None
+        theirs.square().sum().backward()
+        g_ref = [layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad]
+        if method == "dora":
+            g_ours.append(proj.adapter.lora_magnitude.grad)
+            g_ref.append(layer.lora_magnitude_vector["default"].weight.grad)
+        for a, b in zip(g_ours, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(x_grad, x.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_grouped_expert_adapter_equals_a_loop_over_experts(family):
+    model = _adapted(family, PeftConfig(method="lora", rank=4, alpha=4, target_modules=["experts"]))
+    experts = model.decoder.layers[0].mlp.experts
+    ad = experts.adapter
+    counts = torch.tensor([3, 0, 5, 1, 2, 4, 0, 1])
+    x = torch.randn(int(counts.sum()), experts.config.hidden_size)
+    got = ad.fc1(x, counts)
+    b1 = torch.cat([ad.lora_B1_gate, ad.lora_B1_up], dim=-1)
+    want = torch.cat([c @ ad.lora_A1[e] @ b1[e] for e, c in enumerate(torch.split(x, counts.tolist()))]) * ad.scale
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    h = torch.randn(int(counts.sum()), ad.lora_A2.shape[1])
+    want2 = torch.cat([c @ ad.lora_A2[e] @ ad.lora_B2[e] for e, c in enumerate(torch.split(h, counts.tolist()))])
+    torch.testing.assert_close(ad.fc2(h, counts), want2 * ad.scale, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "method,entries,share",
+    [("lora", ["all_linear"], "none"), ("lora", ["attention", "experts"], "a"), ("dora", ["attention"], "none")],
+)
+def test_adapted_model_equals_the_merged_weights(family, method, entries, share):
+    """Forward with adapters == forward of the base whose weights are the merged ones (q/k/v and
+    gate/up parts laid out as the fused rows, experts' [gate | up] halves, DoRA's rescaled rows)."""
+    model = _adapted(
+        family,
+        PeftConfig(method=method, rank=4, alpha=8, target_modules=entries, share_expert_factor=share),
+        mlp_only_layers=[1],
+    )
+    vocab = model.vocab_size
+    with torch.no_grad():
+        ours = packed_logits(model, _docs(vocab), vocab)
+        merged = dict(state.merged_weights(model))
+        plain = _model(family, mlp_only_layers=[1])
+        sd = plain.state_dict()
+        for name, value in merged.items():
+            assert not torch.allclose(sd[name], value), name  # the adapters really change it
+            sd[name] = value
+        plain.load_state_dict(sd)
+        theirs = packed_logits(plain, _docs(vocab), vocab)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(merged) >= (2 if entries == ["attention"] else 4)
+
+
+def test_only_adapters_train_and_the_router_on_request(family):
+    model = _adapted(family, PeftConfig(method="lora", target_modules=["attention"], rank=4, train_router=True))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".adapter." in n or ".router." in n for n in trained)
+    assert any(".router." in n for n in trained)
+    assert not any("experts" in n for n in trained)
+
+
+def test_a_target_matching_nothing_lists_the_modules(family):
+    model = _model(family)
+    with pytest.raises(ConfigError, match=r"peft.target_modules: \['shared_experts'\] match no module.*linear_qkv"):
+        install.add_adapters([model], PeftConfig(method="lora", target_modules=["shared_experts"]), model.config, "cpu")
+
+
+def test_rank_above_a_width_is_refused_before_and_at_build(family):
+    cfg = family.tiny_hf_config(num_hidden_layers=2)
+    shape = family.shape(cfg)
+    errors = targets.rank_errors(10_000, ["attention", "experts"], shape)
+    assert len(errors) == 2 and "peft.rank=10000 exceeds" in errors[0] and "lower peft.rank" in errors[0]
+    assert targets.rank_errors(8, ["attention", "experts"], shape) == []
+    model = _model(family)
+    with pytest.raises(
+        ConfigError, match=r"peft.rank=1000 exceeds decoder.layers.0.self_attention.linear_(qkv|proj)'s in=128"
+    ):
+        install.add_adapters(
+            [model], PeftConfig(method="lora", rank=1000, target_modules=["attention"]), model.config, "cpu"
+        )
+
+
+def test_dora_on_experts_is_refused(family):
+    model = _model(family)
+    with pytest.raises(ConfigError, match="peft.method=dora on routed experts"):
+        install.add_adapters([model], PeftConfig(method="dora", target_modules=["experts"]), model.config, "cpu")
+
+
+def test_preflight_refuses_bad_peft_options():
+    from moe_sft.config.load import load_recipe
+    from moe_sft.config.validate import check_peft
+
+    cfg = load_recipe("recipes/quickstart_lora.yaml")
+    assert check_peft(cfg, 1) == []
+    bad = copy.deepcopy(cfg)
+    bad.model.backend = "te"
+    bad.peft.rank, bad.peft.alpha, bad.peft.dropout, bad.peft.lr = 0, 0.0, 1.0, -1.0
+    bad.peft.share_expert_factor = "a"
+    bad.parallel.expert_tensor_parallel_size = 2
+    text = "\n".join(check_peft(bad, 2))
+    for needle in (
+        "peft.rank=0",
+        "peft.alpha=0.0",
+        "peft.dropout=1.0",
+        "peft.lr=-1.0",
+        "model.backend=te",
+        "expert tensor parallel 1",
+    ):
+        assert needle in text, (needle, text)
+    dora = copy.deepcopy(cfg)
+    dora.peft.method, dora.peft.dropout = "dora", 0.1
+    assert "peft.dropout=0.1 with peft.method=dora" in "\n".join(check_peft(dora, 1))
+
+
+def test_resume_checks_adapters_and_base(tmp_path):
+    from moe_sft.conversion import mcore_io
+    from moe_sft.peft import run_meta
+
+    base = tmp_path / "base"
+    base.mkdir()
+    mcore_io.write_meta(base, {"source": "hf"})
+    lora = PeftConfig(method="lora", rank=8)
+    saved = run_meta.record(lora, base)
+    run_meta.check_resume(saved, lora, base, tmp_path / "ck")  # the same: fine
+    with pytest.raises(ConfigError, match=r"peft.rank=4 \(checkpoint: 8\)"):
+        run_meta.check_resume(saved, PeftConfig(method="lora", rank=4), base, tmp_path / "ck")
+    with pytest.raises(ConfigError, match="peft.method=none: .* holds lora adapters"):
+        run_meta.check_resume(saved, PeftConfig(method="none"), base, tmp_path / "ck")
+    with pytest.raises(ConfigError, match="is a full-parameter SFT run"):
+        run_meta.check_resume({}, lora, base, tmp_path / "ck")
+    other = tmp_path / "other"
+    other.mkdir()
+    mcore_io.write_meta(other, {"source": "another"})
+    with pytest.raises(ConfigError, match="is not the base"):
+        run_meta.check_resume(saved, lora, other, tmp_path / "ck")
