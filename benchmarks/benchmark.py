@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-ARMS = ("moe-sft", "moe-sft-graphs", "transformers", "torchtitan")  # -graphs: trainer.cuda_graphs
+# -graphs: trainer.cuda_graphs; -lora: LoRA rank 16 on attention and experts, base frozen (ours.BENCH_LORA)
+ARMS = ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "transformers", "torchtitan")
 
 
 def _device(choice: str) -> str:
@@ -97,7 +98,7 @@ def _forwarded(args) -> list[str]:
 def _make_arm(name: str, args, device: str, layers: int, first):
     from benchmarks.workload import hf_config
 
-    if name in ("moe-sft", "moe-sft-graphs"):
+    if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
         from benchmarks.ours import OursArm
 
         budgets = [int(b) for b in args.budgets.split(",")]
@@ -111,6 +112,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             max_steps=max_steps,
             device=device,
             cuda_graphs=name == "moe-sft-graphs",
+            lora=name == "moe-sft-lora",
         )
     if name == "transformers":
         from benchmarks.hf import HFArm

@@ -24,6 +24,7 @@ from moe_sft.config import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    PeftConfig,
     TrainConfig,
     TrainerConfig,
     validate_config,
@@ -43,6 +44,7 @@ def bench_config(
     max_steps: int,
     device: str = "auto",
     cuda_graphs: bool = False,
+    peft: PeftConfig | None = None,
 ) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
@@ -67,7 +69,12 @@ def bench_config(
             cuda_graphs=cuda_graphs,
         ),
         checkpoint=CheckpointConfig(save_at_end=False, resume="never"),
+        peft=peft or PeftConfig(),
     )
+
+
+# The LoRA arm: rank 16 on the attention and every routed expert, the base frozen (issue 28).
+BENCH_LORA = PeftConfig(method="lora", rank=16, alpha=32, target_modules=["attention", "experts"])
 
 
 class BenchTrainer(Trainer):
@@ -107,8 +114,9 @@ class OursArm:
         max_steps: int,
         device: str = "auto",
         cuda_graphs: bool = False,
+        lora: bool = False,
     ):
-        self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft"
+        self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
         cfg = bench_config(
             model,
             work,
@@ -118,6 +126,7 @@ class OursArm:
             max_steps=max_steps,
             device=device,
             cuda_graphs=cuda_graphs,
+            peft=BENCH_LORA if lora else None,
         )
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer
@@ -186,6 +195,8 @@ class OursArm:
             precision=t.rt.precision,
             attention=_attention_kernel(t.rt.device),
             mtp_trained=self.run_mtp,
+            trained_params_rank0=sum(p.numel() for c in t.state.model for p in c.parameters() if p.requires_grad),
+            peft=t.cfg.peft.method,
         )
 
     def close(self) -> None:

@@ -448,6 +448,25 @@ def check_peft(cfg: TrainConfig, world_size: int) -> list[str]:
     return errors
 
 
+def check_peft_fp8_base(cfg: TrainConfig, world_size: int) -> list[str]:
+    """peft.fp8_base keeps a frozen base in FP8 (moe_sft/peft/fp8_base.py): only under LoRA."""
+    p = cfg.peft
+    if not p.fp8_base:
+        return []
+    if p.method == "none":
+        return [
+            "peft.fp8_base=true needs peft.method=lora: only a frozen base can be held in FP8 "
+            "(full-parameter SFT trains every weight in bf16); set peft.method=lora or peft.fp8_base=false"
+        ]
+    if p.method == "dora":
+        return [
+            "peft.fp8_base=true with peft.method=dora is not supported: DoRA rescales by the norms of the "
+            "base weight's rows, which an FP8 base would dequantise in full every step; use peft.method=lora "
+            "or peft.fp8_base=false"
+        ]
+    return []
+
+
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_proj", "shared_experts")
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
@@ -566,6 +585,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("trainer", check_trainer),
     ("model", check_model),
     ("peft", check_peft),
+    ("peft_fp8_base", check_peft_fp8_base),
     ("model_paths", check_model_paths),
 )
 

@@ -127,6 +127,24 @@ def test_adapted_model_equals_the_merged_weights(family, method, entries, share)
     assert len(merged) >= (2 if entries == ["attention"] else 4)
 
 
+@pytest.mark.parametrize("name", [f.name for f in registry.FAMILIES if f.name != "qwen3_moe"])
+def test_every_family_adapted_on_all_linears_equals_its_merged_weights(name):
+    """MLA's five projections, shared experts, dense first layers, qkv biases, full-width q/k norms."""
+    family = registry.family_by_name(name)
+    model = _adapted(family, PeftConfig(method="lora", rank=4, alpha=8, target_modules=["all_linear"]))
+    vocab = model.vocab_size
+    with torch.no_grad():
+        ours = packed_logits(model, _docs(vocab), vocab)
+        plain = _model(family)
+        sd = plain.state_dict()
+        sd.update(dict(state.merged_weights(model)))
+        plain.load_state_dict(sd)
+        theirs = packed_logits(plain, _docs(vocab), vocab)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert max((a - b).abs().max() for a, b in zip(ours, packed_logits(_model(family), _docs(vocab), vocab))) > 1e-3
+
+
 def test_only_adapters_train_and_the_router_on_request(family):
     model = _adapted(family, PeftConfig(method="lora", target_modules=["attention"], rank=4, train_router=True))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
