@@ -2,6 +2,12 @@
 
     python tools/export_mcore_to_hf.py --mcore-path CKPT_DIR --output HF_DIR [--dtype bf16|fp32]
                                        [--max-shard-size 5GB] [--read-size 256MiB] [--overwrite]
+                                       [--adapter-output ADAPTER_DIR]
+
+A LoRA/DoRA run's checkpoint (it holds the adapters only) is exported merged into its base (read
+from the base checkpoint its moe_sft_meta.json names, `peft_base`); --adapter-output also writes
+its adapters as a PEFT adapter directory (`PeftModel.from_pretrained(hf_model, ADAPTER_DIR)`), or
+fails with the reason when peft cannot express them (moe_sft/peft/hf_adapter.py).
 
 Writes sharded safetensors + model.safetensors.index.json + config.json + generation_config.json
 + the tokenizer files kept in CKPT_DIR/hf/. The export streams: the model is never gathered, each
@@ -57,6 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="most bytes of a megatron tensor read at once (experts, rows); memory is a few of these (default 256MiB)",
     )
     parser.add_argument(
+        "--adapter-output",
+        default=None,
+        help="LoRA/DoRA runs: also write the adapters as a PEFT adapter directory here",
+    )
+    parser.add_argument(
         "--traceback", action="store_true", help="show the full traceback instead of the one-line error"
     )
     return parser.parse_args(argv)
@@ -77,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
         progress=Progress("written"),
         overwrite=args.overwrite,
     )
+    if args.adapter_output:
+        from moe_sft.peft.hf_adapter import export_adapter
+
+        adapter = export_adapter(args.mcore_path, args.adapter_output, dtype=args.dtype, overwrite=args.overwrite)
+        print(f"exported PEFT adapter -> {adapter.resolve()}")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = len(set(index["weight_map"].values()))
     print(

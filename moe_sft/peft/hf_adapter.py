@@ -33,6 +33,9 @@ from moe_sft.conversion import mapping, mcore_io
 from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.peft import merge
 from moe_sft.peft.linear import combine
+from moe_sft.runtime.logs import get_logger
+
+log = get_logger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_DIR = "hf_adapter"  # <trainer.output_dir>/hf_adapter
@@ -41,7 +44,7 @@ PEFT_PREFIX = "base_model.model."
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-class AdapterExportError(ValueError):
+class AdapterExportError(mapping.MappingError):
     """The run's adapters have no PEFT equivalent; the message names the field and the fix."""
 
 
@@ -159,10 +162,14 @@ def _trained_tensors(run, entries: dict, hf_model, meta: dict) -> dict[str, torc
         entry = entries.get(key)
         if entry is None:
             raise _unexpressible(meta, f"the run trained {key}, which maps to no HF tensor")
-        for name, tensor in zip(entry.hf, entry.transform.to_hf(merge._read(run.reader, key), run.ctx)):
+        for i, (name, tensor) in enumerate(zip(entry.hf, entry.transform.to_hf(merge._read(run.reader, key), run.ctx))):
             module, _, leaf = name.rpartition(".")
+            if i and entry.transform.copies and _module(hf_model, module) is None:
+                continue  # a copy kept for MTP layers, which transformers' model does not hold
             if _module(hf_model, module) is None or leaf not in dict(_module(hf_model, module).state_dict()):
-                raise _unexpressible(meta, f"the run trained {key} (HF {name}), which is no tensor of transformers' model")
+                raise _unexpressible(
+                    meta, f"the run trained {key} (HF {name}), which is no tensor of transformers' model"
+                )
             out[name] = tensor
     return out
 
@@ -195,15 +202,48 @@ def _lora_config(plan: _Plan, meta: dict):
         target_parameters=sorted(plan.params) or None,
         modules_to_save=saved_modules or None,
         use_dora=meta["peft"]["method"] == "dora",
-        base_model_name_or_path=meta.get("source"),
     )
 
 
-def _peft_tensors(plan: _Plan, hf_model, config) -> dict[str, torch.Tensor]:
-    """peft's own state dict of the adapter (names and shapes), filled from the plan."""
-    from peft import get_peft_model, get_peft_model_state_dict
+def _peft_model(plan: _Plan, new_model, meta: dict):
+    """peft's model of the plan's LoraConfig. peft rewrites (for transformers v4 adapters) targets
+    whose module is named like a v4 expert projection (gate_proj, up_proj, down_proj on Qwen2/3-MoE,
+    DeepSeek-V3, ...) into the fused experts' parameters, dense MLPs and shared experts included, at
+    every load. Such linears are targeted as parameters (`<module>.weight`, the same LoRA), which
+    peft leaves alone; DoRA has no parameter form in peft, so there it is an error."""
+    from peft import get_peft_model
 
-    peft_model = get_peft_model(hf_model, config)
+    config = _lora_config(plan, meta)
+    try:
+        peft_model = get_peft_model(new_model(), config)
+    except ValueError as err:  # DoRA on what peft rewrote into parameters
+        if meta["peft"]["method"] != "dora":
+            raise
+        rewritten = sorted(set(plan.modules) - set(config.target_modules or ()))
+        raise _unexpressible(
+            meta,
+            f"DoRA on {rewritten[:4]}: peft {_peft_version()} retargets modules of these names to the fused "
+            f"experts (its transformers v4 conversion) and has no DoRA for parameters ({err})",
+        ) from err
+    rewritten = sorted(set(plan.modules) - set(peft_model.peft_config["default"].target_modules or ()))
+    if not rewritten:
+        return peft_model
+    for module in rewritten:
+        plan.params[f"{module}.weight"] = plan.modules.pop(module)
+    return get_peft_model(new_model(), _lora_config(plan, meta))
+
+
+def _peft_version() -> str:
+    import peft
+
+    return peft.__version__
+
+
+def _peft_tensors(plan: _Plan, peft_model, base_tensor) -> dict[str, torch.Tensor]:
+    """peft's own state dict of the adapter (names and shapes), filled from the plan; tensors of a
+    modules_to_save module the run did not train (DeepSeek-V3's router bias) from the base."""
+    from peft import get_peft_model_state_dict
+
     values = {}
     for name, module in peft_model.named_modules():
         bare = re.sub(r"\.base_layer\b", "", name.removeprefix(PEFT_PREFIX))
@@ -217,6 +257,11 @@ def _peft_tensors(plan: _Plan, hf_model, config) -> dict[str, torch.Tensor]:
                 values[f"{name}.lora_magnitude_vector"] = source["magnitude"]
     values.update({PEFT_PREFIX + n: t for n, t in plan.saved.items()})
     expected = get_peft_model_state_dict(peft_model)
+    saved_modules = {n.rpartition(".")[0] for n in plan.saved}
+    for key in set(expected) - set(values):
+        name = key.removeprefix(PEFT_PREFIX)
+        if name.rpartition(".")[0] in saved_modules:
+            values[key] = base_tensor(name)
     return _fill(expected, values)
 
 
@@ -244,15 +289,18 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
     merge.base_dir(ckpt_dir, meta)  # the adapters only make sense on their base
     run = merge.RunAdapters(ckpt_dir, meta, mapping.transform_context(family, hf_cfg))
-    with torch.device("meta"):
-        hf_model = family.hf_model_class(hf_cfg)
+    hf_model = _meta_model(family, hf_cfg)
     plan = _plan(run, family, hf_cfg, hf_model, meta)
-    config = _lora_config(plan, meta)
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in _peft_tensors(plan, hf_model, config).items()}
+    peft_model = _peft_model(plan, lambda: _meta_model(family, hf_cfg), meta)
+    base_tensor = _base_tensors(merge.base_dir(ckpt_dir, meta), family, hf_cfg, run.ctx)
+    tensors = _peft_tensors(plan, peft_model, base_tensor)
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
+    config = _lora_config(plan, meta)  # as planned: peft rewrites the one it is given, and again at load
     tmp = mcore_io.staging_dir(out_dir)
     tmp.mkdir(parents=True)
     try:
         (tmp / mcore_io.EXPORT_STAMP).write_text(str(ckpt_dir.resolve()))
+        config.base_model_name_or_path = meta.get("source")  # get_peft_model set the meta model's
         config.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / mcore_io.EXPORT_STAMP).unlink()
@@ -261,6 +309,27 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16
         mcore_io.discard_staging(tmp)
         raise
     return out_dir
+
+
+def _meta_model(family, hf_cfg):
+    with torch.device("meta"):
+        return family.hf_model_class(hf_cfg)
+
+
+def _base_tensors(base: Path, family, hf_cfg, ctx: dict):
+    """HF tensor name -> its value in the base checkpoint (whole megatron tensor read, transformed)."""
+    from moe_sft.conversion.dcp_reader import DistCheckpointReader
+
+    entries = {n: e for e in mapping.expand(family, hf_cfg) for n in e.hf}
+    reader = DistCheckpointReader(base)
+
+    def tensor(name: str) -> torch.Tensor:
+        entry = entries.get(name)
+        if entry is None or entry.mcore not in reader.tensors():
+            raise AdapterExportError(f"{name}: no tensor of the base checkpoint {base} gives it")
+        return entry.transform.to_hf(merge._read(reader, entry.mcore), ctx)[entry.hf.index(name)]
+
+    return tensor
 
 
 def _own_adapter_dir(ckpt_dir: Path, out_dir: Path) -> bool:
@@ -272,3 +341,14 @@ def _own_adapter_dir(ckpt_dir: Path, out_dir: Path) -> bool:
         and out_dir.resolve() == ckpt.parent.parent / ADAPTER_DIR
         and (out_dir / CONFIG_FILE).is_file()
     )
+
+
+def export_adapter_if_expressible(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16") -> str | None:
+    """`export_adapter`, or why a PEFT adapter cannot hold this run's adapters (nothing written):
+    the end-of-training export writes the merged model either way and logs the reason."""
+    try:
+        export_adapter(ckpt_dir, out_dir, dtype)
+    except AdapterExportError as err:
+        log.warning(f"PEFT adapter export skipped: {err}")
+        return str(err)
+    return None

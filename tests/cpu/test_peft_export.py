@@ -1,0 +1,159 @@
+"""Exports of a LoRA/DoRA run's checkpoint (adapters only, on a converted base), fp32 on CPU:
+
+- merged (moe_sft/peft/merge.py through conversion/export.py): transformers' own model class
+  loading the exported directory gives our adapted model's logits;
+- as a PEFT adapter (moe_sft/peft/hf_adapter.py): `PeftModel.from_pretrained(base, dir)` gives the
+  merged model's logits (fused routed experts through peft's target_parameters, q/k/v and
+  gate/up split from megatron's fused linears, MLA's projections, shared experts, dense layers,
+  a shared expert factor, trained routers through modules_to_save, DoRA on the attention);
+- an adapter peft cannot express (an MTP layer's) is an error naming the field and the fix, and
+  the trainer's end-of-run export then writes the merged model and logs why there is no adapter.
+
+The adapters get random nonzero B (and DoRA magnitudes off the row norms), so the delta is large.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_sft.config.schema import PeftConfig
+from moe_sft.conversion import mcore_io
+from moe_sft.conversion.convert import convert
+from moe_sft.conversion.export import export, load_model_from_checkpoint
+from moe_sft.models import registry
+from moe_sft.models.forward import packed_logits
+from moe_sft.peft import run_meta
+from moe_sft.peft.hf_adapter import AdapterExportError, export_adapter
+from moe_sft.peft.install import add_adapters, init_dora_magnitudes
+from moe_sft.runtime import cpu_compat
+
+VOCAB = 300
+TOL = 1e-5  # fp32; measured below ~2e-6 (printed by each test)
+DOCS = [[int(t) for t in torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))] for n in (23, 9)]
+
+
+def _write_base(family_name: str, tmp: Path) -> Path:
+    family = registry.family_by_name(family_name)
+    with cpu_compat.suspended():
+        torch.manual_seed(0)
+        model = family.hf_model_class(family.tiny_hf_config(vocab_size=VOCAB)).eval()
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.5)
+        model.save_pretrained(str(tmp / "hf"))
+    convert(tmp / "hf", tmp / "mcore")
+    return tmp
+
+
+def _lora_run(base: Path, out: Path, cfg: PeftConfig, seed: int = 1):
+    """Our model with adapters (random B; DoRA magnitudes and trained routers perturbed), saved as a
+    LoRA run's checkpoint is (trainable entries, meta with peft/peft_base, hf/); its logits."""
+    from megatron.core import dist_checkpointing
+
+    from moe_sft.trainer.checkpoint import model_sharded_state
+
+    model = load_model_from_checkpoint(base / "mcore").eval()
+    add_adapters([model], cfg, model.config, "cpu")
+    init_dora_magnitudes([model])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            noise = torch.randn(param.shape, generator=g)
+            if ".lora_B" in name:
+                param.copy_(noise * 0.1)
+            elif "lora_magnitude" in name or "router" in name:
+                param.mul_(1 + 0.2 * noise)
+    ckpt = out / "checkpoints" / "step_0000001"
+    ckpt.mkdir(parents=True)
+    dist_checkpointing.save(model_sharded_state([model]), str(ckpt))
+    meta = mcore_io.read_meta(base / "mcore") | run_meta.record(cfg, base / "mcore") | {"step": 1}
+    mcore_io.write_meta(ckpt, meta)
+    mcore_io.copy_hf_side_files(base / "mcore" / mcore_io.HF_SUBDIR, ckpt / mcore_io.HF_SUBDIR)
+    with torch.no_grad():
+        return ckpt, packed_logits(model, DOCS, VOCAB)
+
+
+def _hf_logits(model) -> list[torch.Tensor]:
+    with cpu_compat.suspended(), torch.no_grad():
+        return [model(torch.tensor([d])).logits[0].float() for d in DOCS]
+
+
+def _load_hf(path: Path):
+    import transformers
+
+    with cpu_compat.suspended():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def base(request, tmp_path_factory):
+    return _write_base(request.param, tmp_path_factory.mktemp(request.param))
+
+
+CASES = {
+    # every linear and the routed experts, routers trained too (peft: modules_to_save)
+    "lora_all_linear_router": PeftConfig(
+        method="lora", rank=4, alpha=8.0, target_modules=["all_linear"], train_router=True
+    ),
+    # one A shared by a layer's experts (written per expert for peft)
+    "lora_shared_a": PeftConfig(
+        method="lora", rank=4, alpha=16.0, target_modules=["experts", "attention"], share_expert_factor="a"
+    ),
+    "dora_attention": PeftConfig(method="dora", rank=4, alpha=8.0, target_modules=["attention"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_merged_and_peft_exports_give_the_adapted_models_logits(base, case, tmp_path):
+    from peft import PeftModel
+
+    ckpt, ours = _lora_run(base, tmp_path / "run", CASES[case])
+    reference = _hf_logits(_load_hf(base / "hf"))
+    assert _diff(ours, reference) > 1e-2  # the adapters change the model
+
+    export(ckpt, tmp_path / "merged", dtype="fp32")
+    merged = _hf_logits(_load_hf(tmp_path / "merged"))
+    merged_diff = _diff(merged, ours)
+
+    export_adapter(ckpt, tmp_path / "adapter", dtype="fp32")
+    with cpu_compat.suspended():
+        peft_model = PeftModel.from_pretrained(_load_hf(base / "hf"), str(tmp_path / "adapter")).eval()
+    peft_diff = _diff(_hf_logits(peft_model), merged)
+    print(f"{base.name} {case}: merged vs ours {merged_diff:.2e}, peft vs merged {peft_diff:.2e}")
+    assert merged_diff <= TOL
+    assert peft_diff <= TOL
+
+
+def test_an_adapter_peft_cannot_express_is_an_error_and_the_trainer_exports_merged(tmp_path, capfd):
+    from moe_sft.trainer.trainer import Trainer
+    from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
+
+    write_tiny_deepseek_with_mtp(tmp_path / "hf", VOCAB)
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    target = "mtp.layers.0.transformer_layer.self_attention.linear_proj"
+    cfg = PeftConfig(method="lora", rank=4, alpha=8.0, target_modules=[target])
+    ckpt, _ = _lora_run(tmp_path, tmp_path / "run", cfg)
+    with pytest.raises(AdapterExportError, match=r"peft\.target_modules=.*leave such modules out") as err:
+        export_adapter(ckpt, tmp_path / "adapter")
+    assert target in str(err.value) and not (tmp_path / "adapter").exists()
+
+    # the trainer's end-of-run export: merged written, the adapter skipped with the reason logged
+    trainer = types.SimpleNamespace(
+        out=tmp_path / "run", rt=types.SimpleNamespace(precision="fp32"), cfg=types.SimpleNamespace(peft=cfg)
+    )
+    capfd.readouterr()
+    Trainer.export(trainer, ckpt)
+    logged = "".join(capfd.readouterr())
+    assert (tmp_path / "run" / "hf" / "config.json").is_file()
+    assert not (tmp_path / "run" / "hf_adapter").exists()
+    assert "PEFT adapter export skipped" in logged and target in logged
