@@ -328,6 +328,11 @@ def cuda_graphs_ineligible(device: str, cfg: TrainConfig) -> list[str]:
         reasons.append(
             f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} (null = TP): needs 1"
         )
+    if cfg.peft.method != "none":
+        reasons.append(
+            f"peft.method={cfg.peft.method}: the graphed MoE half does not capture the expert adapters "
+            "(their grouped GEMMs and gradient sums run eager only)"
+        )
     if parallel.overlap_grad_reduce or parallel.overlap_param_gather:
         # The graphed weights whose gradient goes into main_grad inside the graph never reach
         # autograd's accumulator, so DDP's hook never marks their bucket ready; without overlap

@@ -23,7 +23,7 @@ import torch
 from megatron.core import parallel_state
 
 from moe_sft.layers.experts import grouped_matmul
-from moe_sft.peft.parallel import mark_expert, mark_sharded, sum_grad_over
+from moe_sft.peft.parallel import mark_expert, mark_replicated_over, mark_sharded, sum_grad_over
 
 
 class ExpertAdapter(torch.nn.Module):
@@ -53,6 +53,8 @@ class ExpertAdapter(torch.nn.Module):
         for name, param in self.named_parameters():
             if not self._shared(name):
                 mark_expert(param)
+                if name in ("lora_A1", "lora_B2"):
+                    mark_replicated_over(param, self.etp_group)
 
     def _shared(self, name: str) -> bool:
         return name.startswith(f"lora_{self.share.upper()}") if self.share != "none" else False

@@ -21,8 +21,10 @@ Values: quantisation is DeepSeek-V3's (scale_inv = amax(block) / 448, q = w / sc
 dequantisation its `weight_dequant` (fp32 product, then the compute dtype), both equal to
 moe_sft/conversion/fp8.py's reference functions (tests/cpu/test_peft_fp8_base.py). The blocks are
 those of megatron's local matrix: at TP 1 / ETP 1 they are the source's 128x128 blocks, so a
-base converted from an FP8 release (dequantised exactly into bf16) re-quantises to the source's
-FP8 values bit for bit (the scales to bf16 precision; tested).
+base converted from an FP8 release (dequantised into bf16) re-quantises to the source's FP8 values
+bit for bit, with per-block scales that dequantise to exactly the converted bf16 weight (the
+source's own scale is one such scale; `_exact_scales`). A block the conversion permuted across
+block boundaries, or a bf16 source, gets the amax scale. Tested on a tiny DeepSeek-V3 faked in FP8.
 
 Loading (`load_quantised`): the converted checkpoint is read one decoder layer at a time into
 bf16 buffers of that layer only, each quantised right after, so the whole base never exists in
@@ -42,13 +44,20 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from moe_sft.layers.experts import TorchGroupedMLP, grouped_matmul
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
+    triton = None
+
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 SCALE = "_scale_inv"
-# Dequantise / quantise at most this many elements at once (fp32 temporaries of 1 GiB).
-_CHUNK_ELEMENTS = 2**28
+# Dequantise / quantise at most this many elements at once (fp32 temporaries of 256 MiB).
+_CHUNK_ELEMENTS = 2**26
 _SKIPPED = ("output_layer", "embedding")
+_SCALE_CANDIDATES = 32  # fp32 scales tried per block to reproduce a bf16 weight exactly
 _LAYER = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.)")
 
 
@@ -73,8 +82,8 @@ def _tiles(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return t.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1])
 
 
-def _chunks(n: int, per_item: int) -> list[slice]:
-    step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
+def _chunks(n: int, per_item: int, limit: int = 0) -> list[slice]:
+    step = max(1, (limit or _CHUNK_ELEMENTS) // max(per_item, 1))
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
@@ -85,20 +94,69 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torc
     flat = weight.reshape(-1, rows, cols)
     q = torch.empty(flat.shape, dtype=FP8, device=weight.device)
     scale = torch.empty(flat.shape[0], *_blocks(rows, cols, block), dtype=torch.float32, device=weight.device)
-    for part in _chunks(flat.shape[0], rows * cols):
+    for part in _chunks(flat.shape[0], rows * cols, _CHUNK_ELEMENTS // 4):  # ~10 fp32 temporaries each
         tiles = _tiles(flat[part].float(), block)
         s = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
-        scale[part] = s
         values = (tiles / s[:, :, None, :, None]).to(FP8)
+        if weight.dtype == torch.bfloat16 or bool((tiles.to(torch.bfloat16).float() == tiles).all()):
+            s = _exact_scales(tiles, values, s)  # bf16 values (in any dtype): from an FP8 source?
+        scale[part] = s
         q[part] = values.flatten(-4, -3).flatten(-2, -1)[:, :rows, :cols]
     return q.reshape(weight.shape), scale.reshape(*lead, *scale.shape[1:])
+
+
+def _exact_scales(tiles: torch.Tensor, values: torch.Tensor, amax_scale: torch.Tensor) -> torch.Tensor:
+    """Per block, a scale that dequantises the FP8 `values` back to exactly the bf16 `tiles`, where
+    one exists (a bf16 weight dequantised from an FP8 source: its FP8 values re-quantise to the
+    source's bit for bit, and any scale inside every value's bf16 rounding interval reproduces the
+    bf16 weight; the source's own scale is one of them). Else the amax scale (a bf16 source).
+
+    Interval of element i (q_i != 0): bf16(q_i * s) == v_i  <=>  v_i - down_i <= q_i * s <= v_i + up_i,
+    half a bf16 spacing each way (a quarter toward zero from an exact power of two, whose neighbour
+    there is closer); then fp32 candidates from the blocks' intersection are checked."""
+    q = values.float()
+    mantissa, exponent = torch.frexp(tiles)
+    spacing = torch.ldexp(torch.ones_like(tiles), exponent - 8)  # bf16: 8 significant bits
+    toward_zero = torch.where(mantissa.abs() == 0.5, spacing / 4, spacing / 2) * tiles.sign()
+    away = spacing / 2 * tiles.sign()
+    lo_v, hi_v = torch.minimum(tiles - toward_zero, tiles + away), torch.maximum(tiles - toward_zero, tiles + away)
+    nonzero = q != 0
+    safe_q = torch.where(nonzero, q, torch.ones_like(q))
+    a, b = lo_v / safe_q, hi_v / safe_q
+    lo = torch.where(nonzero, torch.minimum(a, b), torch.full_like(q, -torch.inf)).amax(dim=(-3, -1))
+    hi = torch.where(nonzero, torch.maximum(a, b), torch.full_like(q, torch.inf)).amin(dim=(-3, -1))
+    usable = (lo <= hi) & torch.isfinite(lo) & torch.isfinite(hi) & (lo > 0)
+
+    def exact(candidate):
+        return usable & ((q * candidate[:, :, None, :, None]).to(torch.bfloat16).float() == tiles).all(dim=(-3, -1))
+
+    # The intersection is a few fp32 values wide at most (each element narrows it to 2^-9 of s; the
+    # products are rounded to fp32 before bf16): its midpoint, else each fp32 value from lo up.
+    chosen, found = amax_scale.clone(), torch.zeros_like(usable)
+    candidate = torch.where(usable, (lo + hi) / 2, amax_scale)
+    for step in range(_SCALE_CANDIDATES + 1):
+        hit = exact(candidate) & ~found
+        chosen, found = torch.where(hit, candidate, chosen), found | hit
+        if bool(found[usable].all()):
+            break
+        candidate = lo if step == 0 else torch.nextafter(candidate, torch.full_like(candidate, torch.inf))
+        if bool((candidate[usable & ~found] > hi[usable & ~found]).all()):
+            break
+    return chosen
 
 
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """w = fp8 x scale_inv of its block, computed in fp32 and rounded once to `dtype`
-    (DeepSeek-V3's weight_dequant; conversion.fp8.dequantize_blocks for every leading index)."""
+    (DeepSeek-V3's weight_dequant; conversion.fp8.dequantize_blocks for every leading index).
+    On CUDA one Triton pass (read 1 byte, write 2 per value); elsewhere torch ops in chunks."""
+    if _triton_fits(q, block):
+        return _dequantize_triton(q, scale, block, dtype)
+    return dequantize_torch(q, scale, block, dtype)
+
+
+def dequantize_torch(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK, dtype=torch.bfloat16):
     *lead, rows, cols = q.shape
     flat, flat_scale = q.reshape(-1, rows, cols), scale.reshape(-1, *scale.shape[-2:])
     out = torch.empty(flat.shape, dtype=dtype, device=q.device)
@@ -106,6 +164,36 @@ def dequantize(
         tiles = _tiles(flat[part].float(), block) * flat_scale[part][:, :, None, :, None]
         out[part] = tiles.flatten(-4, -3).flatten(-2, -1)[:, :rows, :cols]
     return out.reshape(q.shape)
+
+
+def _triton_fits(q: torch.Tensor, block: tuple[int, int]) -> bool:
+    power_of_two = all(b & (b - 1) == 0 for b in block)
+    return triton is not None and q.is_cuda and power_of_two and q.is_contiguous() and q.dtype == FP8
+
+
+def _dequantize_triton(q, scale, block, dtype):
+    *lead, rows, cols = q.shape
+    experts = q.numel() // (rows * cols)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    br, bc = _blocks(rows, cols, block)
+    scale = scale.contiguous()
+    _dequant_kernel[(br, bc, experts)](q, scale, out, rows, cols, br, bc, BR=block[0], BC=block[1], num_warps=8)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, out_ptr, rows, cols, s_rows, s_cols, BR: tl.constexpr, BC: tl.constexpr):
+        """One block: fp8 -> fp32, times its scale (fp32), rounded to the output dtype (RNE)."""
+        i, j, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        r = i * BR + tl.arange(0, BR)
+        c = j * BC + tl.arange(0, BC)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        offsets = e * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+        values = tl.load(q_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + e * s_rows * s_cols + i * s_cols + j)
+        tl.store(out_ptr + offsets, (values * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- the GEMMs
@@ -222,14 +310,28 @@ def is_fp8(module) -> bool:
 
 
 def _store(module, name: str, shape, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """The FP8 values in place of the parameter (same 2-D shape), the scales beside them."""
+    """The FP8 values in place of the parameter (same 2-D shape), the scales beside them: both
+    non-persistent buffers, so neither megatron's DDP and optimizer nor anything that walks the
+    parameters (grad norms, checkpoint integrity, state dicts) sees a frozen FP8 tensor."""
     old = getattr(module, name)
-    fp8 = torch.nn.Parameter(q.reshape(old.shape), requires_grad=False)
+    fp8 = q.reshape(old.shape)
     for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce"):
         if hasattr(old, attr):
             setattr(fp8, attr, getattr(old, attr))
-    setattr(module, name, fp8)
+    delattr(module, name)
+    module.register_buffer(name, fp8, persistent=False)
     module.register_buffer(name + SCALE, scale, persistent=False)
+
+
+def base_weight(module, name: str = "weight", dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A base weight as its module's parameter layout holds it: dequantised when it is FP8 (for a
+    merge or an export: never rounded back into FP8), else the parameter itself."""
+    weight = getattr(module, name)
+    if not (is_fp8(module) and weight.dtype == FP8):
+        return weight
+    shape = dict(_weights(module))[name]
+    value = dequantize(weight.view(shape), getattr(module, name + SCALE), module.fp8_block, dtype or module.base_dtype)
+    return value.reshape(weight.shape)
 
 
 def quantize_module(module, block: tuple[int, int] = BLOCK) -> None:
@@ -280,10 +382,8 @@ def fp8_modules(chunk):
 def dequantized_weights(chunk, dtype: torch.dtype = torch.float32):
     """(local state key, dequantised value) of every FP8 weight of `chunk` (tests, merge, export)."""
     for name, module in fp8_modules(chunk):
-        for pname, shape in _weights(module):
-            q = getattr(module, pname).view(shape)
-            value = dequantize(q, getattr(module, pname + SCALE), module.fp8_block, dtype)
-            yield f"{name}.{pname}", value.reshape(getattr(module, pname).shape)
+        for pname, _ in _weights(module):
+            yield f"{name}.{pname}", base_weight(module, pname, dtype)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -309,7 +409,9 @@ def load_quantised(chunks, load) -> int:
     for members in groups.values():
         for _, _, module in members:
             for pname, _ in _weights(module):
-                setattr(module, pname, torch.nn.Parameter(_bf16_like(module, pname), requires_grad=False))
+                buffer = _bf16_like(module, pname)
+                delattr(module, pname)  # the FP8 buffer: a parameter again while the checkpoint fills it
+                module.register_parameter(pname, torch.nn.Parameter(buffer, requires_grad=False))
         prefixes = {(c, f"{n}.") for c, n, _ in members}
         load(lambda c, key, p=prefixes: any(c == pc and key.startswith(pre) for pc, pre in p))
         calls += 1
@@ -397,7 +499,7 @@ class _PlaceholderMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.depth and func is torch.empty:
+        if self.depth and getattr(func, "__name__", None) == "empty":  # (cpu_compat wraps torch.empty)
             size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
             if len(size) >= 2:
                 one = torch.empty(1, dtype=kwargs.get("dtype"), device=kwargs.get("device"))

@@ -11,8 +11,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from moe_sft.config import ConfigError
-from moe_sft.config.schema import PeftConfig
+from moe_sft.config import ConfigError, PeftConfig
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.peft import targets
 from moe_sft.peft.experts import ExpertAdapter
@@ -119,6 +118,9 @@ def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
         chunk.is_adapted = True  # checkpoints then hold the trained part only (moe_sft/peft/state.py)
         for param in chunk.parameters():
             param.requires_grad_(False)
+    # The aux-loss-free expert bias is base state (a buffer): an adapters-only checkpoint and the
+    # exported adapter do not hold it, so its updates would be lost on resume and export. Frozen.
+    tconfig.moe_router_bias_update_rate = 0.0
     found = targets.resolve(chunks, list(cfg.target_modules), device)
     for global_name, _, _, module in found:
         if isinstance(module, TorchGroupedMLP):
@@ -132,12 +134,22 @@ def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
         for name, param in chunk.named_parameters():
             if any(fnmatch.fnmatchcase(name, p) for p in trained_in_full):
                 param.requires_grad_(True)
+    for chunk in chunks:
+        if getattr(chunk, "pre_process", False) and not cfg.train_embeddings:
+            chunk.embedding.register_forward_hook(_activations_require_grad)
     trained = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
     kinds = sorted({targets_kind(n) for n, *_ in found})
     return [
         f"peft: {cfg.method} rank {cfg.rank} alpha {cfg.alpha:g} on {len(found)} modules ({', '.join(kinds)}); "
         f"{trained / 1e6:.3f}M trainable parameters on this rank, the base frozen"
     ]
+
+
+def _activations_require_grad(module, args, output):
+    """The frozen embedding's output as a tensor that requires grad: megatron's full recompute
+    (`tensor_parallel.checkpoint`) passes gradients only through inputs that require them, so behind
+    a frozen embedding every adapter's gradient was silently zero."""
+    return output if output.requires_grad else output.detach().requires_grad_(True)
 
 
 def targets_kind(global_name: str) -> str:

@@ -42,3 +42,14 @@ def mark_sharded(param: torch.nn.Parameter, dim: int) -> None:
 def mark_expert(param: torch.nn.Parameter) -> None:
     """Reduced over the expert-data-parallel group by megatron's DDP, in the expert optimizer."""
     param.allreduce = False
+
+
+def mark_replicated_over(param: torch.nn.Parameter, group) -> None:
+    """A factor replicated across `group` (an expert factor whole on every expert-TP rank): counted
+    once per group in the grad norm. megatron drops a parameter that is not marked tensor-parallel
+    from the norm on every rank but the first of the dense TP group, which is not the expert-TP
+    group: with TP2, EP2, ETP1 the second rank's experts fell out of the norm. So mark it
+    tensor-parallel (kept whatever the dense TP rank) and `shared` (dropped, as megatron drops a
+    tied embedding's second copy) on the other ranks of `group`."""
+    param.tensor_model_parallel = True
+    param.shared = group is not None and dist.get_rank(group) > 0

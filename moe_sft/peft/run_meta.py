@@ -7,8 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from moe_sft.config import ConfigError
-from moe_sft.config.schema import PeftConfig
+from moe_sft.config import ConfigError, PeftConfig
 from moe_sft.conversion import mcore_io
 
 # The fields that define the adapters' shapes and placement: resuming with others cannot load.

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from moe_sft.models.shape import ModelShape
-from moe_sft.plan import hardware, memory, preflight
+from moe_sft.plan import hardware, memory, peft_memory, preflight
 from moe_sft.plan.layout import Layout, layout_from_config
 from moe_sft.plan.shapes import resolve_model
 from moe_sft.runtime.logs import get_logger
@@ -71,6 +71,7 @@ def training_of(cfg, lay: Layout, backend: str) -> memory.Training:
         offload_fraction=cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0,
         mtp_trained=not m.freeze_mtp and m.mtp_loss_weight > 0,
         backend=backend,
+        peft=peft_memory.from_config(cfg.peft),
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_sft.models.shape import ModelShape
+from moe_sft.plan import peft_memory
 from moe_sft.plan.layout import Layout, stage_layers
 from moe_sft.plan.params import Count, stage_params
 
@@ -52,6 +53,7 @@ class Training:
     offload_fraction: float = 0.0  # share of optimizer state on the CPU (0 = none)
     mtp_trained: bool = True  # False: MTP frozen (weights only)
     backend: str = "torch"
+    peft: peft_memory.PeftPlan | None = None  # LoRA / DoRA: the base frozen (bf16 or FP8), adapters train
 
 
 # ----------------------------------------------------------------------------- activations
@@ -162,6 +164,7 @@ class StageMemory:
     pipeline_buffers: float
     layers: list = field(default_factory=list)
     in_flight: float = 1.0
+    peft: peft_memory.PeftStage | None = None  # the adapted run's terms (weights above include them)
 
     @property
     def allocated(self) -> float:
@@ -202,11 +205,22 @@ def _opt_bytes(train: Training) -> tuple[float, float]:
 def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imbalance: float = 1.0) -> StageMemory:
     count = stage_params(s, lay, pp_rank, train.backend, mtp_frozen=not train.mtp_trained)
     wbytes = 2 if train.precision == "bf16" else 4
-    trainable = count.dense + count.expert
+    trainable, weights, dequant = count.dense + count.expert, count.total * wbytes, 0.0
+    dense, expert = count.dense, count.expert
+    adapted = None
+    if train.peft is not None:  # docs/planner.md, "LoRA and an FP8 base"
+        embeddings = count.by_module.get("embedding", 0) + count.by_module.get("output_layer", 0)
+        adapted = peft_memory.stage(s, lay, pp_rank, train.peft, count.total, embeddings)
+        dense, expert = adapted.dense, adapted.expert
+        trainable = dense + expert
+        weights = adapted.base_bytes + (adapted.adapters + adapted.trained_base) * wbytes
+        if wbytes == 4:  # fp32 runs: the frozen non-FP8 base in fp32 too
+            weights += adapted.base_bytes - adapted.fp8_values - adapted.fp8_scales * 4
+        dequant = adapted.dequant_peak
     gpu_opt, cpu_opt = _opt_bytes(train)
     dense_shard = lay.dp * lay.cp if train.distributed_optimizer else 1
     expert_shard = lay.edp if train.distributed_optimizer else 1
-    sharded = count.dense / dense_shard + count.expert / expert_shard
+    sharded = dense / dense_shard + expert / expert_shard
     t = train.tokens // lay.cp
     tsp = t // lay.tp if lay.tp > 1 else t
     chunks = stage_layers(s.num_layers, lay, pp_rank)
@@ -233,16 +247,17 @@ def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imba
     return StageMemory(
         pp_rank=pp_rank,
         params=count,
-        weights=count.total * wbytes,
+        weights=weights,
         grads=trainable * 4,
         optimizer=sharded * gpu_opt,
         optimizer_offloaded=sharded * cpu_opt,
         activations=saved * flight,
-        working=working,
+        working=working + dequant,
         logits=logit,
         pipeline_buffers=(2 * tsp * s.hidden * wbytes * flight * lay.vp) if lay.pp > 1 else 0.0,
         layers=layer_ids,
         in_flight=flight,
+        peft=adapted,
     )
 
 

@@ -56,6 +56,7 @@ def format_plan(plan) -> str:
         f"recompute: {rec}; optimizer: {'distributed' if t.distributed_optimizer else 'replicated'}"
         + (f", {t.offload_fraction:.0%} of its Adam state on the CPU" if t.offload_fraction else "")
     )
+    out += _peft_lines(plan)
     out += _memory_table(plan)
     big = plan.largest
     margin = plan.gpu_mem_gib * G - big.total
@@ -83,6 +84,26 @@ def format_plan(plan) -> str:
         f"bf16 TFLOP/s, x{th['recompute_factor']:.2f} recompute, x{th['bubble']:.2f} pipeline bubble"
     )
     return "\n".join(out)
+
+
+def _peft_lines(plan) -> list[str]:
+    """What an adapted run (peft.method != none) holds on its largest stage."""
+    p, big = plan.cfg.peft, plan.largest
+    if big.peft is None:
+        return []
+    st = big.peft
+    base = (
+        f"base frozen in FP8 (peft.fp8_base): {_b(st.fp8_values)} values in e4m3 + {_size(4 * st.fp8_scales)} of "
+        f"128x128 block scales, dequantised per GEMM (up to {_size(st.dequant_peak)} at once, in 'work'); "
+        f"the rest (embedding, LM head, norms, routers) bf16"
+        if p.fp8_base
+        else "base frozen in bf16 (peft.fp8_base=true would hold its linears and experts in FP8)"
+    )
+    return [
+        f"peft: {p.method} rank {p.rank} on {', '.join(p.target_modules)}: {_b(st.adapters)} adapter parameters on "
+        f"stage {big.pp_rank}'s GPUs ({_b(st.dense + st.expert)} trainable), their grads fp32, Adam sharded",
+        f"  {base}",
+    ]
 
 
 def _memory_table(plan) -> list[str]:

@@ -28,6 +28,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
+from moe_sft.peft import fp8_base
 from moe_sft.peft import state as peft_state
 from moe_sft.runtime.logs import get_logger
 from moe_sft.trainer import checkpoint_integrity
@@ -324,9 +325,21 @@ def load_model_weights(path: Path, model_chunks) -> None:
     Storage is keyed by each ShardedTensor's global key, not by the dict path, so the chunks of
     a VPP model read the single 'model' a converter wrote.
     """
+    if any(fp8_base.fp8_modules(c) for c in unwrap(model_chunks)):  # peft.fp8_base: one layer at a time
+        fp8_base.load_quantised(unwrap(model_chunks), lambda keep: _load_base_part(path, model_chunks, keep))
+        return
     sharded = model_sharded_state(model_chunks, part="base")
     state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
     _load_into(model_chunks, sharded, state, part="base")
+
+
+def _load_base_part(path: Path, model_chunks, keep) -> None:
+    """The base entries whose local key `keep(chunk index, key)` accepts (fp8_base.load_quantised)."""
+    full = model_sharded_state(model_chunks, part="base")
+    sharded = {k: {n: e for n, e in v.items() if keep(i, n)} for i, (k, v) in enumerate(full.items())}
+    state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")
+    for key, chunk in zip(sharded, unwrap(model_chunks)):
+        chunk.load_state_dict(state[key], strict=False)
 
 
 def load_full(

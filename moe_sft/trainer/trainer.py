@@ -10,6 +10,7 @@ to train). Everything a phase needs from the recipe is validated before any proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from moe_sft.kernels import install as kernels
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
+from moe_sft.peft import fp8_base
 from moe_sft.peft import install as peft_install
 from moe_sft.peft import run_meta as peft_meta
 from moe_sft.peft import targets as peft_targets
@@ -364,11 +366,17 @@ class Trainer:
             )
             if errors:
                 raise ConfigError(format_errors(errors))
-        chunks = build_model_chunks(family, hf_cfg, tconfig, opts)
+        # an FP8 base is never whole in bf16: its weights are placeholders until loaded (peft/fp8_base.py)
+        with fp8_base.placeholder_base() if self.cfg.peft.fp8_base else contextlib.nullcontext():
+            chunks = build_model_chunks(family, hf_cfg, tconfig, opts)
         train_mtp = self._setup_mtp(chunks, tconfig)
         if self.cfg.peft.method != "none":
             for line in peft_install.add_adapters(chunks, self.cfg.peft, tconfig, self.rt.device):
                 log.info(line)
+            if self.cfg.peft.fp8_base:  # the frozen base in FP8 (peft/fp8_base.py), filled by _resume
+                for line in fp8_base.install(chunks):
+                    log.info(line)
+                fp8_base.materialise_placeholders(chunks)
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
         frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
         if patterns:
@@ -398,7 +406,10 @@ class Trainer:
         """MTP layers train with the recipe's loss weight, or stay frozen (before DDP sees them)."""
         depths = tconfig.mtp_num_layers or 0
         m = self.cfg.model
-        train_mtp = bool(depths) and not m.freeze_mtp and m.mtp_loss_weight > 0
+        # A LoRA run trains adapters on the decoder only (as peft on transformers' model, which has
+        # no MTP layers): the MTP layers stay frozen and are not run.
+        adapted = self.cfg.peft.method != "none"
+        train_mtp = bool(depths) and not m.freeze_mtp and m.mtp_loss_weight > 0 and not adapted
         if not depths:
             return False
         for chunk in chunks:
@@ -408,6 +419,7 @@ class Trainer:
         log.info(
             f"multi-token prediction: {depths} layer(s), "
             + (f"trained with loss weight {m.mtp_loss_weight}" if train_mtp else "frozen (exported unchanged)")
+            + (" (a LoRA/DoRA run: adapters on the decoder only)" if adapted else "")
         )
         return train_mtp
 
@@ -636,7 +648,23 @@ class Trainer:
                     dtype,
                 ]
             )
-            log.info(f"exported HF model to {out}")
+            log.info(f"exported HF model to {out}" + (" (adapters merged)" if self.cfg.peft.method != "none" else ""))
+            if self.cfg.peft.method != "none":  # also as a PEFT adapter, where peft can express it
+                adapter = self.out / "hf_adapter"
+                run_single_process(
+                    [
+                        "-c",
+                        "import sys; from moe_sft.peft.hf_adapter import export_adapter_if_expressible as f; "
+                        "f(sys.argv[1], sys.argv[2], dtype=sys.argv[3])",
+                        str(ckpt),
+                        str(adapter),
+                        dtype,
+                    ]
+                )
+                if (adapter / "adapter_config.json").is_file():
+                    log.info(f"exported PEFT adapter to {adapter}")
+                else:
+                    log.warning(f"no PEFT adapter written to {adapter} (the reason is logged above); {out} is merged")
         dist.barrier()
 
     def _summary(self, last: int) -> None:

@@ -790,3 +790,112 @@ def test_recipe_shard_layouts_give_each_gpu_the_recipe_s_local_experts_and_shape
         ):
             assert shard.get(key) == full.get(key), (layout, key)
         assert gpus == ep
+
+
+# ----------------------------------------------------------------------------- LoRA / FP8 base
+
+
+def test_lora_and_fp8_base_counts_per_rank_are_exact(fake_world):
+    """Adapters (dense / per-expert), FP8 values and their block scales, and the frozen rest of
+    real adapted models at a TP2·PP2·EP2 layout (MTP on the last stage, routers trained) equal
+    the planner's per-stage terms."""
+    from moe_sft.config.schema import PeftConfig
+    from moe_sft.models import deepseek_v3
+    from moe_sft.peft import fp8_base, install
+    from moe_sft.plan.params import stage_params
+    from moe_sft.plan.peft_memory import PeftPlan, stage
+
+    hf = deepseek_v3.tiny_hf_config(num_nextn_predict_layers=1, num_hidden_layers=4, hidden_size=256)
+    shape = shape_from_hf_dict(hf.to_dict())
+    par = dict(tp=2, pp=2, ep=2, etp=1)
+    lay = Layout(world=8, tp=2, pp=2, vpp=None, cp=1, ep=2, etp=1)
+    for targets_, share in ((("all_linear",), "none"), (("attention", "experts"), "a")):
+        cfg = PeftConfig(method="lora", rank=4, target_modules=list(targets_), share_expert_factor=share)
+        cfg.train_router, cfg.fp8_base = True, True
+        plan = PeftPlan(rank=4, target_modules=targets_, share_expert_factor=share, fp8_base=True, train_router=True)
+        for pp_rank in range(2):
+            chunks = fake_world(deepseek_v3.FAMILY, hf, pp_rank * 4, 8, **par)
+            install.add_adapters(chunks, cfg, chunks[0].config, "cpu")
+            fp8_base.install(chunks)
+            params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+            trained = [p for _, p in params if p.requires_grad]
+            dense = sum(p.numel() for p in trained if getattr(p, "allreduce", True))
+            expert = sum(p.numel() for p in trained if not getattr(p, "allreduce", True))
+            fp8_values = sum(b.numel() for c in chunks for _, b in c.named_buffers() if b.dtype == fp8_base.FP8)
+            scales = sum(b.numel() for c in chunks for n, b in c.named_buffers() if n.endswith(fp8_base.SCALE))
+            adapters = sum(p.numel() for n, p in params if ".adapter." in n)
+            count = stage_params(shape, lay, pp_rank)
+            embeddings = count.by_module.get("embedding", 0) + count.by_module.get("output_layer", 0)
+            st = stage(shape, lay, pp_rank, plan, count.total, embeddings)
+            assert (st.dense, st.expert, st.adapters) == (dense, expert, adapters), (targets_, pp_rank)
+            assert (st.fp8_values, st.fp8_scales) == (fp8_values, scales), (targets_, pp_rank)
+            frozen_rest = sum(p.numel() for n, p in params if p.dtype != fp8_base.FP8 and ".adapter." not in n)
+            assert count.total - st.fp8_values == frozen_rest  # routers (trained) included
+            assert st.base_bytes == 2 * (frozen_rest - st.trained_base) + fp8_values + 4 * scales
+
+
+def test_lora_memory_terms_for_a_small_config():
+    """weights = frozen base (FP8 values + 4-byte scales + bf16 rest) + bf16 adapters; grads = 4 x
+    trainable; optimizer = 12 x (dense / DP + per-expert / expert DP); FP8 dequantisation adds
+    one layer's largest weight (bf16, + its fp32 temporaries) to the working set."""
+    from moe_sft.models import deepseek_v3
+    from moe_sft.plan import memory
+    from moe_sft.plan.params import stage_params
+    from moe_sft.plan.peft_memory import PeftPlan
+
+    hf = deepseek_v3.tiny_hf_config(num_hidden_layers=3, hidden_size=256)
+    shape = shape_from_hf_dict(hf.to_dict())
+    lay = Layout(world=4, tp=1, pp=1, vpp=None, cp=1, ep=2, etp=1)  # DP 4, expert DP 2
+    full = memory.Training(tokens=64, micro_batches=2)
+    lora = memory.Training(tokens=64, micro_batches=2, peft=PeftPlan(rank=4, target_modules=("all_linear",)))
+    fp8 = memory.Training(
+        tokens=64, micro_batches=2, peft=PeftPlan(rank=4, target_modules=("all_linear",), fp8_base=True)
+    )
+    a, b, c = (memory.stage_memory(shape, lay, 0, t) for t in (full, lora, fp8))
+    total = stage_params(shape, lay, 0).total
+    # By hand (rank 4): MLA per layer q_down 1280 + q_up 1024 + kv_down 1216 + kv_up 1152 + proj 1536
+    # = 6208 (x3); dense fc1 (gate, up) 4096 + fc2 2048; shared experts 2560 + 1280 (x2); experts
+    # 4 per rank (8 / EP2) x (A1 1024 + A2 256 + B1 512 + B2 1024) = 11264 (x2).
+    st = c.peft
+    assert (st.dense, st.expert) == (3 * 6208 + 6144 + 2 * 3840, 2 * 11264) == (32_448, 22_528)
+    assert st.adapters == b.peft.adapters == 54_976
+    # FP8: 3 x 81920 attention + 196608 dense + 2 x 49152 shared + 2 x 4 x 3 x 256 x 64 experts;
+    # 128x128 blocks: 3 x 10 + 12 + 2 x 4 + 2 x 4 x (2 + 2)
+    assert (st.fp8_values, st.fp8_scales) == (933_888, 82)
+    assert b.weights == 2 * total + 2 * st.adapters
+    assert c.weights == 2 * (total - 933_888) + 933_888 + 4 * 82 + 2 * st.adapters
+    assert b.grads == c.grads == 4 * st.adapters < a.grads
+    assert c.optimizer == b.optimizer == 12 * (32_448 / 4 + 22_528 / 2)
+    assert (a.activations, a.logits) == (b.activations, b.logits) == (c.activations, c.logits)
+    largest = 512 * 256  # the dense fc1 (and one rank's experts' w1: 4 x 256 x 128)
+    assert c.working - b.working == 2 * largest + 4 * largest
+
+
+def test_deepseek_v3_lora_fits_one_h200_node_and_says_what_h100_needs(monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    h200 = make_plan(_recipe("deepseek_v3_lora_h200"))
+    assert h200.layout.world == 8 and h200.cfg.peft.fp8_base and h200.ok, h200.errors
+    assert h200.largest.peft.fp8_values > 80e9  # 671B / EP8 in FP8, no bf16 copy
+    bf16 = make_plan(_recipe("deepseek_v3_lora_h200", "peft.fp8_base=false"))
+    assert not bf16.fits  # the bf16 base alone is ~170 GiB per GPU
+    one_h100_node = make_plan(_recipe("deepseek_v3_lora_h200", "hardware.gpu=h100_80gb"))
+    assert not one_h100_node.fits
+    h100 = make_plan(_recipe("deepseek_v3_lora"))
+    assert h100.layout.world == 16 and h100.cfg.hardware.gpu == "h100_80gb" and h100.ok, h100.errors
+
+
+def test_deepseek_v3_lora_sbatch_matches_its_recipes():
+    text = (SLURM / "deepseek_v3_lora.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(SLURM / "deepseek_v3_lora.sbatch")]).returncode == 0
+    h200, h100 = _recipe("deepseek_v3_lora_h200"), _recipe("deepseek_v3_lora")
+    for piece in (
+        f"#SBATCH --nodes={h200.hardware.nodes}",
+        f"--nodes={h100.hardware.nodes} --export=ALL,RECIPE=deepseek_v3_lora ",
+        "RECIPE:-deepseek_v3_lora_h200",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@",
+        "convert.sbatch",
+        "train_common.sh",
+    ):
+        assert piece in text, piece
