@@ -12,6 +12,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-step", type=int, default=32768)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cuda-graphs", action="store_true", help="trainer.cuda_graphs (the MoE halves as CUDA graphs)")
+    p.add_argument("--lora", action="store_true", help="the LoRA arm (benchmarks/ours.py BENCH_LORA)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (not a timing)")
 
 
@@ -34,6 +35,7 @@ def build_arm(args, work_dir: Path, max_steps: int):
         max_steps=max_steps,
         device=args.device,
         cuda_graphs=getattr(args, "cuda_graphs", False),
+        lora=getattr(args, "lora", False),
     )
     arm.use(work)
     return arm

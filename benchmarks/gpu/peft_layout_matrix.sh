@@ -8,7 +8,7 @@
 # Usage: bash benchmarks/gpu/peft_layout_matrix.sh LOG_DIR NUM_GPUS   (LAYOUTS="a b" reruns a subset)
 set -uo pipefail
 log=${1:-gpu_logs_peft}; gpus=${2:-4}
-steps=${STEPS:-5}; save_at=$((steps - 2))
+steps=${STEPS:-5}; save_at=$((steps / 2 + 1))  # the one save before the end: resumed runs do the steps after it
 mkdir -p "$log"; work=${WORK:-/tmp/peft_layout_matrix}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if [ ! -f "$work/mcore/moe_sft_meta.json" ]; then
@@ -65,7 +65,7 @@ SP="parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true"
 EP2="parallel.expert_model_parallel_size=2"
 PP2="parallel.pipeline_model_parallel_size=2"
 run one 1 $LORA
-run dp2_distopt 2 $LORA optimizer.use_distributed_optimizer=true
+run dp2_distopt 2 $LORA parallel.use_distributed_optimizer=true
 run tp2_sp 2 $LORA $SP
 run ep2 2 $LORA $EP2
 run tp2_etp2 2 $LORA $SP parallel.expert_tensor_parallel_size=2

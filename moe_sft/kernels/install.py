@@ -32,6 +32,7 @@ def _swap_targets() -> list[tuple[object, str]]:
         (moe_utils, "reduce_from_tensor_model_parallel_region"),
         (rope_utils, "_apply_rotary_pos_emb_thd"),
         (multi_token_prediction, "_roll_tensor_packed_seq"),
+        (layers, "LinearWithFrozenWeight"),
         (clip_grads, "l2_norm_impl"),
         (clip_grads, "multi_tensor_scale_impl"),
         (optimizer, "multi_tensor_scale_impl"),
@@ -85,7 +86,16 @@ def install(cfg=None) -> list[str]:
         return ["kernels.fused=false: megatron-core's own functions and torch ops (no moe-sft kernels)"]
     from megatron.core.transformer.moe import moe_utils
 
-    from moe_sft.kernels import mtp_roll, one_rank_collectives, optimizer, permute, rope, router_gemm, router_topk
+    from moe_sft.kernels import (
+        frozen_linear,
+        mtp_roll,
+        one_rank_collectives,
+        optimizer,
+        permute,
+        rope,
+        router_gemm,
+        router_topk,
+    )
 
     lines = []
     if getattr(moe_utils, "te_general_gemm", None) is None:  # TE's GEMM is the bf16 one already
@@ -103,6 +113,8 @@ def install(cfg=None) -> list[str]:
     lines.append("packed-sequence RoPE: no host syncs (CP 1); one Triton pass each way on CUDA")
     mtp_roll.use_sync_free_roll()
     lines.append("MTP packed-sequence roll: one gather (no host syncs; CP 1)")
+    frozen_linear.use_2d_frozen_linear()
+    lines.append("linears with a frozen weight (LoRA's base, the LM head): 2-D GEMMs, not one per token")
     if optimizer.use_foreach_grad_norm():
         lines.append("grad norm / clipping: torch foreach kernels (no apex/TE multi-tensor ops)")
     lines.append(

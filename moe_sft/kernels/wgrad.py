@@ -214,3 +214,34 @@ class GroupedMatmulIntoMainGrad(torch.autograd.Function):
         # grad_added_to_main_grad and drops this placeholder without reading it.
         placeholder = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         return dx, placeholder, None, None
+
+
+def _tiles_for(k: int, n: int) -> dict:
+    """The default tiles, narrowed to a skinny side (a LoRA factor's rank) so no lanes idle."""
+    fit = lambda d: max(16, min(128, triton.next_power_of_2(d)))
+    return dict(TILES, BLOCK_K=fit(k), BLOCK_N=fit(n))
+
+
+class GroupedMatmulKernelWgrad(torch.autograd.Function):
+    """x @ w[expert of each row] (w: experts x K x N, a plain tensor), its gradient computed by the
+    grouped wgrad kernel into a fresh fp32 buffer. torch's grouped_mm backward ran one cuBLAS GEMM
+    per expert for skinny weights (rank-16 LoRA factors): 94% of a LoRA step's GPU time, 12x the
+    step time of full SFT, on an H100."""
+
+    @staticmethod
+    def forward(ctx, x, w, ends):
+        ctx.save_for_backward(x, w, ends)
+        return F.grouped_mm(x, w, offs=ends)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, ends = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = F.grouped_mm(dy, w.transpose(-2, -1), offs=ends)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        accumulate_grouped_wgrad(x, dy, ends, dw, _tiles_for(w.shape[1], w.shape[2]))
+        return dx, dw.to(w.dtype), None
+
+
+def kernel_wgrad_applies(x: torch.Tensor) -> bool:
+    return ENABLED and triton is not None and x.is_cuda and torch.is_grad_enabled()

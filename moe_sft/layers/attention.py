@@ -134,7 +134,9 @@ def torch_varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def _has_cuda_kernel(q) -> bool:
-    return q.is_cuda and (flash_attn_varlen_func is not None or varlen_attn is not None)
+    """The flash kernels take fp16/bf16 only: fp32 on CUDA (a reference run) takes the SDPA path."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return q.is_cuda and half and (flash_attn_varlen_func is not None or varlen_attn is not None)
 
 
 def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):

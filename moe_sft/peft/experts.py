@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
+from moe_sft.kernels import wgrad
 from moe_sft.layers.experts import grouped_matmul
 from moe_sft.peft.parallel import mark_expert, mark_replicated_over, mark_sharded, sum_grad_over
+from moe_sft.runtime.device import host_to_device
 
 
 class ExpertAdapter(torch.nn.Module):
@@ -82,6 +84,9 @@ class ExpertAdapter(torch.nn.Module):
     def _apply(self, x, weight, tokens_per_expert):
         if weight.shape[0] == 1:  # shared by the layer's experts: one GEMM over all rows
             return x @ weight[0]
+        if wgrad.kernel_wgrad_applies(x) and weight.requires_grad:
+            ends = torch.cumsum(host_to_device(tokens_per_expert, x.device), 0, dtype=torch.int32)
+            return wgrad.GroupedMatmulKernelWgrad.apply(x.contiguous(), weight, ends)
         return grouped_matmul(x, weight, tokens_per_expert)
 
     def fc1(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

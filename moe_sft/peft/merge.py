@@ -143,6 +143,8 @@ class RunAdapters:
         if differ:
             raise AdapterRunError(f"{self.reader.path}: {differ} have another shape than the base's")
         self.used |= keys
+        if any(run[k].properties.dtype != base[k].properties.dtype for k in keys):
+            return _CastingReader(self.reader)  # e.g. an fp32 base trained in bf16
         return self.reader
 
     def check_consumed(self, params) -> None:
@@ -209,3 +211,23 @@ class RunAdapters:
             b = self._expert_factor(module, "lora_B2", first, stop)
         delta = a @ b * self.scale
         return delta.expand(stop - first, *delta.shape[1:])
+
+
+class _CastingReader:
+    """A run checkpoint's reader whose tensors are stored in another dtype than the base's (the
+    export plan is the base's): each box is read in the stored dtype and copied into `dest`."""
+
+    def __init__(self, reader: DistCheckpointReader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def read_into(self, key: str, offsets, dest: torch.Tensor) -> None:
+        stored = self._reader.tensors()[key].properties.dtype
+        if stored == dest.dtype:
+            self._reader.read_into(key, offsets, dest)
+            return
+        box = torch.empty(dest.shape, dtype=stored)
+        self._reader.read_into(key, offsets, box)
+        dest.copy_(box)

@@ -94,3 +94,34 @@ def test_bf16_lora_steps_lower_the_loss(name):
     print("GPU_PEFT_TRAIN", name, losses[0], losses[-1])
     assert losses[-1] < losses[0] - 0.5, losses
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)  # base frozen
+
+
+@pytest.mark.parametrize("k,n", [(2048, 16), (16, 768), (768, 16), (16, 2048)])  # A1, B1, A2, B2 at rank 16
+def test_skinny_factor_gradients_by_the_wgrad_kernel_equal_torchs(k, n):
+    """The expert adapters' grouped GEMM (kernels/wgrad.GroupedMatmulKernelWgrad) against torch's
+    grouped_mm autograd: the same output, input and factor gradients (fp32 accumulation)."""
+    import torch.nn.functional as F
+
+    from moe_sft.kernels.wgrad import GroupedMatmulKernelWgrad
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 64, (128,), generator=g)
+    counts[[3, 50]] = 0
+    ends = torch.cumsum(counts, 0, dtype=torch.int32).cuda()
+    x = torch.randn(int(counts.sum()), k, generator=g).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(128, k, n, generator=g) / k**0.5).cuda().bfloat16().requires_grad_()
+    dy = torch.randn(x.shape[0], n, generator=g).cuda().bfloat16()
+    out = GroupedMatmulKernelWgrad.apply(x, w, ends)
+    out.backward(dy)
+    ours = (out.detach(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    ref = F.grouped_mm(x, w, offs=ends)
+    ref.backward(dy)
+    torch.testing.assert_close(ours[0], ref.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(ours[1], x.grad, rtol=0, atol=0)
+    exact = torch.stack(
+        [c.double().T @ d.double() for c, d in zip(x.detach().split(counts.tolist()), dy.split(counts.tolist()))]
+    )
+    err = (ours[2].double() - exact).abs().max().item()
+    assert err <= 1e-2 * exact.abs().max().item(), err  # bf16 rounding of an fp32 sum
+    assert torch.equal(ours[2][3], torch.zeros_like(ours[2][3]))  # no rows: zero gradient
