@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -217,3 +218,42 @@ def train_reference(
     finally:
         torch.set_num_threads(threads)
     return results
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def assert_curves_match(
+    ours: dict, tb: dict, ref: list, lrs: list[float], label: str, printed_rel: float, tb_rel: float, gn_tb_rel: float
+) -> dict:
+    """Per step: the reference's lr is the trainer's schedule, the same assistant-token count
+    normalises both losses (identical global batches), and the loss and pre-clip grad norm agree:
+    printed values (4 significant digits) within `printed_rel`, float32 TensorBoard values within
+    `tb_rel` (loss) and `gn_tb_rel` (grad norm). Prints the table; returns the worst differences."""
+    print(
+        f"{'step':>4} {'lr':>10} {'ours loss':>10} {'HF loss':>10} {'rel(tb)':>8} {'ours gn':>10} {'HF gn':>10} {'rel(tb)':>8}"
+    )
+    worst = dict(loss=0.0, loss_tb=0.0, gn=0.0, gn_tb=0.0)
+    for step, (r, lr) in enumerate(zip(ref, lrs), start=1):
+        o = ours[step]
+        assert r.lr == pytest.approx(lr), (step, r.lr, lr)
+        assert o["loss_tokens"] == r.loss_tokens == tb["train/loss_tokens"][step], step
+        d = dict(
+            loss=rel(o["loss"], r.loss),
+            loss_tb=rel(tb["train/loss"][step], r.loss),
+            gn=rel(o["grad_norm"], r.grad_norm),
+            gn_tb=rel(tb["train/grad_norm"][step], r.grad_norm),
+        )
+        worst = {k: max(worst[k], v) for k, v in d.items()}
+        print(
+            f"{step:>4} {r.lr:>10.4g} {o['loss']:>10.4g} {r.loss:>10.6g} {d['loss_tb']:>8.1e} "
+            f"{o['grad_norm']:>10.4g} {r.grad_norm:>10.6g} {d['gn_tb']:>8.1e}"
+        )
+    print(
+        f"[{label}] max rel diff: loss {worst['loss']:.1e} (printed) {worst['loss_tb']:.1e} (tensorboard); "
+        f"grad norm {worst['gn']:.1e} (printed) {worst['gn_tb']:.1e} (tensorboard)"
+    )
+    for key, bound in (("loss", printed_rel), ("gn", printed_rel), ("loss_tb", tb_rel), ("gn_tb", gn_tb_rel)):
+        assert worst[key] <= bound, (label, key, worst[key], bound)
+    return worst

@@ -13,15 +13,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from moe_sft.config import ConfigError
 from moe_sft.layers.experts import TorchGroupedMLP
+from moe_sft.peft.shorthands import SHORTHANDS, patterns
 
-_LAYER = "decoder.layers.*."
-SHORTHANDS: dict[str, tuple[str, ...]] = {
-    "attention": (_LAYER + "self_attention.linear_*",),
-    "dense_mlp": (_LAYER + "mlp.linear_fc1", _LAYER + "mlp.linear_fc2"),
-    "shared_experts": (_LAYER + "mlp.shared_experts.linear_fc1", _LAYER + "mlp.shared_experts.linear_fc2"),
-    "experts": (_LAYER + "mlp.experts",),
-}
-SHORTHANDS["all_linear"] = tuple(p for v in SHORTHANDS.values() for p in v)
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -45,10 +38,6 @@ def adaptable_modules(chunk):
             yield global_module_name(chunk, name), name, module
 
 
-def _patterns(entry: str) -> tuple[str, ...]:
-    return SHORTHANDS.get(entry, (entry,))
-
-
 def resolve(chunks, entries: list[str], device: str) -> list[tuple[str, str, int, torch.nn.Module]]:
     """(global name, local name, chunk index, module) of every targeted module. An entry that matches
     nothing on any rank is an error listing the module names that exist (per kind)."""
@@ -58,7 +47,7 @@ def resolve(chunks, entries: list[str], device: str) -> list[tuple[str, str, int
         for global_name, local_name, module in adaptable_modules(chunk):
             names.add(re.sub(r"layers\.\d+\.", "layers.*.", global_name))
             matched = [
-                i for i, e in enumerate(entries) if any(fnmatch.fnmatchcase(global_name, p) for p in _patterns(e))
+                i for i, e in enumerate(entries) if any(fnmatch.fnmatchcase(global_name, p) for p in patterns(e))
             ]
             for i in matched:
                 hits[i] += 1

@@ -22,19 +22,11 @@ import fnmatch
 from dataclasses import dataclass, field
 
 from moe_sft.models.shape import ModelShape
+from moe_sft.peft.shorthands import patterns
 from moe_sft.plan.layout import Layout, is_last_chunk, stage_layers
 
 FP8_BLOCK = 128
 DEQUANT_TEMP_BYTES = 2**28  # fp8_base._CHUNK_ELEMENTS x 4 bytes (fp32)
-# moe_sft/peft/targets.py's shorthands (kept equal by tests/cpu/test_plan.py)
-_LAYER = "decoder.layers.*."
-SHORTHANDS: dict[str, tuple[str, ...]] = {
-    "attention": (_LAYER + "self_attention.linear_*",),
-    "dense_mlp": (_LAYER + "mlp.linear_fc1", _LAYER + "mlp.linear_fc2"),
-    "shared_experts": (_LAYER + "mlp.shared_experts.linear_fc1", _LAYER + "mlp.shared_experts.linear_fc2"),
-    "experts": (_LAYER + "mlp.experts",),
-}
-SHORTHANDS["all_linear"] = tuple(p for v in SHORTHANDS.values() for p in v)
 
 
 @dataclass(frozen=True)
@@ -109,7 +101,7 @@ def layer_linears(s: ModelShape, lay: Layout, moe: bool) -> list[Linear]:
 
 def _targeted(name: str, entries: tuple[str, ...]) -> bool:
     """`name`: global module name (decoder.layers.{i}.…), matched as moe_sft/peft/targets.py does."""
-    return any(fnmatch.fnmatchcase(name, pat) for e in entries for pat in SHORTHANDS.get(e, (e,)))
+    return any(fnmatch.fnmatchcase(name, pat) for e in entries for pat in patterns(e))
 
 
 def linear_adapter(lin: Linear, p: PeftPlan) -> int:

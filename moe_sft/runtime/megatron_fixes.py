@@ -239,6 +239,73 @@ def fix_output_discarding_checkpoint_without_te() -> str | None:
     return "CheckpointWithoutOutput: no FP8 query without TE (layernorm/moe_act recompute)"
 
 
+class _SumRopeKeyGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient of the last `width` columns over `group`."""
+
+    @staticmethod
+    def forward(ctx, x, width, group):
+        ctx.width, ctx.group = width, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        rope = grad[..., -ctx.width :].contiguous()
+        torch.distributed.all_reduce(rope, group=ctx.group)
+        grad[..., -ctx.width :] = rope
+        return grad, None, None
+
+
+def sum_rope_key_grad(original_qkv):
+    """`get_query_key_value_tensors` whose gathered kv down projection sums the gradient of its rope
+    columns (k_pos_emb) over TP (see `fix_mla_rope_key_grad_over_tp`)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.utils import get_pg_size
+
+    @functools.wraps(original_qkv)
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        if get_pg_size(self.tp_group) == 1:
+            return original_qkv(self, *args, **kwargs)
+        kv_down = {}  # linear_kv_down_proj's output: the only gather to fix (not q_compressed's)
+        hook = self.linear_kv_down_proj.register_forward_hook(lambda _m, _i, out: kv_down.update(out=out[0]))
+        gather = mla.gather_from_tensor_model_parallel_region
+
+        def gather_kv(x, *gather_args, **gather_kwargs):
+            full = gather(x, *gather_args, **gather_kwargs)
+            if x is kv_down.get("out"):  # [s, b, kv_lora_rank + qk_pos_emb_head_dim], rope columns last
+                full = _SumRopeKeyGrad.apply(full, self.config.qk_pos_emb_head_dim, self.tp_group)
+            return full
+
+        mla.gather_from_tensor_model_parallel_region = gather_kv
+        try:
+            return original_qkv(self, *args, **kwargs)
+        finally:
+            mla.gather_from_tensor_model_parallel_region = gather
+            hook.remove()
+
+    return get_query_key_value_tensors
+
+
+def fix_mla_rope_key_grad_over_tp() -> str | None:
+    """MLA with a column-parallel kv down projection (our torch-native spec) at TP > 1:
+    megatron's `MLASelfAttention.get_query_key_value_tensors` (transformer/multi_latent_attention.py)
+    gathers `kv_combined` over TP with `gather_from_tensor_model_parallel_region` and splits off its
+    last qk_pos_emb_head_dim columns as `k_pos_emb`, the rope key that every head shares. Each TP rank
+    uses the whole k_pos_emb with its own heads only, so its gradient is partial per rank, and the
+    gather's backward (`_split_along_last_dim`) keeps this rank's columns of it without summing over
+    TP. (kv_compressed is fine: linear_kv_up_proj, column parallel, reduces its input gradient; so is
+    q_compressed through linear_q_up_proj.) DeepSeek-V3 at TP2 + SP was then not equal to one rank
+    even for full-parameter training. Sum those columns' gradient over TP before the split."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    _replace(
+        MLASelfAttention,
+        "get_query_key_value_tensors",
+        sum_rope_key_grad(MLASelfAttention.get_query_key_value_tensors),
+    )
+    return "MLASelfAttention: the rope key's (k_pos_emb) gradient summed over TP (column-parallel kv down projection)"
+
+
 @dataclass(frozen=True)
 class Fix:
     apply: Callable[[], str | None]  # the log line when applied; None when this machine does not need it
@@ -254,6 +321,7 @@ FIXES: tuple[Fix, ...] = (
     Fix(fix_expert_bias_padding_mask, MCORE_0_16),
     Fix(fix_mtp_full_recompute_with_packed_sequences, MCORE_0_16),
     Fix(fix_output_discarding_checkpoint_without_te, MCORE_0_16),
+    Fix(fix_mla_rope_key_grad_over_tp, MCORE_0_16),
 )
 
 

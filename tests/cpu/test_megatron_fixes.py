@@ -5,6 +5,8 @@ a bug, its first half fails: drop the fix (or narrow its version range in FIXES)
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -216,3 +218,100 @@ def test_output_discarding_checkpoint_has_no_fp8_without_te():
     x = torch.randn(3, requires_grad=True)
     y = ckpt.checkpoint(torch.nn.functional.silu, x)
     torch.testing.assert_close(y, torch.nn.functional.silu(x.detach()))
+
+
+MLA_SEQ, MLA_HEADS = 6, 4
+
+
+def _mla_qkv_grads(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One MLA layer's q/k/v at TP=`world` (no SP: k_pos_emb is full-sequence either way), the loss
+    the same per head at every TP; saves the kv/q down projections' weight gradients and the input
+    gradient, megatron's own `get_query_key_value_tensors` and then the fixed one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.spec_utils import build_module
+
+    from moe_sft.layers.spec import _mla_attention
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        megatron_fixes.apply_megatron_fixes()
+        cpu_compat.apply_cpu_compat()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        config = MLATransformerConfig(
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=MLA_HEADS,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_head_dim=8,
+            qk_pos_emb_head_dim=4,  # kv_combined: 12 columns, the last 4 (rank 1's at TP2) the rope key
+            v_head_dim=8,
+            rope_type="rope",
+            tensor_model_parallel_size=world,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            attention_dropout=0.0,
+        )
+        torch.manual_seed(0)  # CPU init builds every full weight, then keeps this rank's rows
+        attn = build_module(_mla_attention(config), config=config, layer_number=1)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(MLA_SEQ, 1, 32, generator=gen)
+        grads_out = [torch.randn(MLA_SEQ, 1, MLA_HEADS, d, generator=gen) for d in (12, 12, 8)]  # q, k, v
+        heads = slice(rank * MLA_HEADS // world, (rank + 1) * MLA_HEADS // world)
+        results = {}
+        for name, qkv in (
+            ("megatron", original(MLASelfAttention, "get_query_key_value_tensors")),
+            ("fixed", MLASelfAttention.get_query_key_value_tensors),
+        ):
+            attn.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_(True)
+            q, k, v = qkv(attn, xr)[:3]
+            sum((t * g[:, :, heads]).sum() for t, g in zip((q, k, v), grads_out)).backward()
+            results[name] = {
+                "kv_down": attn.linear_kv_down_proj.weight.grad.clone(),
+                "q_down": attn.linear_q_down_proj.weight.grad.clone(),
+                "x": xr.grad.clone(),
+            }
+        torch.save(results, os.path.join(out_dir, f"tp{world}_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mla_rope_key_gradient_is_summed_over_tp(tmp_path):
+    """megatron: at TP2 the kv down projection's rope rows get only the last rank's heads' share of
+    k_pos_emb's gradient (and the input gradient inherits the error); fixed: equal to TP1."""
+    import torch.multiprocessing as mp
+
+    runs = [  # TP1 and TP2 side by side
+        mp.start_processes(
+            _mla_qkv_grads,
+            args=(world, tempfile.mktemp(dir=tmp_path), str(tmp_path)),
+            nprocs=world,
+            start_method="spawn",
+            join=False,
+        )
+        for world in (1, 2)
+    ]
+    for run in runs:
+        while not run.join():
+            pass
+    ref = torch.load(tmp_path / "tp1_rank0.pt")["fixed"]
+    tp2 = [torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(ref, torch.load(tmp_path / "tp1_rank0.pt")["megatron"])  # TP1: no gather
+    for name in ("megatron", "fixed"):
+        kv_down = torch.cat([p[name]["kv_down"] for p in tp2])
+        q_down = torch.cat([p[name]["q_down"] for p in tp2])
+        if name == "megatron":
+            rope_err = (kv_down[-4:] - ref["kv_down"][-4:]).abs().max() / ref["kv_down"][-4:].abs().max()
+            print(f"megatron TP2: rope rows' grad rel. error {rope_err:.2e}")
+            assert rope_err > 0.05
+            torch.testing.assert_close(kv_down[:-4], ref["kv_down"][:-4])  # kv_compressed's rows are right
+            assert not torch.allclose(tp2[0][name]["x"], ref["x"])
+        else:
+            torch.testing.assert_close(kv_down, ref["kv_down"])
+            for p in tp2:
+                torch.testing.assert_close(p[name]["x"], ref["x"])
+        torch.testing.assert_close(q_down, ref["q_down"])  # q_compressed's gather was right all along

@@ -45,8 +45,10 @@ import yaml
 from tests.dist.launch import step_metrics, torchrun
 from tests.hf_reference_loop import (
     as_padded_rows,
+    assert_curves_match,
     documents,
     load_hf_model,
+    rel,
     train_reference,
     trainer_lr_schedule,
     trainer_plan,
@@ -109,10 +111,6 @@ def curves(tmp_path_factory):
     )
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 def test_run_is_the_configuration_compared(curves):
     cfg, log = curves["cfg"], curves["log"]
     assert "creating the tiny demo model" in log  # the HF checkpoint the reference loads
@@ -132,41 +130,7 @@ def test_run_is_the_configuration_compared(curves):
 def test_loss_and_grad_norm_curves_match_hf_reference(curves):
     ours, tb, ref = curves["ours"], curves["tb"], curves["ref"]
     lrs = trainer_lr_schedule(curves["cfg"])
-    print(
-        f"{'step':>4} {'lr used':>10} {'ours loss':>10} {'HF loss':>10} {'rel':>8} {'rel(tb)':>8} "
-        f"{'ours gnorm':>10} {'HF gnorm':>10} {'rel':>8} {'rel(tb)':>8}"
-    )
-    worst = dict(loss=0.0, loss_tb=0.0, gn=0.0, gn_tb=0.0)
-    for step in range(1, STEPS + 1):
-        r, o = ref[step - 1], ours[step]
-        assert r.lr == pytest.approx(lrs[step - 1])
-        # identical global batch: the same number of assistant tokens normalises both losses
-        assert o["loss_tokens"] == r.loss_tokens == tb["train/loss_tokens"][step], step
-        d = dict(
-            loss=_rel(o["loss"], r.loss),
-            loss_tb=_rel(tb["train/loss"][step], r.loss),
-            gn=_rel(o["grad_norm"], r.grad_norm),
-            gn_tb=_rel(tb["train/grad_norm"][step], r.grad_norm),
-        )
-        worst = {k: max(worst[k], v) for k, v in d.items()}
-        print(
-            f"{step:>4} {r.lr:>10.4g} {o['loss']:>10.4g} {r.loss:>10.6g} {d['loss']:>8.1e} {d['loss_tb']:>8.1e} "
-            f"{o['grad_norm']:>10.4g} {r.grad_norm:>10.6g} {d['gn']:>8.1e} {d['gn_tb']:>8.1e}"
-        )
-    print(
-        f"[hf-parity] max rel diff: loss {worst['loss']:.1e} (printed) {worst['loss_tb']:.1e} (tensorboard); "
-        f"grad norm {worst['gn']:.1e} (printed) {worst['gn_tb']:.1e} (tensorboard)"
-    )
-    for step in range(1, STEPS + 1):
-        r, o = ref[step - 1], ours[step]
-        assert _rel(o["loss"], r.loss) <= LOSS_REL, (step, o["loss"], r.loss)
-        assert _rel(o["grad_norm"], r.grad_norm) <= LOSS_REL, (step, o["grad_norm"], r.grad_norm)
-        assert _rel(tb["train/loss"][step], r.loss) <= TB_REL, (step, tb["train/loss"][step], r.loss)
-        assert _rel(tb["train/grad_norm"][step], r.grad_norm) <= TB_REL, (
-            step,
-            tb["train/grad_norm"][step],
-            r.grad_norm,
-        )
+    assert_curves_match(ours, tb, ref, lrs, "hf-parity", LOSS_REL, TB_REL, TB_REL)
     assert ours[STEPS]["loss"] < ours[1]["loss"] - 2.0, ours  # it learns: 6.56 -> ~2.6
     assert ref[-1].loss < ref[0].loss - 2.0
 
@@ -177,16 +141,16 @@ def test_negative_controls_leave_parity(curves):
     params), leaves parity by far more than TB_REL."""
     tb, ours = curves["tb"], curves["ours"]
     shifted = train_reference(curves["tmp"] / "tiny_hf", curves["cfg"], steps=2, plan=curves["plan"], lr_shift=1)
-    assert _rel(tb["train/loss"][1], shifted[0].loss) <= TB_REL  # same weights before the first update
-    lr_off = _rel(tb["train/loss"][2], shifted[1].loss)
+    assert rel(tb["train/loss"][1], shifted[0].loss) <= TB_REL  # same weights before the first update
+    lr_off = rel(tb["train/loss"][2], shifted[1].loss)
     decayed = train_reference(curves["tmp"] / "tiny_hf", curves["cfg"], steps=10, plan=curves["plan"], decay_all=True)
-    wd_off = max(_rel(tb["train/loss"][k + 1], r.loss) for k, r in enumerate(decayed))
+    wd_off = max(rel(tb["train/loss"][k + 1], r.loss) for k, r in enumerate(decayed))
     print(
         f"[hf-parity] negative controls: off-by-one lr -> step-2 loss rel diff {lr_off:.1e} "
-        f"(printed {_rel(ours[2]['loss'], shifted[1].loss):.1e}); weight decay on 1-D params too -> "
+        f"(printed {rel(ours[2]['loss'], shifted[1].loss):.1e}); weight decay on 1-D params too -> "
         f"max rel diff over 10 steps {wd_off:.1e}"
     )
-    assert lr_off > 100 * TB_REL and _rel(ours[2]["loss"], shifted[1].loss) > LOSS_REL, lr_off
+    assert lr_off > 100 * TB_REL and rel(ours[2]["loss"], shifted[1].loss) > LOSS_REL, lr_off
     assert wd_off > 100 * TB_REL, wd_off
 
 

@@ -65,7 +65,7 @@ import yaml
 
 from tests import hf_reference_loop
 from tests.dist.launch import REPO, clean_env, step_metrics, torchrun_cmd
-from tests.hf_reference_loop import train_reference, trainer_lr_schedule, trainer_plan
+from tests.hf_reference_loop import assert_curves_match, rel, train_reference, trainer_lr_schedule, trainer_plan
 
 STEPS = 20
 WARMUP = 2
@@ -304,10 +304,6 @@ def _train_peft_reference(run: dict, family: str, method: str, steps: int | None
 
 
 # ------------------------------------------------------------------ tests
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 @pytest.mark.parametrize("family,method", CASES)
 def test_peft_curves_match_transformers_peft(runs, family, method):
     run = runs[family, method]
@@ -332,39 +328,8 @@ def test_peft_curves_match_transformers_peft(runs, family, method):
         f"\n[peft-reference] {family} {method}: {len(covered)} modules, {trainable} trainable; "
         f"reference loop {time.perf_counter() - t0:.1f}s"
     )
-    print(
-        f"{'step':>4} {'lr':>9} {'ours loss':>10} {'HF loss':>10} {'rel(tb)':>8} {'ours gn':>9} {'HF gn':>9} {'rel(tb)':>8}"
-    )
-    worst = dict(loss=0.0, loss_tb=0.0, gn=0.0, gn_tb=0.0)
-    for step in range(1, STEPS + 1):
-        r, o = ref[step - 1], ours[step]
-        assert r.lr == pytest.approx(lrs[step - 1]) and o["lr"] == pytest.approx(logged[step - 1], rel=1e-3)
-        assert o["loss_tokens"] == r.loss_tokens == tb["train/loss_tokens"][step], step
-        d = dict(
-            loss=_rel(o["loss"], r.loss),
-            loss_tb=_rel(tb["train/loss"][step], r.loss),
-            gn=_rel(o["grad_norm"], r.grad_norm),
-            gn_tb=_rel(tb["train/grad_norm"][step], r.grad_norm),
-        )
-        worst = {k: max(worst[k], v) for k, v in d.items()}
-        print(
-            f"{step:>4} {r.lr:>9.3g} {o['loss']:>10.4g} {r.loss:>10.6g} {d['loss_tb']:>8.1e} "
-            f"{o['grad_norm']:>9.4g} {r.grad_norm:>9.5g} {d['gn_tb']:>8.1e}"
-        )
-    print(
-        f"[peft-reference] {family} {method} max rel diff: loss {worst['loss']:.1e} (printed) "
-        f"{worst['loss_tb']:.1e} (tensorboard); grad norm {worst['gn']:.1e} (printed) {worst['gn_tb']:.1e} (tensorboard)"
-    )
-    for step in range(1, STEPS + 1):
-        r, o = ref[step - 1], ours[step]
-        assert _rel(o["loss"], r.loss) <= LOSS_REL, (step, o["loss"], r.loss)
-        assert _rel(o["grad_norm"], r.grad_norm) <= LOSS_REL, (step, o["grad_norm"], r.grad_norm)
-        assert _rel(tb["train/loss"][step], r.loss) <= TB_REL, (step, tb["train/loss"][step], r.loss)
-        assert _rel(tb["train/grad_norm"][step], r.grad_norm) <= GN_TB_REL, (
-            step,
-            tb["train/grad_norm"][step],
-            r.grad_norm,
-        )
+    assert all(ours[s]["lr"] == pytest.approx(logged[s - 1], rel=1e-3) for s in range(1, STEPS + 1))
+    assert_curves_match(ours, tb, ref, lrs, f"peft-reference {family} {method}", LOSS_REL, TB_REL, GN_TB_REL)
     # the adapters really move the loss, so a wrong adapter could not hide in a flat curve
     assert ours[STEPS]["loss"] < ours[1]["loss"] - MIN_LOSS_DROP, ours
     assert ref[-1].loss < ref[0].loss - MIN_LOSS_DROP
@@ -386,10 +351,10 @@ def test_negative_control_expert_layout_leaves_parity(runs):
                 weight.copy_(weight.reshape(module.num_experts, RANK, -1).roll(1, 0).reshape(weight.shape))
     shifted, _ = _train_peft_reference(run, "qwen3_moe", "lora", steps=8, model=model)
     tb = run["tb"]
-    loss_off = max(_rel(tb["train/loss"][k + 1], r.loss) for k, r in enumerate(shifted))
-    gn_off = _rel(tb["train/grad_norm"][1], shifted[0].grad_norm)
+    loss_off = max(rel(tb["train/loss"][k + 1], r.loss) for k, r in enumerate(shifted))
+    gn_off = rel(tb["train/grad_norm"][1], shifted[0].grad_norm)
     print(
         f"[peft-reference] negative control (expert A shifted by one expert): loss {loss_off:.1e}, step-1 grad norm {gn_off:.1e}"
     )
-    assert _rel(tb["train/loss"][1], shifted[0].loss) <= TB_REL  # B = 0: the same model before the first update
+    assert rel(tb["train/loss"][1], shifted[0].loss) <= TB_REL  # B = 0: the same model before the first update
     assert loss_off > LOSS_REL and gn_off > GN_TB_REL, (loss_off, gn_off)
