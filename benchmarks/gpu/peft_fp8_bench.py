@@ -89,14 +89,14 @@ def _build(args, hf, fp8: bool, device: str):
     from moe_sft.config.schema import PeftConfig
     from moe_sft.models import registry
     from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
-    from moe_sft.peft import fp8_base, install
+    from moe_sft.peft import fp8_base, fp8_loading, install
 
     family = registry.family_by_name("deepseek_v3")
     precision = "fp32" if args.tiny else "bf16"
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     opts = ModelOptions(precision=precision, backend="torch", device=device, transformer=recompute)
     tconfig = build_transformer_config(family, hf, opts)
-    with fp8_base.placeholder_base() if fp8 else _Nothing():
+    with fp8_loading.placeholder_base() if fp8 else _Nothing():
         chunks = build_model_chunks(family, hf, tconfig, opts)
     peft = PeftConfig(method="lora", rank=args.rank, alpha=2 * args.rank, target_modules=["attention", "experts"])
     install.add_adapters(chunks, peft, tconfig, device)
@@ -104,8 +104,8 @@ def _build(args, hf, fp8: bool, device: str):
         chunk.embedding.register_forward_hook(_input_requires_grad)
     if fp8:
         fp8_base.install(chunks)
-        fp8_base.materialise_placeholders(chunks)
-        fp8_base.load_quantised(chunks, lambda keep: _random_fill(chunks, keep))
+        fp8_loading.materialise_placeholders(chunks)
+        fp8_loading.load_quantised(chunks, lambda keep: _random_fill(chunks, keep))
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     model = [DDP(config=tconfig, ddp_config=ddp, module=c) for c in chunks]
     torch.cuda.empty_cache() if device == "cuda" else None

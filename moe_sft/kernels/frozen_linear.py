@@ -15,6 +15,19 @@ import torch
 import torch.nn.functional as F
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T over the rows of x (any leading dims), one 2-D GEMM."""
+    out = F.linear(x.reshape(-1, x.shape[-1]), weight)
+    # _unsafe_view (as aten's own linear does): a plain view of a tensor made inside an autograd
+    # Function is an autograd view, which the in-place ops after it (bias-dropout-add) may not modify
+    return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
+
+
+def input_grad_rows(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad @ weight over the rows of grad (any leading dims, any strides), one 2-D GEMM."""
+    return (grad.reshape(-1, grad.shape[-1]) @ weight).view(*grad.shape[:-1], weight.shape[1])
+
+
 class FrozenWeightLinear2D(torch.autograd.Function):
     """LinearWithFrozenWeight's contract (same apply arguments, no weight gradient), on rows."""
 
@@ -22,14 +35,13 @@ class FrozenWeightLinear2D(torch.autograd.Function):
     def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
         ctx.save_for_backward(weight)
         ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
-        rows = input.reshape(-1, input.shape[-1])
-        return F.linear(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
+        out = linear_rows(input, weight)
+        return out + bias if bias is not None else out  # added after the GEMM, as megatron's
 
     @staticmethod
     def backward(ctx, grad_output):
         (weight,) = ctx.saved_tensors
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_input = (rows @ weight).view(*grad_output.shape[:-1], weight.shape[1])
+        grad_input = input_grad_rows(grad_output, weight)
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
         return grad_input, None, None, None, None

@@ -26,15 +26,11 @@ bit for bit, with per-block scales that dequantise to exactly the converted bf16
 source's own scale is one such scale; `_exact_scales`). A block the conversion permuted across
 block boundaries, or a bf16 source, gets the amax scale. Tested on a tiny DeepSeek-V3 faked in FP8.
 
-Loading (`load_quantised`): the converted checkpoint is read one decoder layer at a time into
-bf16 buffers of that layer only, each quantised right after, so the whole base never exists in
-bf16 on the GPU. Building the model without its bf16 base in the first place is
-`placeholder_base()` (the build then allocates no base memory).
+Loading and building without the base whole in bf16: fp8_loading.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import types
 
@@ -42,6 +38,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from moe_sft.kernels.frozen_linear import input_grad_rows, linear_rows
 from moe_sft.layers.experts import TorchGroupedMLP, grouped_matmul
 
 try:
@@ -200,20 +197,21 @@ if triton is not None:
 
 
 class _Fp8FrozenLinear(torch.autograd.Function):
-    """megatron's LinearWithFrozenWeight with the weight dequantised from FP8 on the fly."""
+    """megatron's LinearWithFrozenWeight with the weight dequantised from FP8 on the fly (on rows,
+    as kernels/frozen_linear.py computes it)."""
 
     @staticmethod
     def forward(ctx, x, q, scale, bias, allreduce_dgrad, tp_group, block):
         ctx.save_for_backward(q, scale)
         ctx.allreduce_dgrad, ctx.tp_group, ctx.block = allreduce_dgrad, tp_group, block
         ctx.bias_grad = bias is not None and bias.requires_grad
-        out = torch.matmul(x, dequantize(q, scale, block, x.dtype).t())
+        out = linear_rows(x, dequantize(q, scale, block, x.dtype))
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad):
         q, scale = ctx.saved_tensors
-        grad_x = grad.matmul(dequantize(q, scale, ctx.block, grad.dtype))
+        grad_x = input_grad_rows(grad, dequantize(q, scale, ctx.block, grad.dtype))
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_x, group=ctx.tp_group)
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
@@ -389,134 +387,5 @@ def dequantized_weights(chunk, dtype: torch.dtype = torch.float32):
 # ----------------------------------------------------------------------------- loading
 
 
-def _group_of(name: str) -> str:
-    match = _LAYER.match(name)
-    return match.group(1) if match else ""
-
-
-def load_quantised(chunks, load) -> int:
-    """Fill the FP8 storage from a checkpoint without its whole base in bf16: for each decoder (or
-    MTP) layer in turn, its FP8 modules get bf16 buffers, `load(keep)` loads the chunk entries whose
-    local state key `keep(key)` accepts into the chunks, and the buffers are quantised and freed.
-    Everything else (embedding, norms, routers, LM head, adapters' base) comes in one last call.
-    Returns the number of `load` calls."""
-    groups: dict[str, list] = {}
-    for chunk_index, chunk in enumerate(chunks):
-        for name, module in fp8_modules(chunk):
-            groups.setdefault(f"{chunk_index}:{_group_of(name)}", []).append((chunk_index, name, module))
-    fp8_prefixes = {(c, f"{n}.") for members in groups.values() for c, n, _ in members}
-    calls = 0
-    for members in groups.values():
-        for _, _, module in members:
-            for pname, _ in _weights(module):
-                buffer = _bf16_like(module, pname)
-                delattr(module, pname)  # the FP8 buffer: a parameter again while the checkpoint fills it
-                module.register_parameter(pname, torch.nn.Parameter(buffer, requires_grad=False))
-        prefixes = {(c, f"{n}.") for c, n, _ in members}
-        load(lambda c, key, p=prefixes: any(c == pc and key.startswith(pre) for pc, pre in p))
-        calls += 1
-        for _, _, module in members:
-            quantize_module(module, module.fp8_block)
-    load(lambda c, key: not any(c == pc and key.startswith(pre) for pc, pre in fp8_prefixes))
-    return calls + 1
-
-
-def _bf16_like(module, pname: str) -> torch.Tensor:
-    fp8 = getattr(module, pname)
-    return torch.empty(fp8.shape, dtype=module.base_dtype, device=fp8.device)
-
-
-# ----------------------------------------------------------------------------- building without the bf16 base
-
-
-@contextlib.contextmanager
-def placeholder_base():
-    """Build the model with the Column/RowParallelLinear and grouped-expert weights as placeholders
-    (right shape, dtype and device, one element of storage: expanded views), initialisation skipped
-    for them. `install` then gives them FP8 storage and `materialise_placeholders` real storage to
-    any left (the LM head, trainable weights); the checkpoint fills both."""
-    from megatron.core.tensor_parallel import layers as tp_layers
-    from megatron.core.transformer.moe import experts as mcore_experts
-
-    classes = (ColumnParallelLinear, RowParallelLinear, mcore_experts.GroupedMLP)
-    mode = _PlaceholderMode()
-    originals = {cls: cls.__init__ for cls in classes}
-    init_fns = {
-        (mod, fn): getattr(mod, fn)
-        for mod in (tp_layers, mcore_experts)
-        for fn in ("_initialize_affine_weight_gpu", "_initialize_affine_weight_cpu")
-        if hasattr(mod, fn)
-    }
-
-    def wrapped(original):
-        def __init__(self, *args, **kwargs):
-            mode.depth += 1
-            try:
-                original(self, *args, **kwargs)
-            finally:
-                mode.depth -= 1
-
-        return __init__
-
-    def skip_placeholder(original, dim_at: int, stride_at: int):
-        def init(weight, *args, **kwargs):
-            if not is_placeholder(weight):
-                return original(weight, *args, **kwargs)
-            # what megatron's initialisers set besides the values
-            dim = kwargs.get("partition_dim", args[dim_at - 1] if len(args) >= dim_at else 0)
-            stride = kwargs.get("stride", args[stride_at - 1] if len(args) >= stride_at else 1)
-            tp_layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=dim, stride=stride)
-            return None
-
-        return init
-
-    positions = {"_initialize_affine_weight_gpu": (2, 3), "_initialize_affine_weight_cpu": (4, 6)}
-    for cls in classes:
-        cls.__init__ = wrapped(originals[cls])
-    for (mod, fn), original in init_fns.items():
-        setattr(mod, fn, skip_placeholder(original, *positions[fn]))
-    try:
-        with mode:
-            yield
-    finally:
-        for cls in classes:
-            cls.__init__ = originals[cls]
-        for (mod, fn), original in init_fns.items():
-            setattr(mod, fn, original)
-
-
 def is_placeholder(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() >= 2 and 0 in t.stride()
-
-
-class _PlaceholderMode(torch.overrides.TorchFunctionMode):
-    """Inside a linear's / grouped MLP's __init__, a >= 2-D torch.empty is an expanded one-element
-    tensor (the bias, 1-D, stays real)."""
-
-    def __init__(self):
-        super().__init__()
-        self.depth = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.depth and getattr(func, "__name__", None) == "empty":  # (cpu_compat wraps torch.empty)
-            size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
-            if len(size) >= 2:
-                one = torch.empty(1, dtype=kwargs.get("dtype"), device=kwargs.get("device"))
-                return one.expand(*size)
-        return func(*args, **kwargs)
-
-
-def materialise_placeholders(chunks) -> int:
-    """Real (uninitialised) storage for any placeholder weight `install` did not turn into FP8."""
-    count = 0
-    for chunk in chunks:
-        for module in chunk.modules():
-            for pname, param in list(module.named_parameters(recurse=False)):
-                if is_placeholder(param):
-                    real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device))
-                    real.requires_grad_(param.requires_grad)
-                    real.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
-                    setattr(module, pname, real)
-                    count += 1
-    return count

@@ -28,7 +28,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from moe_sft.conversion import mcore_io
-from moe_sft.peft import fp8_base
+from moe_sft.peft import fp8_base, fp8_loading
 from moe_sft.peft import state as peft_state
 from moe_sft.runtime.logs import get_logger
 from moe_sft.trainer import checkpoint_integrity
@@ -326,7 +326,7 @@ def load_model_weights(path: Path, model_chunks) -> None:
     a VPP model read the single 'model' a converter wrote.
     """
     if any(fp8_base.fp8_modules(c) for c in unwrap(model_chunks)):  # peft.fp8_base: one layer at a time
-        fp8_base.load_quantised(unwrap(model_chunks), lambda keep: _load_base_part(path, model_chunks, keep))
+        fp8_loading.load_quantised(unwrap(model_chunks), lambda keep: _load_base_part(path, model_chunks, keep))
         return
     sharded = model_sharded_state(model_chunks, part="base")
     state = dist_checkpointing.load(sharded, str(path), strict="assume_ok_unexpected")

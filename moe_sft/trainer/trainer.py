@@ -38,7 +38,7 @@ from moe_sft.kernels import install as kernels
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
-from moe_sft.peft import fp8_base
+from moe_sft.peft import fp8_base, fp8_loading
 from moe_sft.peft import install as peft_install
 from moe_sft.peft import run_meta as peft_meta
 from moe_sft.peft import targets as peft_targets
@@ -367,7 +367,7 @@ class Trainer:
             if errors:
                 raise ConfigError(format_errors(errors))
         # an FP8 base is never whole in bf16: its weights are placeholders until loaded (peft/fp8_base.py)
-        with fp8_base.placeholder_base() if self.cfg.peft.fp8_base else contextlib.nullcontext():
+        with fp8_loading.placeholder_base() if self.cfg.peft.fp8_base else contextlib.nullcontext():
             chunks = build_model_chunks(family, hf_cfg, tconfig, opts)
         train_mtp = self._setup_mtp(chunks, tconfig)
         if self.cfg.peft.method != "none":
@@ -376,7 +376,7 @@ class Trainer:
             if self.cfg.peft.fp8_base:  # the frozen base in FP8 (peft/fp8_base.py), filled by _resume
                 for line in fp8_base.install(chunks):
                     log.info(line)
-                fp8_base.materialise_placeholders(chunks)
+                fp8_loading.materialise_placeholders(chunks)
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
         frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
         if patterns:

@@ -18,7 +18,7 @@ from moe_sft.config.schema import PeftConfig
 from moe_sft.conversion import fp8 as conversion_fp8
 from moe_sft.models import registry
 from moe_sft.models.forward import packed_batch
-from moe_sft.peft import fp8_base, install
+from moe_sft.peft import fp8_base, fp8_loading, install
 
 BLOCK = (32, 32)  # tiny widths (48, 64, 128) then span several blocks, some partial
 LORA = PeftConfig(method="lora", rank=4, alpha=8, target_modules=["all_linear"])
@@ -38,7 +38,7 @@ def _model(family, hf=None, placeholders=False):
 
     init_single_rank()
     torch.manual_seed(0)
-    with fp8_base.placeholder_base() if placeholders else _nothing():
+    with fp8_loading.placeholder_base() if placeholders else _nothing():
         return build_single_rank_model(family, hf or _hf(family))
 
 
@@ -244,14 +244,14 @@ def test_placeholder_build_then_layerwise_load_equals_quantising_the_loaded_mode
     install.add_adapters([model], LORA, model.config, "cpu")
     assert not any(fp8_base.is_placeholder(p) for n, p in model.named_parameters() if ".adapter." in n)
     fp8_base.install([model], BLOCK)
-    assert fp8_base.materialise_placeholders([model]) == 1  # the LM head
+    assert fp8_loading.materialise_placeholders([model]) == 1  # the LM head
     held = []
 
     def load(keep):
         held.append({n for n, p in model.named_parameters() if _unquantised_base(n, p)})
         model.load_state_dict({k: v for k, v in source.items() if keep(0, k)}, strict=False)
 
-    calls = fp8_base.load_quantised([model], load)
+    calls = fp8_loading.load_quantised([model], load)
     assert calls == 4  # 3 decoder layers + the rest
     layers = [{n.split(".")[2] for n in h} for h in held[:-1]]
     assert layers == [{"0"}, {"1"}, {"2"}] and held[-1] == set()
@@ -304,7 +304,7 @@ def test_fp8_source_requantises_to_its_own_bits(family, tmp_path):
     model = _model(family, hf_fp8, placeholders=True)
     install.add_adapters([model], LORA, model.config, "cpu")
     fp8_base.install([model])
-    fp8_base.materialise_placeholders([model])
+    fp8_loading.materialise_placeholders([model])
     checkpoint.load_model_weights(tmp_path / "mcore", [model])
 
     def same(ours_q, ours_s, name):
