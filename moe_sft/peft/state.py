@@ -25,10 +25,6 @@ def adapters(chunk):
             yield global_module_name(chunk, parent), parent, module
 
 
-def has_adapters(chunks) -> bool:
-    return any(True for c in chunks for _ in adapters(c))
-
-
 def _linear_entries(local: str, global_name: str, adapter: LinearAdapter, dp_cp_group) -> dict:
     state = adapter.state_dict(keep_vars=True)
     axis = {k: (0 if adapter.column else None) for k in state if k.startswith(("lora_B", "lora_magnitude"))}
