@@ -257,3 +257,12 @@ def assert_curves_match(
     for key, bound in (("loss", printed_rel), ("gn", printed_rel), ("loss_tb", tb_rel), ("gn_tb", gn_tb_rel)):
         assert worst[key] <= bound, (label, key, worst[key], bound)
     return worst
+
+
+def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
+    """Every scalar the trainer wrote to run/tensorboard: tag -> {step: value} (float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

@@ -35,7 +35,6 @@ one moves the step-2 loss by 8.3e-2, weight decay on the 1-D params too moves th
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +48,7 @@ from tests.hf_reference_loop import (
     documents,
     load_hf_model,
     rel,
+    tensorboard_scalars,
     train_reference,
     trainer_lr_schedule,
     trainer_plan,
@@ -59,14 +59,6 @@ WARMUP = 5
 WEIGHT_DECAY = 0.1  # the family recipes' value (configs/optimizer/adamw_cosine.yaml); quickstart has 0
 LOSS_REL = 1e-3  # the brief's bound; the printed values have 4 significant digits
 TB_REL = 1e-5  # float32 TensorBoard scalars: measured <= 1.2e-7 (loss), 1.8e-7 (grad norm) over 3 runs
-
-
-def _tensorboard(run: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run / "tensorboard"))
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +98,7 @@ def curves(tmp_path_factory):
         plan=plan,
         log=proc.stdout,
         ours=step_metrics(proc.stdout),
-        tb=_tensorboard(tmp / "run"),
+        tb=tensorboard_scalars(tmp / "run"),
         ref=reference,
     )
 

@@ -65,7 +65,14 @@ import yaml
 
 from tests import hf_reference_loop
 from tests.dist.launch import REPO, clean_env, step_metrics, torchrun_cmd
-from tests.hf_reference_loop import assert_curves_match, rel, train_reference, trainer_lr_schedule, trainer_plan
+from tests.hf_reference_loop import (
+    assert_curves_match,
+    rel,
+    tensorboard_scalars,
+    train_reference,
+    trainer_lr_schedule,
+    trainer_plan,
+)
 
 STEPS = 20
 WARMUP = 2
@@ -176,14 +183,6 @@ def _overrides(source: Path, run: Path, family: str, method: str) -> list[str]:
     ]
 
 
-def _tensorboard(run: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run / "tensorboard"))
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The four trainer runs (family x method), launched together, one thread each."""
@@ -205,7 +204,7 @@ def runs(tmp_path_factory):
             assert proc.returncode == 0, (case, stdout[-3000:] + Path(f"{run}.stderr").read_text()[-6000:])
             cfg = yaml.safe_load((run / "config.yaml").read_text())
             out[case] = dict(
-                source=sources[case[0]], cfg=cfg, log=stdout, ours=step_metrics(stdout), tb=_tensorboard(run)
+                source=sources[case[0]], cfg=cfg, log=stdout, ours=step_metrics(stdout), tb=tensorboard_scalars(run)
             )
     finally:
         for _, proc in procs.values():  # a failed or timed-out case: stop the runs still going
