@@ -57,6 +57,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-steps", type=int, default=2, help="profiled steps per budget (0: no phases)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (moe-sft arm; run under torchrun)")
     parser.add_argument(
+        "--dispatcher",
+        default="auto",
+        choices=("auto", "alltoall", "allgather"),
+        help="moe-sft arms: model.moe_token_dispatcher_type",
+    )
+    parser.add_argument(
         "--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)"
     )
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
@@ -81,6 +87,8 @@ def _forwarded(args) -> list[str]:
         str(args.profile_steps),
         "--ep",
         str(args.ep),
+        "--dispatcher",
+        args.dispatcher,
         "--hf-attn",
         args.hf_attn,
         "--hf-experts",
@@ -108,6 +116,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             layers,
             args.out / "work" / args.model,
             ep=args.ep,
+            dispatcher=args.dispatcher,
             first=first,
             max_steps=max_steps,
             device=device,

@@ -39,6 +39,7 @@ def bench_config(
     work: Path,
     *,
     ep: int,
+    dispatcher: str = "auto",
     budget: int,
     micro_batches: int,
     max_steps: int,
@@ -49,7 +50,9 @@ def bench_config(
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
     return TrainConfig(
-        model=ModelConfig(mcore_path=str(work / "model"), backend="torch", **options),
+        model=ModelConfig(
+            mcore_path=str(work / "model"), backend="torch", moe_token_dispatcher_type=dispatcher, **options
+        ),
         # validate_config checks that a train file exists; the workload replaces the data plan
         data=DataConfig(
             train_files=[str(REPO / "recipes/demo/data/train.jsonl")],
@@ -110,6 +113,7 @@ class OursArm:
         work: Path,
         *,
         ep: int,
+        dispatcher: str = "auto",
         first: Workload,
         max_steps: int,
         device: str = "auto",
@@ -121,6 +125,7 @@ class OursArm:
             model,
             work,
             ep=ep,
+            dispatcher=dispatcher,
             budget=first.budget,
             micro_batches=first.micro_batches,
             max_steps=max_steps,

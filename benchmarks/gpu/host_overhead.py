@@ -117,7 +117,8 @@ def cases():
     probs = torch.rand(tokens, experts, device=dev, requires_grad=True)
 
     def rows_torch():
-        rows, places, width, flat = permute._rows_and_slots_topk(routing_map, tokens * k)
+        rows, places, flat = permute._rows_and_slots_known(routing_map, tokens * k, k, exact=True)
+        width = k
         permute._slot_rows(places, tokens, width)
         probs.T.reshape(-1).index_select(0, flat)
 

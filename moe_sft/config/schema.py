@@ -83,7 +83,7 @@ class ModelConfig:
     )
     moe_token_dispatcher_type: str = _f(
         "auto",
-        "token dispatcher: auto (alltoall on CUDA, allgather on CPU) | alltoall | allgather",
+        "token dispatcher: auto (CPU: allgather; CUDA: allgather when 1 < EP x expert-TP <= top-k, else alltoall) | alltoall | allgather",
         ("auto", "alltoall", "allgather"),
     )
     moe_router_dtype: str | None = _f(

@@ -29,6 +29,7 @@ def _swap_targets() -> list[tuple[object, str]]:
     targets += [(token_dispatcher, n) for n in ("permute", "unpermute", "sort_chunks_by_idxs", "all_to_all")]
     targets += [
         (token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess"),
+        (token_dispatcher.MoEAllGatherTokenDispatcher, "dispatch_postprocess"),
         (moe_utils, "reduce_from_tensor_model_parallel_region"),
         (rope_utils, "_apply_rotary_pos_emb_thd"),
         (multi_token_prediction, "_roll_tensor_packed_seq"),

@@ -25,6 +25,11 @@ either (torch's grouped_mm takes device offsets), so the dispatcher's device-to-
 wait are dropped too. With EP x TP > 1 the all-to-all split sizes need the host once per layer
 anyway (megatron's one device-to-host copy and wait); the local permutation is static there too.
 
+The allgather dispatcher (EP x expert-TP > 1) waits for the host five times per MoE layer in
+megatron: the per-expert counts, the permutation's two `masked_select`s and its width, the local
+probs' `masked_select`. Here it reads one number, the layer's local row count (`CountedRows`),
+and every other size follows from it and from min(top-k, local experts).
+
 A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
 """
 
@@ -45,21 +50,42 @@ class TopKRows(int):
     """A row count of tokens x top-k where every token has exactly k rows (dropless top-k routing)."""
 
 
-def _rows_and_slots_topk(routing_map: torch.Tensor, num_rows: int):
-    """`_rows_and_slots` for a routing map with exactly num_rows / tokens experts per token, with
-    every size known in advance: no host sync. Also returns the rows' flat (expert, token) places."""
-    num_tokens, num_experts = routing_map.shape
-    k = num_rows // num_tokens
+class CountedRows(int):
+    """A row count read from the device, with `width`, the most rows any token may have: with both
+    known on the host the permutation needs no other wait."""
+
+    def __new__(cls, count: int, width: int):
+        rows = super().__new__(cls, count)
+        rows.width = width
+        return rows
+
+
+def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
+    """(width, every token has exactly width rows) when the row count is known on the host, else None."""
+    if not routing_map.shape[0]:
+        return None
+    if isinstance(num_out_tokens, TopKRows):
+        return num_out_tokens // routing_map.shape[0], True
+    if isinstance(num_out_tokens, CountedRows):
+        return num_out_tokens.width, False
+    return None
+
+
+def _rows_and_slots_known(routing_map: torch.Tensor, num_rows: int, width: int, exact: bool):
+    """`_rows_and_slots` for a routing map of num_rows routed places and at most `width` per token
+    (exactly `width` when `exact`), every size known in advance: no host sync. Also returns the
+    rows' flat (expert, token) places."""
+    num_tokens = routing_map.shape[0]
     routed = routing_map.bool()
-    # Checked on the device (no wait): a token with another count would shift every later row.
-    torch._assert_async(routed.sum(dim=1).eq(k).all(), "moe_sft permute: a token without exactly top-k experts")
+    if exact:  # checked on the device (no wait): a token with another count would shift every later row
+        torch._assert_async(routed.sum(dim=1).eq(width).all(), "moe_sft permute: a token without exactly top-k experts")
     slots = routed.cumsum(dim=1, dtype=torch.int32) - 1
     by_expert = routed.T.reshape(-1)
     # Stable: the routed (expert, token) places first, expert-major and tokens ascending as megatron.
     flat = torch.argsort((~by_expert).to(torch.uint8), stable=True)[:num_rows]
     rows = flat % num_tokens
     row_slots = slots.T.reshape(-1).index_select(0, flat).long()
-    return rows, rows * k + row_slots, k, flat
+    return rows, rows * width + row_slots, flat
 
 
 def _rows_and_slots(routing_map: torch.Tensor):
@@ -124,14 +150,13 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
             tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused, drop_and_pad=drop_and_pad
         )
     permuted_probs = None
-    exact_topk = isinstance(num_out_tokens, TopKRows) and routing_map.shape[0]
-    if exact_topk and topk_rows.fits(routing_map):  # CUDA: one Triton pass
-        rows, slot_rows, permuted_probs = topk_rows.topk_rows(
-            routing_map, probs, num_out_tokens // routing_map.shape[0]
-        )
+    known = _known_rows(routing_map, num_out_tokens)
+    if known and known[1] and topk_rows.fits(routing_map):  # exactly top-k, CUDA: one Triton pass
+        rows, slot_rows, permuted_probs = topk_rows.topk_rows(routing_map, probs, known[0])
     else:
-        if exact_topk:
-            rows, places, width, flat = _rows_and_slots_topk(routing_map, num_out_tokens)
+        if known:
+            width = known[0]
+            rows, places, flat = _rows_and_slots_known(routing_map, int(num_out_tokens), width, known[1])
             if probs is not None:
                 permuted_probs = probs.T.reshape(-1).index_select(0, flat)
         else:
@@ -205,9 +230,31 @@ def _alltoall_preprocess(self, routing_map):
     return tokens_per_expert
 
 
+_megatron_allgather_postprocess = token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess
+
+
+def _allgather_postprocess(self, hidden_states, probs):
+    """megatron's allgather `dispatch_postprocess` (same outputs, same order) with one host wait:
+    the count of the gathered tokens' rows for this rank's experts. The per-expert counts stay on
+    the device (torch's grouped_mm takes device offsets)."""
+    if self.config.moe_permute_fusion:
+        return _megatron_allgather_postprocess(self, hidden_states, probs)
+    self.hidden_shape_before_permute = hidden_states.shape
+    local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+    self.local_map = self.routing_map[:, local].contiguous()
+    tokens_per_expert = self.local_map.sum(dim=0).long()
+    rows = CountedRows(int(tokens_per_expert.sum()), min(self.router_topk, self.num_local_experts))
+    permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
+        hidden_states, self.local_map, probs=probs[:, local], num_out_tokens=rows
+    )
+    self.routing_map = None
+    return permuted, tokens_per_expert, self.local_probs
+
+
 def use_gather_permutation() -> None:
     """Make megatron's token dispatchers use the functions above (they import them by name)."""
     token_dispatcher.permute = permute
     token_dispatcher.unpermute = unpermute
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
     token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess = _alltoall_preprocess
+    token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess = _allgather_postprocess

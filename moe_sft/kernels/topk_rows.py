@@ -69,7 +69,7 @@ def fits(routing_map: torch.Tensor) -> bool:
 
 def topk_rows(routing_map: torch.Tensor, probs, k: int):
     """(rows [T*k] int64, slot_rows [T, k] int64, row probs [T*k] or None) for a [T, E] routing map
-    with k experts per token: permute.py's `_rows_and_slots_topk` and `_slot_rows` in one pass."""
+    with k experts per token: permute.py's `_rows_and_slots_known` (exactly k) and `_slot_rows` in one pass."""
     rows, slot_rows, sources, bad = unchecked_topk_rows(routing_map, k)
     # Checked on the device (no wait): a token with another count would shift every later row.
     torch._assert_async(bad == 0, "moe_sft permute: a token without exactly top-k experts")

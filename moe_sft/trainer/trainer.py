@@ -36,7 +36,7 @@ from moe_sft.config.validate import doc_multiple_for, optimizer_offload_errors, 
 from moe_sft.conversion import mcore_io
 from moe_sft.kernels import install as kernels
 from moe_sft.layers.attention import attention_kernel_name
-from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
+from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config, token_dispatcher
 from moe_sft.models.hf_config import num_experts
 from moe_sft.peft import fp8_base, fp8_loading
 from moe_sft.peft import install as peft_install
@@ -312,14 +312,19 @@ class Trainer:
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
         # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
         # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
-        dispatcher = self.cfg.model.moe_token_dispatcher_type
-        allgather = dispatcher == "allgather" or (dispatcher == "auto" and self.rt.device == "cpu")
-        fixed_shape = p.pipeline_model_parallel_size > 1 or (
-            allgather and p.expert_model_parallel_size * p.expert_tp > 1
-        )
+        expert_group = p.expert_model_parallel_size * p.expert_tp
+        allgather = self._token_dispatcher(expert_group) == "allgather"
+        fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
         if fixed_shape or self.cfg.trainer.cuda_graphs:  # graphs: one micro-batch length
             pad_to = d.pack_length
         return BatchShape(seq_length=d.pack_length, fixed_shape=fixed_shape, pad_to=pad_to)
+
+    def _token_dispatcher(self, expert_group: int) -> str:
+        from moe_sft.conversion.hf_source import load_hf_config
+
+        family, hf_cfg = load_hf_config(self.source.hf_side)
+        topk = family.shape(hf_cfg).topk
+        return token_dispatcher(self.cfg.model.moe_token_dispatcher_type, self.rt.device, expert_group, topk)
 
     def _data(self, shape: BatchShape):
         from transformers import AutoTokenizer

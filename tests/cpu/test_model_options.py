@@ -77,3 +77,33 @@ def test_the_transformer_config_holds_the_recipe_values(family):
     assert (config.recompute_method, config.recompute_num_layers) == ("uniform", 1)  # full's defaults
     default = build_transformer_config(family, hf_cfg, ModelOptions())
     assert default.hidden_dropout == 0.0 and default.moe_router_dtype == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "expert_group", "topk", "chosen"),
+    [
+        ("auto", "cpu", 1, 8, "allgather"),  # alltoall needs CUDA streams
+        ("auto", "cpu", 16, 8, "allgather"),
+        ("auto", "cuda", 1, 8, "alltoall"),  # alone: a local dispatch with no host wait
+        ("auto", "cuda", 2, 8, "allgather"),
+        ("auto", "cuda", 8, 8, "allgather"),  # equal rows: the static-size collectives win
+        ("auto", "cuda", 16, 8, "alltoall"),  # the gather would move twice the alltoall's rows
+        ("auto", "cuda", 4, 2, "alltoall"),  # Mixtral's top-2
+        ("alltoall", "cuda", 4, 8, "alltoall"),  # an explicit choice stands
+        ("allgather", "cuda", 32, 8, "allgather"),
+    ],
+)
+def test_auto_dispatcher_gathers_where_the_gather_moves_no_more_rows(requested, device, expert_group, topk, chosen):
+    from moe_sft.models.builder import token_dispatcher
+
+    assert token_dispatcher(requested, device, expert_group, topk) == chosen
+
+
+def test_the_transformer_config_takes_the_auto_dispatcher_from_ep_times_expert_tp_and_top_k():
+    hf_cfg = qwen3_moe.tiny_hf_config()  # top-k below
+    topk = hf_cfg.num_experts_per_tok
+    for ep, chosen in ((topk, "allgather"), (2 * topk, "alltoall")):
+        opts = ModelOptions.from_recipe(
+            _model(), ParallelConfig(expert_model_parallel_size=ep), "bf16", "torch", "cuda"
+        )
+        assert build_transformer_config(qwen3_moe.FAMILY, hf_cfg, opts).moe_token_dispatcher_type == chosen

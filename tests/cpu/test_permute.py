@@ -83,6 +83,57 @@ def test_exact_topk_path_refuses_a_token_with_another_count():
         )
 
 
+def test_counted_rows_path_equals_megatron():
+    """A row count read once from the device with the slot width (the allgather dispatcher's local
+    slice: padding tokens with no rows, tokens with fewer than top-k) selects the static-size path:
+    same rows, order, probs and gradients as megatron's permute/unpermute."""
+    routing_map, probs = _routing()
+    count = ours.CountedRows(int(routing_map.sum()), 3)
+
+    def tagged(tokens, rmap, probs=None, num_out_tokens=None):
+        return ours.permute(tokens, rmap, probs=probs, num_out_tokens=count)
+
+    mine = _matches_megatron(tagged, routing_map, probs)
+    assert mine[2]._moe_sft_slots.shape == (routing_map.shape[0], 3)
+
+
+def test_allgather_postprocess_equals_megatron_s_for_a_local_expert_slice(monkeypatch):
+    """The allgather dispatcher's permutation for this rank's experts (as at EP > 1: a slice of the
+    gathered routing map) and its combine: same rows, counts, probs, output and gradients as
+    megatron's own postprocess with megatron's permute/unpermute."""
+    from moe_sft.runtime import device as rdevice
+    from tests.cpu.test_plan import _reset_world
+
+    rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    try:
+        moe = _moe_layers("allgather")[0]
+    finally:
+        _reset_world()
+    d = moe.token_dispatcher
+    num_experts = d.config.num_moe_experts
+    d.local_expert_indices, d.num_local_experts = [2, 3, 4], 3
+    routing_map, probs = _routing(num_tokens=29, num_experts=num_experts, topk=d.router_topk, seed=3)
+    x = torch.randn(29, 16, dtype=torch.float64)
+    weight_rows = torch.randn(int(routing_map[:, 2:5].sum()), 1, dtype=torch.float64)
+
+    def round_trip(postprocess):
+        xs, ps = x.clone().requires_grad_(True), probs.double().clone().requires_grad_(True)
+        d.routing_map = routing_map
+        rows, counts, local_probs = postprocess(d, xs, ps)
+        out = d.combine_preprocess(rows * weight_rows * local_probs.unsqueeze(-1))
+        (out * torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return rows, counts.long().cpu(), local_probs, out, xs.grad, ps.grad
+
+    monkeypatch.setattr(token_dispatcher, "unpermute", ours.unpermute)
+    mine = round_trip(ours._allgather_postprocess)
+    assert isinstance(d.reversed_local_input_permutation_mapping._moe_sft_slots, torch.Tensor)
+    monkeypatch.setattr(token_dispatcher, "permute", moe_utils.permute)
+    monkeypatch.setattr(token_dispatcher, "unpermute", moe_utils.unpermute)
+    ref = round_trip(ours._megatron_allgather_postprocess)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
     routing_map, _ = _routing(num_tokens=256, num_experts=16, topk=8, seed=1)
     x = torch.randn(256, 64, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _moe_layer():
+def _moe_layer(dispatcher="auto"):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from moe_sft.kernels import install as kernels_install
@@ -26,11 +26,13 @@ def _moe_layer():
     hf = qwen3_moe.tiny_hf_config(
         num_hidden_layers=1, hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4
     )
-    opts = ModelOptions(precision="bf16", backend="torch", device="cuda")
+    opts = ModelOptions(
+        precision="bf16", backend="torch", device="cuda", transformer={"moe_token_dispatcher_type": dispatcher}
+    )
     torch.manual_seed(0)
     model = build_model_chunks(qwen3_moe.FAMILY, hf, build_transformer_config(qwen3_moe.FAMILY, hf, opts), opts)[0]
     moe = next(m for m in model.modules() if isinstance(m, MoELayer))
-    assert moe.config.moe_token_dispatcher_type == "alltoall"
+    assert moe.config.moe_token_dispatcher_type == ("alltoall" if dispatcher == "auto" else dispatcher)
     return moe
 
 
@@ -82,6 +84,30 @@ def test_ep1_dispatch_makes_no_host_sync_and_matches_megatron():
         torch.testing.assert_close(g, ref, rtol=1.6e-2, atol=1e-3)
 
 
+def test_allgather_dispatch_waits_once_per_forward_and_equals_the_alltoall_one():
+    """The allgather dispatcher (the GPU's auto choice at 1 < EP x expert-TP <= top-k) reads one
+    number per MoE layer forward on the host (its local row count; megatron's waited five times)
+    and nothing in the backward. Forced here on one GPU, its output equals the alltoall
+    dispatcher's bit for bit; the gradients to bf16 rounding (the router probs' gradient is
+    gathered in another order: the alltoall's comes from moe_sft/kernels/topk_rows.py)."""
+    from benchmarks.measure import host_sync_sites
+
+    a2a = _moe_layer("alltoall")
+    x = torch.randn(2048, 1, a2a.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ref = _run(a2a, x)
+    gathered = _moe_layer("allgather")
+    gathered.load_state_dict(a2a.state_dict())
+    _run(gathered, x)  # warm-up
+    results = []
+    sites = host_sync_sites(lambda: results.append(_run(gathered, x)), "cuda")
+    assert sum(sites.values()) == 1 and next(iter(sites)).startswith("moe_sft/kernels/permute.py:"), sites
+    out, x_grad, grads = results[0]
+    assert torch.equal(out, ref[0])
+    torch.testing.assert_close(x_grad, ref[1], rtol=1.6e-2, atol=1e-3)
+    for g, r in zip(grads, ref[2]):
+        torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-3)
+
+
 def test_host_sync_census_names_the_line_that_waited():
     from benchmarks.measure import host_sync_sites
 
@@ -131,7 +157,8 @@ def test_triton_topk_rows_equal_the_torch_permutation(tokens, experts, k):
     routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda").scatter(1, choice, True)
     probs = torch.rand(tokens, experts, device="cuda", generator=g)
     assert topk_rows.fits(routing_map)
-    rows, places, width, flat = permute._rows_and_slots_topk(routing_map, tokens * k)
+    rows, places, flat = permute._rows_and_slots_known(routing_map, tokens * k, k, exact=True)
+    width = k
     expected = (rows, permute._slot_rows(places, tokens, width), probs.T.reshape(-1).index_select(0, flat))
     expected = tuple(t.detach() for t in expected)
     probs.requires_grad_(True)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Expert parallelism on one host (issue 29; results: docs/benchmarks.md). Usage:
+#   bash benchmarks/gpu/ep_session.sh LOG_DIR [parts]
+# parts (default "ep4_alltoall ep4_allgather one"), each a full-step benchmark of the Qwen3-30B-A3B
+# shape at 4096 and 8192 tokens per micro-batch, real routing, 32,768 tokens per GPU per step:
+#   ep4_alltoall / ep4_allgather   4 GPUs, EP 4 (DP 4 for the dense part), megatron's alltoall or
+#                                  allgather token dispatcher, EP4_LAYERS layers
+#   ep2_alltoall / ep2_allgather   2 GPUs, EP 2, EP2_LAYERS layers
+#   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
+#   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
+#                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
+#   gpu_tests                      tests/gpu/test_gpu_dispatch.py (the dispatch's numerics, host syncs)
+# Layer counts default to what fits the GPU (H200: 24 / 16 / 8 / 10; 80 GB H100: 16 / 10 / 5 / 6).
+set -uo pipefail
+log=${1:?LOG_DIR}; parts=${2:-"ep4_alltoall ep4_allgather one"}
+mkdir -p "$log"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$log/gpu.txt" 2>&1
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "${mem_mib:-0}" -gt 100000 ]; then big=1; else big=0; fi
+ep4_layers=${EP4_LAYERS:-$([ $big = 1 ] && echo 24 || echo 16)}
+ep2_layers=${EP2_LAYERS:-$([ $big = 1 ] && echo 16 || echo 10)}
+one_layers=${ONE_LAYERS:-$([ $big = 1 ] && echo 8 || echo 5)}
+dsv3_layers=${DSV3_LAYERS:-$([ $big = 1 ] && echo 10 || echo 6)}
+common="--budgets ${BUDGETS:-4096,8192} --warmup ${WARMUP:-2} --steps ${STEPS:-4} --profile-steps 1"
+run_part() {  # name limit command...
+  local name=$1 limit=$2 start; shift 2; start=$(date +%s)
+  timeout --kill-after=20 "$limit" "$@" --out "$log/$name" > "$log/$name.log" 2>&1
+  echo "== $name: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt"
+  python3 benchmarks/benchmark.py report "$log/$name" > "$log/$name.md" 2>&1
+}
+ep_run() {  # name gpus layers dispatcher [model]
+  run_part "$1" "${LIMIT:-300}" torchrun --standalone --nproc_per_node="$2" benchmarks/benchmark.py train \
+    --arm moe-sft --model "${5:-qwen3_30b}" $common --layers "$3" --ep "$2" --dispatcher "$4" \
+    --tokens-per-step $((32768 * $2))
+}
+for part in $parts; do
+  case $part in
+    ep4_alltoall) ep_run "$part" 4 "$ep4_layers" alltoall ;;
+    ep4_allgather) ep_run "$part" 4 "$ep4_layers" allgather ;;
+    ep2_alltoall) ep_run "$part" 2 "$ep2_layers" alltoall ;;
+    ep2_allgather) ep_run "$part" 2 "$ep2_layers" allgather ;;
+    one) run_part one "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm moe-sft --model qwen3_30b \
+      $common --layers "$one_layers" --tokens-per-step 32768 ;;
+    dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;
+    gpu_tests)
+      start=$(date +%s)
+      timeout 240 python3 -m pytest tests/gpu/test_gpu_dispatch.py -q -p no:cacheprovider > "$log/gpu_tests.log" 2>&1
+      echo "== gpu_tests: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt" ;;
+    *) echo "unknown part $part" | tee -a "$log/summary.txt" ;;
+  esac
+done
+cat "$log/summary.txt"
