@@ -58,7 +58,8 @@ def token_dispatcher(requested: str, device: str, expert_group: int, topk: int) 
     """The token dispatcher `auto` stands for. On CPU allgather (alltoall needs CUDA streams). On
     CUDA, with an expert group of G = EP x expert-TP ranks, allgather where G <= top-k: each rank
     then receives (G - 1) x tokens rows against the alltoall's ~top-k x (G - 1) / G x tokens, and
-    its collectives have static sizes (the alltoall waits for its split sizes on the host). EP4,
+    its collectives have static sizes (the alltoall waits for its split sizes on the host); the
+    loader pads micro-batches to one length for it (trainer.py `_batch_shape`). EP4,
     Qwen3-30B-A3B shape, top-8: 183.8 against 147.2 TFLOP/s per GPU (docs/benchmarks.md). Alone
     (G = 1) alltoall: its dispatch is then local and makes no host wait (moe_sft/kernels/permute.py)."""
     if requested != "auto":
