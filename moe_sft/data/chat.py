@@ -31,7 +31,10 @@ Assistant spans in the rendered text are found one of two ways:
   suffix of the two ends.
 
 A turn ends with the first end-of-turn string after its start (the eos token, `<|im_end|>`,
-`<|eot_id|>`, or `data.end_of_turn`), which is trained. Templates that close no turn with one
+`<|eot_id|>`, harmony's `<|end|>` / `<|call|>`, or `data.end_of_turn`), which is trained, unless the
+generation prompt's header follows it directly and the next message is not an assistant message:
+then the turn goes on to the next end string (harmony, gpt-oss, writes one assistant message as
+reasoning and answer segments, `turn_ends.continued_turn_end`). Templates that close no turn with one
 (GLM-4.5/4.6/4.7: `...answer<|user|>`, `...</tool_call><|observation|>`) end a turn where the next
 message's role tag begins: the render of `messages[:i + 1]` ends with the turn as the full text
 shows it, so the turn ends where their longest common suffix ends, and the role tag that follows
@@ -67,6 +70,7 @@ from moe_sft.data.stats import DataStats
 from moe_sft.data.turn_ends import (
     added_token_at,
     common_suffix,
+    continued_turn_end,
     end_at_role_tag,
     handover_tag,
     turn_end,
@@ -74,7 +78,8 @@ from moe_sft.data.turn_ends import (
 )
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
+# ChatML, Llama 3, and harmony's (gpt-oss) segment ends: reasoning/history `<|end|>`, tool call `<|call|>`
+_FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|call|>")
 _SENTINEL = "\u2063moe-sft-sentinel\u2063"  # content no real row has (U+2063: invisible separator)
 LOSS_ON = ("all_assistant", "last_assistant")
 
@@ -329,6 +334,15 @@ def spans_from_prefixes(
     full = _render(tokenizer, template, messages, tools)
     tagged = role_tags and not writes_end_of_turn(template, ends)
     spans, cursor, open_last = [], 0, False
+    header: list[str] = []  # the generation prompt's text after a history, rendered when first needed
+
+    def generation_header(i: int) -> str:
+        if not header:
+            bare = _render(tokenizer, template, messages[:i], tools)
+            prompt = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
+            header.append(prompt[len(bare) :] if prompt.startswith(bare) else "")
+        return header[0]
+
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -346,6 +360,8 @@ def spans_from_prefixes(
             start = _start_after_rerendered_history(tokenizer, template, messages, tools, i, full, cursor, where)
         here = f"{where}: messages[{i}]"
         end = None if tagged else turn_end(full, start, ends, here, required=not role_tags)
+        if end is not None and end < len(full) and (i + 1 == len(messages) or messages[i + 1]["role"] != "assistant"):
+            end = continued_turn_end(full, end, ends, generation_header(i), here)
         if end is None:
             end = end_at_role_tag(
                 tokenizer,

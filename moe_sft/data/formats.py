@@ -470,6 +470,7 @@ def validate_messages(messages: Sequence[dict], where: str) -> None:
             and not m["content"].strip()
             and not m.get("tool_calls")
             and not m.get("reasoning_content")
+            and not m.get("thinking")  # gpt-oss's reasoning field
         ):
             raise RowError(
                 EMPTY_ASSISTANT,

@@ -47,6 +47,25 @@ def turn_end(text: str, start: int, ends: list[str], where: str, required: bool 
     return pos + len(end)
 
 
+def continued_turn_end(text: str, end: int, ends: list[str], header: str, where: str) -> int:
+    """End of an assistant turn whose first segment ends at `end`, through the segments that continue it.
+
+    The harmony format (gpt-oss) writes one assistant message as several segments, each opened by
+    the generation prompt's header and closed by an end string: reasoning, then the answer
+    (`<|start|>assistant<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final
+    <|message|>…<|return|>`), or reasoning, then a tool call closed by `<|call|>`. The model writes
+    every segment (generation stops at `<|return|>` or `<|call|>`, not at `<|end|>`), so an end
+    string followed directly by the header again does not end the turn: the next segment's end
+    string does. The caller asks this only when the next message is not an assistant message
+    (whose own header would otherwise be taken for a continuation)."""
+    while header and text.startswith(header, end):
+        following = turn_end(text, end + len(header), ends, where, required=False)
+        if following is None:
+            break
+        end = following
+    return end
+
+
 def writes_end_of_turn(template: str, ends: list[str]) -> bool:
     """Whether the template source can write an end-of-turn string (literally or as `eos_token`)."""
     return "eos_token" in template or any(end in template for end in ends)

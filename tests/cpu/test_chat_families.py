@@ -220,6 +220,83 @@ MINIMAX_M2_TEMPLATE = (
 )
 MINIMAX_TOKENS = ["]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
 
+# gpt-oss (harmony): a system header, the system message as the developer's instructions (plus the
+# tools), `<|start|>ROLE<|message|>...<|end|>` per message. An assistant message is one or more
+# segments under `<|start|>assistant`: history turns only their final answer closed by `<|end|>`; the
+# last turn its reasoning (analysis channel, `<|end|>`) and its answer closed by `<|return|>`; a tool
+# call as `to=functions.NAME` on the commentary channel closed by `<|call|>`, after its reasoning
+# unless a later assistant message gives a final answer. The generation prompt is `<|start|>assistant`.
+HARMONY_TEMPLATE = (
+    "{{ '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n"
+    "Reasoning: medium\\n\\n# Valid channels: analysis, commentary, final.' }}"
+    "{%- if tools -%}{{ '\\nCalls to these tools must go to the commentary channel: functions.' }}{%- endif -%}"
+    "{{ '<|end|>' }}"
+    "{%- if messages[0].role == 'system' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- set instructions = messages[0].content -%}"
+    "{%- else -%}{%- set loop_messages = messages -%}{%- set instructions = '' -%}{%- endif -%}"
+    "{%- if instructions or tools -%}{{ '<|start|>developer<|message|>' }}"
+    "{%- if instructions -%}{{ '# Instructions\\n\\n' + instructions }}{%- endif -%}"
+    "{%- if tools -%}{{ '\\n\\n# Tools\\n\\nnamespace functions {\\n' }}{%- for t in tools -%}"
+    "{{ '// ' + t.function.description + '\\ntype ' + t.function.name + ' = (_: ' + (t.function.parameters | tojson)"
+    " + ') => any;\\n' }}{%- endfor -%}{{ '} // namespace functions' }}{%- endif -%}"
+    "{{ '<|end|>' }}{%- endif -%}"
+    "{%- set ns = namespace(tool='') -%}"
+    "{%- for m in loop_messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if m.tool_calls -%}"
+    "{%- set finals = loop_messages[loop.index:] | selectattr('role', 'equalto', 'assistant')"
+    " | rejectattr('tool_calls') | list -%}"
+    "{%- if m.thinking and not finals -%}"
+    "{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif -%}"
+    "{%- set call = m.tool_calls[0].function -%}"
+    "{{ '<|start|>assistant to=functions.' + call.name + '<|channel|>commentary json<|message|>'"
+    " + (call.arguments | tojson) + '<|call|>' }}{%- set ns.tool = call.name -%}"
+    "{%- elif loop.last and not add_generation_prompt -%}"
+    "{%- if m.thinking -%}{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}"
+    "{%- endif -%}{{ '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|return|>' }}"
+    "{%- else -%}{{ '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}{%- endif -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{ '<|start|>functions.' + ns.tool + ' to=assistant<|channel|>commentary<|message|>' + (m.content | tojson)"
+    " + '<|end|>' }}"
+    "{%- elif m.role == 'user' -%}{{ '<|start|>user<|message|>' + m.content + '<|end|>' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start|>assistant' }}{%- endif -%}"
+)
+HARMONY_TOKENS = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+HARMONY_AGENT = [  # reasoning under `thinking`, gpt-oss's field
+    {key: value for key, value in m.items() if key != "reasoning_content"}
+    | ({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {})
+    for m in AGENT
+]
+HARMONY_CALL = ' to=functions.{}<|channel|>commentary json<|message|>{{"city": "{}"}}<|call|>'
+
+
+def _call(city: str) -> dict:
+    return {**CALL, "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
+# An agent's step before any final answer: every tool call keeps its reasoning.
+HARMONY_CALLS = [
+    AGENT[0],
+    AGENT[1],
+    {"role": "assistant", "content": "", "thinking": "I should call the tool.", "tool_calls": [_call("Paris")]},
+    AGENT[3],
+    {"role": "assistant", "content": "", "thinking": "Lyon too.", "tool_calls": [_call("Lyon")]},
+    {"role": "tool", "content": '{"sky": "rainy"}'},
+    {"role": "assistant", "content": "", "thinking": "And Nice.", "tool_calls": [_call("Nice")]},
+]
+HARMONY_CHAT = [
+    {"role": "system", "content": "Think step by step."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "thinking": "add"},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6"},
+    {"role": "user", "content": "4+4?"},
+    {"role": "assistant", "content": "8", "thinking": "once more"},
+]
+FINAL = "<|channel|>final<|message|>{}"
+ANALYSIS = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant"
+
 R_CHAT = [
     {"role": "system", "content": "Think step by step."},
     {"role": "user", "content": "2+2?"},
@@ -330,6 +407,47 @@ FAMILIES = {
         R_CHAT,
         None,
         ["add\n</think>\n\n4[e~[", "6[e~[", "once more\n</think>\n\n8[e~["],
+    ),
+    "gpt_oss_agent": (
+        HARMONY_TOKENS,
+        HARMONY_TEMPLATE,
+        "<|return|>",
+        None,
+        HARMONY_AGENT,
+        [WEATHER_TOOL],
+        [
+            # A later final answer drops the call's reasoning; history answers end with `<|end|>`;
+            # the last turn is its reasoning and its answer, through `<|return|>`.
+            HARMONY_CALL.format("get_weather", "Paris"),
+            FINAL.format("It is sunny in Paris.<|end|>"),
+            ANALYSIS.format("No forecast tool.") + FINAL.format("I cannot forecast.<|return|>"),
+        ],
+    ),
+    "gpt_oss_calls": (
+        HARMONY_TOKENS,
+        HARMONY_TEMPLATE,
+        "<|return|>",
+        None,
+        HARMONY_CALLS,
+        [WEATHER_TOOL],
+        [
+            ANALYSIS.format("I should call the tool.") + HARMONY_CALL.format("get_weather", "Paris"),
+            ANALYSIS.format("Lyon too.") + HARMONY_CALL.format("get_weather", "Lyon"),
+            ANALYSIS.format("And Nice.") + HARMONY_CALL.format("get_weather", "Nice"),
+        ],
+    ),
+    "gpt_oss_chat": (
+        HARMONY_TOKENS,
+        HARMONY_TEMPLATE,
+        "<|return|>",
+        None,
+        HARMONY_CHAT,
+        None,
+        [
+            FINAL.format("4<|end|>"),
+            FINAL.format("6<|end|>"),
+            ANALYSIS.format("once more") + FINAL.format("8<|return|>"),
+        ],
     ),
 }
 # Families whose template leaves the last turn open: the stop token appended after it (close_last_turn).
