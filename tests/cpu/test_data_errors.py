@@ -248,3 +248,12 @@ def test_json_array_file_reports_bad_elements_by_line(tmp_path):
     broken.write_text("[\n" + good + ",\n{oops}\n]")
     records = list(iter_records(broken))
     assert records[-1][1].category == "invalid_json" and str(records[-1][1]).startswith(f"{broken}:14: invalid JSON")
+
+
+@pytest.mark.parametrize("reasoning_key", ["reasoning_content", "thinking"])  # thinking: gpt-oss's field
+def test_an_assistant_turn_with_only_reasoning_is_a_row_and_empty_ones_are_errors(reasoning_key):
+    only_reasoning = _msgs(("user", "hi"), ("assistant", ""), **{"1": {reasoning_key: "think first"}})
+    messages = to_conversation(only_reasoning, RowFormat(), "f.jsonl:1").messages
+    assert messages[1] == {"role": "assistant", "content": "", reasoning_key: "think first"}
+    with pytest.raises(RowError, match="f.jsonl:2: messages\\[1\\] is an assistant message with empty content"):
+        to_conversation(_msgs(("user", "hi"), ("assistant", "")), RowFormat(), "f.jsonl:2")
