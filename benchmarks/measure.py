@@ -59,10 +59,9 @@ def phase_flops(shape: flops.ModelShape, seqlens) -> dict[str, float]:
     tokens = sum(seqlens)
     mats = 3 if shape.glu else 2
     moe_layers = sum(shape.moe_layers) + (shape.mtp_layers if shape.moe_layers and shape.moe_layers[-1] else 0)
-    attn_layers = len(shape.moe_layers) + shape.mtp_layers
     return {
         "experts": 3.0 * tokens * moe_layers * shape.topk * mats * 2 * shape.hidden * shape.moe_ffn,
-        "attention_core": 3.0 * attn_layers * flops.attention_pair_flops(shape) * flops.attention_pairs(seqlens),
+        "attention_core": 3.0 * flops.attention_pair_flops(shape) * flops.attention_layer_pairs(shape, seqlens),
     }
 
 

@@ -631,11 +631,13 @@ def validate_against_model(
     num_attention_heads: int,
     num_query_groups: int | None,
     vocab_size: int,
+    expert_biases: bool = False,
 ) -> None:
     """Checks that need the HF config's sizes; raise one ConfigError listing all failures.
 
     num_query_groups=None means plain multi-head attention (= num_attention_heads);
-    num_experts=None means a dense model (no expert checks).
+    num_experts=None means a dense model (no expert checks); expert_biases: the experts' GEMMs
+    have biases (gpt-oss).
     """
     p = cfg.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
@@ -645,6 +647,12 @@ def validate_against_model(
         errors.append(
             f"[experts] parallel.expert_model_parallel_size={ep} does not divide "
             f"num_experts={num_experts}; use one of {_fmt(_divisors(num_experts, 256))}"
+        )
+    if num_experts is not None and expert_biases and p.expert_tp > 1:
+        errors.append(
+            f"[expert_biases] expert tensor parallel size {p.expert_tp} (parallel.expert_tensor_parallel_size, "
+            "null = TP): this model's experts have biases, which megatron-core 0.16.1 supports only at "
+            "expert TP 1; set parallel.expert_tensor_parallel_size=1 (TP still splits the attention)"
         )
     for name, count in (("num_attention_heads", num_attention_heads), ("num_query_groups", groups)):
         if count % tp:

@@ -1,5 +1,5 @@
 """What every reader of an HF checkpoint directory shares: the index, header and dtype checks,
-FP8 dequantisation and the error messages; subclasses read a tensor's bytes (`_read`:
+FP8 and MXFP4 dequantisation and the error messages; subclasses read a tensor's bytes (`_read`:
 streaming_reader.py reads them with plain file reads, tests/safe_open_reader.py through safetensors).
 
 Every failure names the file (and tensor): no config.json, no weights, an index naming a missing
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moe_sft.conversion import fp8
+from moe_sft.conversion import fp8, mxfp4
 
 
 class CheckpointError(ValueError):
@@ -36,6 +36,7 @@ class HFCheckpointReader(ABC):
             )
         self._handles: dict[str, object] = {}
         self._name_to_file = self._index()
+        self._mxfp4: dict[str, list[str]] | None = None  # _mxfp4_parts, found on first use
 
     def _index(self) -> dict[str, Path]:
         index = self.path / "model.safetensors.index.json"
@@ -74,18 +75,58 @@ class HFCheckpointReader(ABC):
                 ) from err
         return self._handles[key]
 
+    def _mxfp4_parts(self) -> dict[str, list[str]]:
+        """Presented name `X` → its stored MXFP4 parts (`X_blocks`, `X_scales`, or the one present).
+
+        Only uint8 parts count: a float tensor that happens to end in `_scales` stays itself."""
+        if self._mxfp4 is None:
+            parts: dict[str, list[str]] = {}
+            for stored, file in self._name_to_file.items():
+                base = mxfp4.base_name(stored)
+                if base is not None and self._stored_dtype(stored) == mxfp4.STORED_DTYPE:
+                    if base in self._name_to_file:
+                        raise CheckpointError(
+                            f"{file}: {base!r} is stored both plain and as MXFP4 {stored!r}; "
+                            "the checkpoint mixes two saves, re-download it"
+                        )
+                    parts.setdefault(base, []).append(stored)
+            self._mxfp4 = {base: sorted(stored) for base, stored in parts.items()}
+        return self._mxfp4
+
+    def _stored_dtype(self, stored: str) -> str:
+        return self._open(self._name_to_file[stored]).get_slice(stored).get_dtype()
+
     def names(self) -> set[str]:
-        """Tensor names as the model sees them: FP8 scales are consumed by their weights."""
-        return {n for n in self._name_to_file if not n.endswith(fp8.SCALE_SUFFIX)}
+        """Tensor names as the model sees them: FP8 scales are consumed by their weights, MXFP4
+        `X_blocks` + `X_scales` are presented as the one parameter `X`."""
+        parts = self._mxfp4_parts()
+        hidden = {stored for stored_parts in parts.values() for stored in stored_parts}
+        plain = {n for n in self._name_to_file if not n.endswith(fp8.SCALE_SUFFIX) and n not in hidden}
+        return plain | set(parts)
+
+    def is_mxfp4(self, name: str) -> bool:
+        """Whether the presented `name` is stored as MXFP4 blocks + scales."""
+        return name in self._mxfp4_parts()
+
+    def stored_name(self, name: str) -> str:
+        """The stored tensor whose header describes `name`: its MXFP4 blocks (or the part present),
+        else `name` itself."""
+        parts = self._mxfp4_parts().get(name)
+        if parts is None:
+            return name
+        return mxfp4.blocks_name(name) if mxfp4.blocks_name(name) in parts else parts[0]
 
     def is_fp8(self, name: str) -> bool:
-        file = self._name_to_file[name]
-        return self._open(file).get_slice(name).get_dtype() in fp8.FP8_DTYPES
+        if self.is_mxfp4(name):
+            return False
+        return self._stored_dtype(name) in fp8.FP8_DTYPES
 
     def file_of(self, name: str) -> Path:
-        return self._name_to_file[name]
+        return self._name_to_file[self.stored_name(name)]
 
     def get(self, name: str) -> torch.Tensor:
+        if self.is_mxfp4(name):
+            return self._get_mxfp4(name)
         if name not in self._name_to_file:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         tensor = self._read(name)
@@ -102,16 +143,31 @@ class HFCheckpointReader(ABC):
         except ValueError as err:
             raise CheckpointError(f"{self._name_to_file[scale]}: {scale}: {err}") from err
 
+    def _get_mxfp4(self, name: str) -> torch.Tensor:
+        blocks, scales = mxfp4.blocks_name(name), mxfp4.scales_name(name)
+        for present, missing in ((blocks, scales), (scales, blocks)):
+            if missing not in self._name_to_file:
+                raise CheckpointError(
+                    f"{self._name_to_file[present]}: MXFP4 tensor {present!r} has no {missing!r}; "
+                    f"the checkpoint is incomplete (re-download the shard that holds the {missing.rsplit('_', 1)[1]})"
+                )
+        try:
+            return mxfp4.dequantize(self._read(blocks), self._read(scales))
+        except ValueError as err:
+            raise CheckpointError(f"{self._name_to_file[blocks]}: {name}: {err}") from err
+
     @abstractmethod
     def _read(self, name: str) -> torch.Tensor:
         """The stored tensor `name` as it is on disk (StreamingHFReader: plain file reads)."""
 
     def dtypes(self) -> dict[str, set[str]]:
-        """Floating dtypes per shard file (read from headers only)."""
+        """Floating dtypes per shard file (read from headers only); MXFP4 parts count as one
+        "MXFP4" entry, which is no float dtype to mix (hf_source.check_dtypes)."""
+        mxfp4_parts = {stored for parts in self._mxfp4_parts().values() for stored in parts}
         out: dict[str, set[str]] = {}
         for name, file in self._name_to_file.items():
             if name.endswith(fp8.SCALE_SUFFIX):  # fp32 scales sit beside bf16/fp8 weights by design
                 continue
-            dtype = self._open(file).get_slice(name).get_dtype()
+            dtype = "MXFP4" if name in mxfp4_parts else self._stored_dtype(name)
             out.setdefault(file.name, set()).add(dtype)
         return out

@@ -76,10 +76,15 @@ class StreamingHFReader(HFCheckpointReader):
 
     def empty_names(self) -> set[str]:
         """Tensors with no elements (e.g. DeepSeek-V3's shared experts when n_shared_experts=0)."""
-        return {n for n in self.names() if 0 in self._header(self._name_to_file[n])[1][n]["shape"]}
+        return {n for n in self.names() if 0 in self._stored_shape(self.stored_name(n))}
+
+    def _stored_shape(self, stored: str) -> list[int]:
+        return self._header(self._name_to_file[stored])[1][stored]["shape"]
 
     def row_shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape when `get_rows` can read it (stored unquantised, at least 1-D)."""
+        if self.is_mxfp4(name):
+            return None
         if name not in self._name_to_file:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         info = self._header(self._name_to_file[name])[1][name]

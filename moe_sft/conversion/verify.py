@@ -242,6 +242,8 @@ class _HFLayers:
                     x = doc[None]
                     positions = torch.arange(len(doc))[None]
                     causal = torch.full((len(doc), len(doc)), torch.finfo(x.dtype).min).triu(1)
+                    if window := self._sliding_window(index):  # keys at q - k >= window are out too
+                        causal = causal + torch.full_like(causal, torch.finfo(x.dtype).min).tril(-window)
                     out = layer(
                         x,
                         attention_mask=causal[None, None],
@@ -252,6 +254,13 @@ class _HFLayers:
                 return torch.cat(outs)
             finally:
                 layer.to("meta")  # back to no storage: one layer at a time
+
+    def _sliding_window(self, index: int) -> int | None:
+        """The window of a layer transformers runs with sliding-window attention (`layer_types`)."""
+        cfg = self.model.config
+        types = getattr(cfg, "layer_types", None) or []
+        sliding = index < len(types) and types[index] == "sliding_attention"
+        return getattr(cfg, "sliding_window", None) if sliding else None
 
     def _load(self, index: int, names: list[str]):
         """Layer `index` with the checkpoint tensors `names`, through the two steps of
@@ -372,6 +381,8 @@ def _run_megatron_layer(model, prefix: str, reader, hidden: torch.Tensor, length
         rotary = None
         if not model.config.multi_latent_attention:  # MLA layers make their own from params
             rotary = model.rotary_pos_emb(max(lengths), packed_seq=True)  # as GPTModel._preprocess
+            if isinstance(rotary, tuple):  # YaRN (gpt-oss) also returns its cos/sin scale
+                rotary = rotary[0]
         routed = {}
         router = getattr(layer.mlp, "router", None)
         hook = (

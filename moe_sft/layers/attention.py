@@ -11,22 +11,33 @@ so the torch-native spec uses this module instead. Kernels, best first:
 
 Inputs follow megatron's SelfAttention: THD `[t, heads, dim]` when packed, else `[s, b, heads, dim]`.
 With context_parallel_size > 1 (THD only) the same kernels run over all-gathered K/V:
-moe_sft/layers/context_parallel.py.
+moe_sft/layers/context_parallel.py. Learnable / off-by-one softmax sinks (megatron's
+`softmax_type`) and causal sliding windows (`window_size`, `window_attn_skip_freq`):
+moe_sft/layers/attention_sinks.py.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from moe_sft.layers.attention_sinks import (
+    FLASH_KERNELS,
+    SinkFlashVarlen,
+    layer_window,
+    sink_attention_reference,
+)
 from moe_sft.layers.context_parallel import context_parallel_attention, plan_cp_attention, sdpa_bottom_right
 
 try:  # flash-attn is optional: the field's standard kernel when installed.
@@ -109,15 +120,21 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
     return out
 
 
-def _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+def _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):
     """Causal varlen attention; with seqlen_q < seqlen_k (context parallel) the causal mask is
-    bottom-right aligned in both kernels (flash-attn's `causal=True`; window (-1, 0) of torch's)."""
+    bottom-right aligned in both kernels (flash-attn's `causal=True`; window (-1, 0) of torch's).
+    A sink or a window goes through torch's flash kernel with the sink folded in (`SinkFlashVarlen`)."""
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:
         # MLA: v head dim (128) < q/k head dim (192), which the flash kernels refuse. Zero-padding
         # v gives softmax(qkᵀ)·[v, 0] = [out, 0]; the slice keeps exact values and gradients.
         v = F.pad(v, (0, q.shape[-1] - v_dim))
-        return _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)[..., :v_dim]
+        out = _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink, window)
+        return out[..., :v_dim]
+    if sink is not None or window is not None:
+        return SinkFlashVarlen.apply(
+            q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window, FLASH_KERNELS
+        )
     if flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, causal=True
@@ -139,13 +156,16 @@ def _has_cuda_kernel(q) -> bool:
     return q.is_cuda and half and (flash_attn_varlen_func is not None or varlen_attn is not None)
 
 
-def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):
     """The context-parallel kernel: varlen (separate q/k cu_seqlens) on CUDA, else SDPA with a
-    bottom-right causal mask."""
+    bottom-right causal mask. Sinks and windows are exact under CP: each query chunk attends to
+    its whole key prefix (so the lse the sink is folded with spans all of the query's keys), and
+    both kernels align the window bottom-right like the causal mask."""
     if _has_cuda_kernel(q):
-        return _varlen_cuda(
-            q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k, scale
-        )
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        return _varlen_cuda(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale, sink, window)
+    if sink is not None or window is not None:
+        return sink_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, sink, window)
     return sdpa_bottom_right(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
@@ -184,6 +204,57 @@ class VarlenCoreAttention(MegatronModule):
             )
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.window = layer_window(config, layer_number)
+        self._init_softmax_offset(config, pg_collection)
+
+    def _init_softmax_offset(self, config: TransformerConfig, pg_collection) -> None:
+        """megatron's DotProductAttention sinks: same attribute, shape, init and checkpoint layout."""
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        if softmax_type not in ("off-by-one", "learnable"):
+            raise ValueError(f"softmax_type={softmax_type!r} is not supported (vanilla, off-by-one, learnable)")
+        self.tp_group = getattr(pg_collection, "tp", None)
+        if self.tp_group is None:
+            from megatron.core import parallel_state
+
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        heads = config.num_attention_heads // self.tp_group.size()
+        use_cuda = torch.cuda.is_available() and not config.use_cpu_initialization
+        # None on CPU: the default device, so a model built on the meta device (layer-wise verify)
+        # gets a meta sink too
+        device = torch.cuda.current_device() if use_cuda else None
+        if softmax_type == "off-by-one":  # a fixed zero sink, a plain tensor as in megatron
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+            return
+        self.register_parameter(
+            "softmax_offset", torch.nn.Parameter(torch.empty(heads, device=device, dtype=config.params_dtype))
+        )
+        if config.perform_initialization:
+            self.softmax_offset = config.init_method(self.softmax_offset)
+        # Split over TP by head: tells megatron's grad-norm and zero counting that every TP rank's
+        # shard is distinct (megatron's own DotProductAttention leaves this unset).
+        tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """As megatron's DotProductAttention: `softmax_offset` sharded over TP along dim 0."""
+        if getattr(self.config, "softmax_type", "vanilla") != "learnable":
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+    def _sink(self, device):
+        """The per-head sink logits for this forward (None: plain softmax)."""
+        if self.softmax_offset is None or isinstance(self.softmax_offset, torch.nn.Parameter):
+            return self.softmax_offset
+        return self.softmax_offset.to(device)  # off-by-one's plain tensor does not follow .to()
 
     def forward(
         self,
@@ -204,7 +275,11 @@ class VarlenCoreAttention(MegatronModule):
                 plan = getattr(packed_seq_params, "cp_plan", None) or plan_cp_attention(
                     cu.tolist(), self.cp_size, dist.get_rank(self.cp_group)
                 ).to(query.device)
-                out = context_parallel_attention(query, key, value, plan, self.softmax_scale, self.cp_group, cp_kernel)
+                kernel = cp_kernel
+                sink = self._sink(query.device)
+                if sink is not None or self.window is not None:
+                    kernel = functools.partial(cp_kernel, sink=sink, window=self.window)
+                out = context_parallel_attention(query, key, value, plan, self.softmax_scale, self.cp_group, kernel)
                 return out.reshape(out.shape[0], -1)
             max_len = int(packed_seq_params.max_seqlen_q)
             out = self._thd(query, key, value, cu, max_len)
@@ -222,7 +297,10 @@ class VarlenCoreAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _thd(self, q, k, v, cu_seqlens, max_seqlen):
+        sink = self._sink(q.device)
         if _has_cuda_kernel(q):
             cu = cu_seqlens.to(torch.int32)
-            return _varlen_cuda(q, k, v, cu, cu, max_seqlen, max_seqlen, self.softmax_scale)
+            return _varlen_cuda(q, k, v, cu, cu, max_seqlen, max_seqlen, self.softmax_scale, sink, self.window)
+        if sink is not None or self.window is not None:
+            return sink_attention_reference(q, k, v, cu_seqlens, cu_seqlens, self.softmax_scale, sink, self.window)
         return sdpa_varlen_reference(q, k, v, cu_seqlens, self.softmax_scale)

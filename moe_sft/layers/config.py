@@ -36,5 +36,22 @@ class SFTMLATransformerConfig(MLATransformerConfig, SFTTransformerConfig):
     """MLATransformerConfig with the fields above."""
 
 
-def config_class(multi_latent_attention: bool) -> type:
-    return SFTMLATransformerConfig if multi_latent_attention else SFTTransformerConfig
+@dataclass
+class SFTYarnTransformerConfig(SFTTransformerConfig):
+    """GPTModel's YaRN rotary embedding (position_embedding_type "yarn", gpt-oss) reads these; a
+    separate class because megatron's attention applies a YaRN cos/sin scale to any config that
+    has `yarn_rotary_scaling_factor` at all."""
+
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+
+
+def config_class(multi_latent_attention: bool, yarn: bool = False) -> type:
+    if multi_latent_attention:
+        return SFTMLATransformerConfig
+    return SFTYarnTransformerConfig if yarn else SFTTransformerConfig

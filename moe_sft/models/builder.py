@@ -114,7 +114,7 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
     if recipe.get("recompute_granularity") == "full":  # defaults; the recipe's recompute_* win
         kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(recipe)
-    return config_class(bool(kwargs.get("multi_latent_attention")))(**kwargs)
+    return config_class(bool(kwargs.get("multi_latent_attention")), "yarn_rotary_scaling_factor" in kwargs)(**kwargs)
 
 
 def _reset_megatron_moe_globals() -> None:

@@ -13,15 +13,13 @@ so parity is checked against a reference written from the DeepSeek-V3 report in 
 
 from __future__ import annotations
 
-import math
-
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from moe_sft.models import common, shared_rules
 from moe_sft.models import shape as S
 from moe_sft.models.family import Family, Rule, UnsupportedConfigError
-from moe_sft.models.hf_config import check_no_attention_bias, num_experts, rope_parameters
+from moe_sft.models.hf_config import check_no_attention_bias, num_experts, rope_parameters, yarn_mscales
 
 L = common.LAYER
 
@@ -66,31 +64,11 @@ def num_mtp_layers(cfg) -> int:
     return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
 
 
-def _yarn_mscales(rope: dict) -> tuple[float, float]:
-    """megatron's (mscale, mscale_all_dim) giving transformers' YaRN cos/sin scale.
-
-    transformers scales cos/sin by `attention_factor` when given, else by
-    get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) only when both are non-zero, else by
-    get_mscale(f) (modeling_rope_utils._compute_yarn_parameters); megatron always by the ratio.
-    mscale_all_dim also sets the softmax scale in both models, so it is kept and mscale solved for:
-    0.1 * mscale * ln f + 1 = target * get_mscale(f, mscale_all_dim).
-    """
-    factor, all_dim = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0.0)
-    mscale, given = rope.get("mscale"), rope.get("attention_factor")
-    if given is None and mscale and all_dim:
-        return float(mscale), all_dim
-    if factor <= 1:  # get_mscale is 1 whatever its mscale
-        return 1.0, all_dim
-    log_f = math.log(factor)
-    target = float(given) if given is not None else 0.1 * log_f + 1.0
-    return (target * (0.1 * all_dim * log_f + 1.0) - 1.0) / (0.1 * log_f), all_dim
-
-
 def _rope_kwargs(cfg) -> dict:
     rope = rope_parameters(cfg)
     if rope.get("rope_type", "default") != "yarn":
         return dict(rope_type="rope", rotary_base=float(rope["rope_theta"]))
-    mscale, mscale_all_dim = _yarn_mscales(rope)
+    mscale, mscale_all_dim = yarn_mscales(rope)
     return dict(
         rope_type="yarn",
         rotary_base=float(rope["rope_theta"]),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from moe_sft.models.family import UnsupportedConfigError
 
 
@@ -45,3 +47,23 @@ def check_no_attention_bias(cfg, where: str) -> None:
             f"config.json: attention_bias=true is not supported for {where} (megatron has no bias on "
             "exactly those projections; the released checkpoints use attention_bias=false)"
         )
+
+
+def yarn_mscales(rope: dict) -> tuple[float, float]:
+    """megatron's (mscale, mscale_all_dim) giving transformers' YaRN cos/sin scale.
+
+    transformers scales cos/sin by `attention_factor` when given, else by
+    get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) only when both are non-zero, else by
+    get_mscale(f) (modeling_rope_utils._compute_yarn_parameters); megatron always by the ratio.
+    mscale_all_dim also sets the softmax scale in both models, so it is kept and mscale solved for:
+    0.1 * mscale * ln f + 1 = target * get_mscale(f, mscale_all_dim).
+    """
+    factor, all_dim = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0.0)
+    mscale, given = rope.get("mscale"), rope.get("attention_factor")
+    if given is None and mscale and all_dim:
+        return float(mscale), all_dim
+    if factor <= 1:  # get_mscale is 1 whatever its mscale
+        return 1.0, all_dim
+    log_f = math.log(factor)
+    target = float(given) if given is not None else 0.1 * log_f + 1.0
+    return (target * (0.1 * all_dim * log_f + 1.0) - 1.0) / (0.1 * log_f), all_dim

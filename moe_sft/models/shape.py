@@ -147,6 +147,12 @@ class ModelShape:
     glu: bool = True  # SwiGLU: 3 matmuls per MLP, else 2
     qk_norm_full_width: bool = False  # q/k norms over all heads (MiniMax-M2), not one head's width
     qkv_bias: bool = False  # biases on the q, k and v projections (GLM-4.5 attention_bias)
+    # biases on the attention output, the router and the experts' two GEMMs, and a sink logit per
+    # attention head (gpt-oss: megatron's add_bias_linear and softmax_type "learnable")
+    linear_bias: bool = False
+    attention_sinks: bool = False
+    # per decoder layer: the most keys a query sees (sliding-window attention), None: all before it
+    attention_windows: tuple[int | None, ...] = ()
 
     @property
     def padded_vocab(self) -> int:
@@ -196,6 +202,8 @@ class ModelShape:
             head_dim=config.kv_channels,
             qk_norm=bool(getattr(config, "qk_layernorm", False)),
             qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
+            linear_bias=bool(getattr(config, "add_bias_linear", False)),
+            attention_sinks=getattr(config, "softmax_type", "vanilla") == "learnable",
             ffn=config.ffn_hidden_size,
             num_experts=config.num_moe_experts or 0,
             topk=config.moe_router_topk or 0,
@@ -206,7 +214,22 @@ class ModelShape:
             tie_embeddings=False,
             mla=mla,
             glu=bool(config.gated_linear_unit),
+            attention_windows=_config_windows(config),
         )
+
+
+def _config_windows(config) -> tuple[int | None, ...]:
+    """megatron's sliding window (`window_size` left + the query itself) on the layers
+    `window_attn_skip_freq` picks; () without windows."""
+    window = getattr(config, "window_size", None)
+    if not window:
+        return ()
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    skip = getattr(config, "window_attn_skip_freq", None)
+    return tuple(
+        window[0] + 1 if is_layer_window_attention(window, skip, i + 1) else None for i in range(config.num_layers)
+    )
 
 
 def is_moe_layer_of_config(config, layer_index: int) -> bool:
@@ -270,15 +293,27 @@ def forward_flops_per_token(s: ModelShape) -> dict[str, int]:
     return parts
 
 
-def attention_pairs(seqlens: Sequence[int], causal: bool = True) -> int:
-    """Query-key pairs of documents attended separately: sum of L(L+1)/2 (causal) or L^2."""
+def attention_pairs(seqlens: Sequence[int], causal: bool = True, window: int | None = None) -> int:
+    """Query-key pairs of documents attended separately: sum of L(L+1)/2 (causal) or L^2; with a
+    causal sliding window of W keys, a query sees min(its position + 1, W)."""
+    if causal and window:
+        return sum(
+            n * (n + 1) // 2 if n <= window else window * (window + 1) // 2 + (n - window) * window for n in seqlens
+        )
     return sum(n * (n + 1) // 2 if causal else n * n for n in seqlens)
+
+
+def attention_layer_pairs(s: ModelShape, seqlens: Sequence[int], causal: bool = True) -> int:
+    """Query-key pairs over every attention layer (decoder layers with their windows, then MTP)."""
+    windows = s.attention_windows or (None,) * len(s.moe_layers)
+    full = attention_pairs(seqlens, causal)
+    per_layer = sum(attention_pairs(seqlens, causal, w) if w else full for w in windows)
+    return per_layer + s.mtp_layers * full
 
 
 def forward_flops(s: ModelShape, seqlens: Sequence[int], causal: bool = True) -> int:
     """Forward model FLOPs of documents of these lengths (any packing of them gives the same)."""
     tokens = sum(seqlens)
-    attn_layers = len(s.moe_layers) + s.mtp_layers
-    return tokens * sum(forward_flops_per_token(s).values()) + attn_layers * attention_pair_flops(s) * attention_pairs(
-        seqlens, causal
+    return tokens * sum(forward_flops_per_token(s).values()) + attention_pair_flops(s) * attention_layer_pairs(
+        s, seqlens, causal
     )

@@ -50,7 +50,9 @@ def attention_params(s: ModelShape, tp: int, backend: str = "torch") -> int:
         qk_norm = 2 * s.head_dim if s.qk_norm else 0
         if s.qk_norm_full_width:  # one weight per q and k channel, split over TP with the heads
             qk_norm = (s.num_heads + s.num_kv_heads) * s.head_dim // tp
-        return norms + qkv + proj + qk_norm
+        proj_bias = h if s.linear_bias else 0  # a row-parallel bias: whole on every TP rank
+        sinks = s.num_heads // tp if s.attention_sinks else 0
+        return norms + qkv + proj + qk_norm + proj_bias + sinks
     m = s.mla
     qhd = m.qk_nope + m.qk_rope
     down_tp = 1 if backend == "te" else tp  # TE: down projections duplicated on every TP rank
@@ -72,6 +74,9 @@ def mlp_params(s: ModelShape, moe: bool, lay: Layout) -> tuple[int, int]:
     if s.shared_ffn:
         dense += 3 * h * s.shared_ffn // lay.tp
     expert = (s.num_experts // lay.ep) * 3 * h * s.moe_ffn // lay.etp
+    if s.linear_bias:  # router bias; fc1 bias split like fc1, fc2 bias whole on every expert-TP rank
+        dense += s.num_experts
+        expert += (s.num_experts // lay.ep) * (2 * s.moe_ffn // lay.etp + h)
     return dense, expert
 
 

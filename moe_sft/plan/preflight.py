@@ -35,7 +35,13 @@ def layout_problems(
         target.extend(f"[{name}] {msg}" for msg in check(cfg, world))
     try:
         validate_against_model(
-            cfg, shape.num_layers, shape.num_experts or None, shape.num_heads, shape.num_kv_heads, shape.vocab
+            cfg,
+            shape.num_layers,
+            shape.num_experts or None,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.vocab,
+            expert_biases=shape.linear_bias,
         )
     except ConfigError as err:
         errors.extend(line.strip()[2:] for line in str(err).splitlines()[1:])

@@ -80,6 +80,7 @@ def _wrap_factory(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # no pinned allocator without CUDA (megatron's CP rope index)
         return fn(*args, **kwargs)
 
     return wrapper

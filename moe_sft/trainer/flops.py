@@ -15,6 +15,7 @@ from moe_sft.data.packing import document_spans
 from moe_sft.models.shape import (  # noqa: F401  (the FLOP formula, re-exported for its callers)
     PEAK_BF16_TFLOPS,
     ModelShape,
+    attention_layer_pairs,
     attention_pair_flops,
     attention_pairs,
     attention_projection_flops,

@@ -94,6 +94,8 @@ def test_shipped_configs_match_the_families_translation():
         "glm4_5": 356.8,
         "glm4_5_air": 109.2,
         "minimax_m2": 228.7,
+        "gpt_oss_20b": 20.9,
+        "gpt_oss_120b": 116.8,
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer
     for name in known_models():
         family, hf = load_hf_config(REPO / "recipes" / "models" / name)
@@ -310,7 +312,7 @@ def fake_world():
 
 
 def test_parameter_counts_per_rank_are_exact(fake_world):
-    from moe_sft.models import deepseek_v3, glm4_moe, kimi_k2, minimax_m2, mixtral, qwen3_moe
+    from moe_sft.models import deepseek_v3, glm4_moe, gpt_oss, kimi_k2, minimax_m2, mixtral, qwen3_moe
     from moe_sft.plan.params import stage_params
 
     cases = [
@@ -336,6 +338,7 @@ def test_parameter_counts_per_rank_are_exact(fake_world):
         (glm4_moe.FAMILY, glm4_moe.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
         (minimax_m2.FAMILY, minimax_m2.tiny_hf_config(num_hidden_layers=2), 4, dict(tp=2, ep=2, etp=2)),
         (kimi_k2.FAMILY, kimi_k2.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
+        (gpt_oss.FAMILY, gpt_oss.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
     ]
     for family, hf, world, par in cases:
         shape = shape_from_hf_dict(hf.to_dict())

@@ -48,6 +48,7 @@ LAYERS = {
     "deepseek_v3": [(0, "dense"), (1, "moe"), (2, "mtp 0 (moe)")],
     "kimi_k2": [(0, "dense"), (1, "moe")],
     "glm4_moe": [(0, "dense"), (1, "moe")],
+    "gpt_oss": [(0, "moe"), (1, "moe")],
     "minimax_m2": [(0, "moe"), (1, "moe")],
 }
 
@@ -121,6 +122,14 @@ def _scale(name: str, factor: float):
     return edit
 
 
+def _flip_experts(name: str):
+    def edit(tensors):
+        if name in tensors:
+            tensors[name] = tensors[name].flip(0)
+
+    return edit
+
+
 _GATE_UP_DOWN = (
     "mlp.experts.{e}.gate_proj.weight",
     "mlp.experts.{e}.up_proj.weight",
@@ -150,6 +159,10 @@ CORRUPTIONS = {  # family → [(description, edit, the layer it must fail)]
     "glm4_moe": [
         ("experts swapped in the MoE layer", _swap_experts(1, _GATE_UP_DOWN), 1),
         ("o_proj scaled by 1.05 in the dense layer", _scale("model.layers.0.self_attn.o_proj.weight", 1.05), 0),
+    ],
+    "gpt_oss": [  # experts stacked in one tensor per layer: the sinks and a stack's expert order instead
+        ("sinks scaled by 1.5 in the full-attention layer", _scale("model.layers.1.self_attn.sinks", 1.5), 1),
+        ("experts reversed in the sliding-window layer", _flip_experts("model.layers.0.mlp.experts.down_proj"), 0),
     ],
     "minimax_m2": [
         (
