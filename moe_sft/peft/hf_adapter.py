@@ -119,7 +119,9 @@ def _expert_param(hf_model, entry, leaf: str, shape: tuple[int, int, int], meta:
     the one of shape [E, out, in] ([E, in, out] where the module says `is_transposed`)."""
     parts = entry.hf[0].split(".")
     digits = [i for i, p in enumerate(parts) if p.isdigit()]
-    prefix = ".".join(parts[: digits[-1]]) if len(digits) >= 2 else ""
+    # per-expert HF names (…experts.{e}.w1): the module before the expert index; one stacked
+    # tensor per layer (gpt-oss's …experts.gate_up_proj): the module that holds it
+    prefix = ".".join(parts[: digits[-1]]) if len(digits) >= 2 else ".".join(parts[:-1])
     layer = _module(hf_model, prefix) if prefix else None
     if layer is None:
         raise _unexpressible(meta, f"{entry.mcore} (HF {entry.hf[0]}) has no experts module in transformers' model")
@@ -133,6 +135,15 @@ def _expert_param(hf_model, entry, leaf: str, shape: tuple[int, int, int], meta:
     return f"{prefix}.{found[0]}"
 
 
+def _hf_column_order(entry, ctx: dict, width: int) -> torch.Tensor:
+    """megatron's fc1 output columns (gate half, up half) in the order transformers' fused parameter
+    holds them: the family's own transform applied to a ramp, as one expert with a hidden size of
+    1 (gpt-oss interleaves gate and up columns; the other fused experts keep the gate half first)."""
+    ramp = torch.arange(width, dtype=torch.float64).view(1, width)
+    pieces = entry.transform.to_hf(ramp, {**ctx, "num_experts": 1})
+    return torch.cat([p.reshape(-1) for p in pieces]).long()
+
+
 def _expert_targets(run, module: str, entries: dict, hf_model, meta: dict) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     experts = run.ctx["num_experts"]
@@ -142,6 +153,7 @@ def _expert_targets(run, module: str, entries: dict, hf_model, meta: dict) -> di
             a = run._expert_factor(module, "lora_A1", 0, experts)
             halves = [n for n in ("lora_B1_gate", "lora_B1_up", "lora_B1") if n in keys]
             b = torch.cat([run._expert_factor(module, n, 0, experts) for n in halves], dim=-1)
+            b = b[..., _hf_column_order(entries[f"{module}.{leaf}"], run.ctx, b.shape[-1])]
         else:
             a = run._expert_factor(module, "lora_A2", 0, experts)
             b = run._expert_factor(module, "lora_B2", 0, experts)
@@ -159,18 +171,35 @@ def _trained_tensors(run, entries: dict, hf_model, meta: dict) -> dict[str, torc
     """HF tensors of the base tensors the run trained (whole, small: routers)."""
     out = {}
     for key in sorted(run.overrides):
-        entry = entries.get(key)
-        if entry is None:
-            raise _unexpressible(meta, f"the run trained {key}, which maps to no HF tensor")
-        for i, (name, tensor) in enumerate(zip(entry.hf, entry.transform.to_hf(merge._read(run.reader, key), run.ctx))):
-            module, _, leaf = name.rpartition(".")
-            if i and entry.transform.copies and _module(hf_model, module) is None:
-                continue  # a copy kept for MTP layers, which transformers' model does not hold
-            if _module(hf_model, module) is None or leaf not in dict(_module(hf_model, module).state_dict()):
-                raise _unexpressible(
-                    meta, f"the run trained {key} (HF {name}), which is no tensor of transformers' model"
-                )
-            out[name] = tensor
+        for entry, value in _per_layer(run, key, entries, meta):
+            out.update(_trained_hf_tensors(run, entry, value, hf_model, meta, key))
+    return out
+
+
+def _per_layer(run, key: str, entries: dict, meta: dict) -> list:
+    """(mapping entry, value) of each megatron tensor in a trained checkpoint key: megatron saves a
+    stack of identical layers under one key with the layer as its first axis
+    (`decoder.layers.mlp.router.weight`, Mixtral's and gpt-oss's), mixed stacks layer by layer."""
+    value = merge._read(run.reader, key)
+    if key in entries:
+        return [(entries[key], value)]
+    stacked = "decoder.layers."
+    names = [f"{stacked}{i}.{key[len(stacked) :]}" for i in range(value.shape[0])] if key.startswith(stacked) else []
+    if not names or any(n not in entries for n in names):
+        raise _unexpressible(meta, f"the run trained {key}, which maps to no HF tensor")
+    return [(entries[n], value[i]) for i, n in enumerate(names)]
+
+
+def _trained_hf_tensors(run, entry, value, hf_model, meta: dict, key: str) -> dict[str, torch.Tensor]:
+    """The HF tensors of one trained megatron tensor."""
+    out = {}
+    for i, (name, tensor) in enumerate(zip(entry.hf, entry.transform.to_hf(value, run.ctx))):
+        module, _, leaf = name.rpartition(".")
+        if i and entry.transform.copies and _module(hf_model, module) is None:
+            continue  # a copy kept for MTP layers, which transformers' model does not hold
+        if _module(hf_model, module) is None or leaf not in dict(_module(hf_model, module).state_dict()):
+            raise _unexpressible(meta, f"the run trained {key} (HF {name}), which is no tensor of transformers' model")
+        out[name] = tensor
     return out
 
 

@@ -95,7 +95,8 @@ def _diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+# gpt-oss: experts stacked in one tensor per layer, fc1 with gate and up columns interleaved
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def base(request, tmp_path_factory):
     return _write_base(request.param, tmp_path_factory.mktemp(request.param))
 
