@@ -39,9 +39,8 @@ def add_expert_biases(experts) -> None:
     experts.bias2 = torch.nn.Parameter(torch.zeros(n, hidden, **kw))
     etp_rank = experts.tp_group.rank()
     for bias in (experts.bias1, experts.bias2):
-        # As weight1/weight2 (layers/experts.py): the DDP reduces them over the expert-data-parallel
-        # group, in the expert optimizer.
-        bias.allreduce = False
+        # As weight1/weight2 (layers/experts.py): the DDP reduces them with the expert weights.
+        bias.allreduce = experts.weight1.allreduce
         # Kept in the grad norm whatever the dense TP rank (megatron drops unmarked parameters on
         # dense TP ranks > 0, which are not expert-TP ranks: see moe_sft/peft/parallel.py).
         bias.tensor_model_parallel = True

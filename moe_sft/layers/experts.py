@@ -72,12 +72,14 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
     def __init__(self, num_local_experts, config, pg_collection=None):
         with _grouped_mlp_init_allowed(config):
             super().__init__(num_local_experts, config, pg_collection=pg_collection)
-        # Expert parameters, reduced over the expert-data-parallel group, also at EP 1: megatron
-        # marks them so only when EP > 1, and at EP 1 with expert TP < TP (gpt-oss needs expert TP
-        # 1) the TP ranks hold the same experts but different sequence shards under SP, so their
-        # gradients were never summed (grad norm 7.30 against 7.57 on one rank,
-        # tests/dist/test_family_layouts.py). At expert TP = TP the two groups are the same.
-        self.weight1.allreduce = self.weight2.allreduce = False
+        # Expert parameters, reduced over the expert-data-parallel group, also at EP 1 when expert
+        # TP differs from TP: megatron marks them so only when EP > 1, and at EP 1 with expert TP <
+        # TP (gpt-oss needs expert TP 1) the TP ranks hold the same experts but different sequence
+        # shards under SP, so their gradients were never summed (grad norm 7.30 against 7.57 on one
+        # rank, tests/dist/test_family_layouts.py). At EP 1 with expert TP = TP the two groups are
+        # the same and megatron's marking stays (one optimizer, as the checkpoints hold it).
+        if config.expert_tensor_parallel_size != config.tensor_model_parallel_size:
+            self.weight1.allreduce = self.weight2.allreduce = False
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:
             expert_bias.add_expert_biases(self)
