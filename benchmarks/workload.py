@@ -8,6 +8,9 @@ Models (random init; shapes are what matters for throughput):
                 hidden 2048, 256 routed experts top-8 x 512 (group-limited: 8 groups, top-4 groups,
                 sigmoid + expert bias), 1 shared expert, first layer dense (4608), 1 MTP layer,
                 vocab 129280; the recipe's router settings (seq aux loss 1e-4, bias update 1e-3)
+  gpt_oss_20b   gpt-oss-20b (recipes/models/gpt_oss_20b): hidden 2880, 64 q / 8 kv heads of 64 with
+                biases and learned sinks, sliding (128) and full layers alternating, YaRN, 32
+                biased experts top-4 x 2880 (clamped SwiGLU), vocab 201088; `--layers` of its 24
   tiny, tiny_dsv3  the test families' tiny configs (CPU smoke)
 
 Data: documents with log-normal lengths (median 600 tokens, sigma 1.0: a long tail up to the
@@ -72,6 +75,9 @@ PRESETS = {
         ),
         model_options=DSV3_ROUTER,
     ),
+    # 2 layers (one sliding, one full): 18 B/param of weights and optimizer state on one GPU, and
+    # its 1.16 B embedding + head parameters, leave room for 8192-token activations on an 80 GB H100
+    "gpt_oss_20b": Preset("gpt_oss", "gpt_oss_20b", layers=2, hf_arm=True),
     "tiny": Preset("qwen3_moe", None, layers=2, hf_arm=True),
     "tiny_dsv3": Preset(
         "deepseek_v3", None, layers=2, overrides=dict(num_nextn_predict_layers=1), model_options=DSV3_ROUTER
@@ -98,6 +104,8 @@ def hf_config(model: str, layers: int | None = None):
     for key, value in preset.overrides.items():
         setattr(cfg, key, value)
     cfg.num_hidden_layers = layers or preset.layers
+    if getattr(cfg, "layer_types", None):  # per-layer attention kinds (gpt-oss): keep the first ones
+        cfg.layer_types = list(cfg.layer_types[: cfg.num_hidden_layers])
     if hasattr(cfg, "mlp_only_layers"):
         cfg.mlp_only_layers = []
     family.check_supported(cfg)

@@ -1,9 +1,11 @@
-"""Create the quickstart's tiny random Qwen3-MoE HF checkpoint (demo tokenizer) and convert it.
+"""Create the quickstart's tiny random HF checkpoint (Qwen3-MoE unless `--family` names another
+registered family; the demo tokenizer) and convert it.
 
 Run as a module in its own process (the trainer's rank 0 does this when
 `model.create_tiny_if_missing=true` and the paths are absent):
 
-    python -m moe_sft.quickstart_model --hf-path DIR --mcore-path DIR --tokenizer recipes/demo/tokenizer
+    python -m moe_sft.quickstart_model --hf-path DIR --mcore-path DIR --tokenizer recipes/demo/tokenizer \
+        [--family gpt_oss]
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from pathlib import Path
 import torch
 
 
-def create_tiny_hf(hf_path: Path, tokenizer_dir: Path, seed: int = 0, **config_overrides) -> None:
+def create_tiny_hf(
+    hf_path: Path, tokenizer_dir: Path, seed: int = 0, family: str = "qwen3_moe", **config_overrides
+) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
-    from moe_sft.models import qwen3_moe
+    from moe_sft.models import registry
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = qwen3_moe.tiny_hf_config(vocab_size=len(tokenizer), **config_overrides)
+    tiny = registry.family_by_name(family)
+    cfg = tiny.tiny_hf_config(vocab_size=len(tokenizer), **config_overrides)
     cfg.bos_token_id = None
     cfg.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     cfg.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
-    model = qwen3_moe.FAMILY.hf_model_class(cfg)
+    model = tiny.hf_model_class(cfg)
     tmp = hf_path.with_name(hf_path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
@@ -43,11 +48,12 @@ def main() -> None:
     parser.add_argument("--mcore-path", required=True, type=Path)
     parser.add_argument("--tokenizer", required=True, type=Path)
     parser.add_argument("--num-layers", type=int, default=2, help="decoder layers of the tiny model")
+    parser.add_argument("--family", default="qwen3_moe", help="a moe_sft.models.registry family name")
     args = parser.parse_args()
     if not (args.hf_path / "config.json").is_file():
         args.hf_path.parent.mkdir(parents=True, exist_ok=True)
-        create_tiny_hf(args.hf_path, args.tokenizer, num_hidden_layers=args.num_layers)
-        print(f"created tiny Qwen3-MoE at {args.hf_path}")
+        create_tiny_hf(args.hf_path, args.tokenizer, family=args.family, num_hidden_layers=args.num_layers)
+        print(f"created tiny {args.family} at {args.hf_path}")
     if not (args.mcore_path / "moe_sft_meta.json").is_file():
         from moe_sft.conversion.convert import convert
 

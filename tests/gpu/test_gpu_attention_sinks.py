@@ -46,3 +46,47 @@ def test_flash_kernel_with_window_and_folded_sink_equals_the_exact_reference(win
         if b is None:
             continue
         assert _rel(a, b) <= 2e-2, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("window", [None, 31])
+def test_context_parallel_sink_attention_equals_the_exact_reference(cp, window):
+    """CP ranks simulated as in tests/gpu/test_gpu_cp_attention.py: every rank's query chunks
+    against the gathered keys through the flash kernel (bottom-right causal window, sink folded
+    from the lse over the query's whole key prefix), against the exact reference over whole
+    documents. The sink's gradient is the sum of every rank's share."""
+    import functools
+
+    from moe_sft.layers.attention import cp_kernel
+    from moe_sft.layers.attention_sinks import sink_attention_reference
+    from moe_sft.layers.context_parallel import attention_on_gathered_kv, local_token_index, plan_cp_attention
+
+    lengths = [-(-n // (2 * cp)) * 2 * cp for n in LENGTHS]  # CP pads each document to 2·cp chunks
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(cu[-1], h, DIM, device="cuda", generator=g, dtype=torch.bfloat16) for h in (HQ, HKV, HKV))
+    sink = torch.randn(HQ, device="cuda", generator=g, dtype=torch.bfloat16)
+    grad = torch.randn(cu[-1], HQ, DIM, device="cuda", generator=g, dtype=torch.bfloat16)
+    scale = DIM**-0.5
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, sink)]
+    cq, ck, cv, cs = leaves
+    index = [local_token_index(cu, cp, r).cuda() for r in range(cp)]
+    k_all, v_all = torch.cat([ck[i] for i in index]), torch.cat([cv[i] for i in index])
+    kernel = functools.partial(cp_kernel, sink=cs, window=window)
+    out = torch.zeros(cu[-1], HQ, DIM, device="cuda", dtype=torch.bfloat16)
+    for r in range(cp):
+        plan = plan_cp_attention(cu, cp, r).to("cuda")
+        out = out.index_put((index[r],), attention_on_gathered_kv(cq[index[r]], k_all, v_all, plan, scale, kernel))
+    out.backward(grad)
+    ours = [out.detach(), *(t.grad for t in leaves)]
+
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v, sink)]
+    cu_t = torch.tensor(cu, device="cuda")
+    ref_out = sink_attention_reference(*ref_leaves[:3], cu_t, cu_t, scale, ref_leaves[3], window)
+    ref_out.backward(grad.float())
+    ref = [ref_out.detach(), *(t.grad for t in ref_leaves)]
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), ours, ref):
+        assert _rel(a, b) <= 2e-2, (cp, window, name, _rel(a, b))
