@@ -32,6 +32,8 @@ from moe_sft.models.hf_config import num_experts, rope_parameters, yarn_mscales
 
 L = common.LAYER
 SWIGLU_ALPHA = 1.702  # quick_gelu's constant: megatron has no other
+SWIGLU_LIMIT = 7.0  # every released checkpoint's; transformers < 5.24 hard-codes it (no config field)
+HF_READS_SWIGLU_LIMIT = hasattr(GptOssConfig, "swiglu_limit")
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -95,7 +97,7 @@ def transformer_config_kwargs(cfg) -> dict:
         add_qkv_bias=True,
         activation_func=quick_gelu,
         glu_linear_offset=1.0,
-        activation_func_clamp_value=float(cfg.swiglu_limit),
+        activation_func_clamp_value=float(getattr(cfg, "swiglu_limit", SWIGLU_LIMIT)),
         bias_activation_fusion=False,
         qk_layernorm=False,
         softmax_type="learnable",
@@ -249,7 +251,8 @@ def sample_hf_config(rng, vocab_size: int) -> GptOssConfig:
         num_experts_per_tok=rng.randint(1, experts),
         sliding_window=rng.choice([4, 8, 16, 64]),
         layer_types=[rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers)],
-        swiglu_limit=rng.choice([7.0, 2.0, 1.0]),
+        # another limit only where the installed transformers' modeling reads it from the config
+        swiglu_limit=rng.choice([7.0, 2.0, 1.0]) if HF_READS_SWIGLU_LIMIT else SWIGLU_LIMIT,
         router_aux_loss_coef=0.01,
         rope_parameters=rope,
         rms_norm_eps=rng.choice([1e-6, 1e-5, 1e-3]),
