@@ -323,3 +323,25 @@ def test_bias_checkpoint_loads_into_sequential_mlp_and_back(single_rank, tmp_pat
     _save_then_load(seq, back, tmp_path / "seq")
     for name in ("weight1", "weight2", "bias1", "bias2"):
         assert torch.equal(getattr(back, name), getattr(ours, name)), name
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 24 * 100])  # one pass, and chunks that split an expert's rows
+def test_bias_gradient_is_each_experts_row_sum_in_fp32_rounded_once(monkeypatch, chunk):
+    """bf16 rows, as on the GPU: the gradient is the fp64 sum over each expert's rows to one bf16
+    rounding (an expert without rows gets 0), whatever the chunking of the fp32 accumulation."""
+    from moe_sft.layers import expert_bias
+
+    monkeypatch.setattr(expert_bias, "_SUM_CHUNK_ELEMENTS", chunk)
+    counts = torch.tensor([300, 0, 1000, 57])
+    rows = int(counts.sum())
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(4, 24, generator=g).to(torch.bfloat16).requires_grad_(True)
+    grad = torch.randn(rows, 24, generator=g).to(torch.bfloat16)
+    out = expert_bias.per_row(bias, counts, rows)
+    assert torch.equal(out, torch.repeat_interleave(bias.detach(), counts, dim=0))
+    out.backward(grad)
+    ends = counts.cumsum(0).tolist()
+    exact = torch.stack([grad[e - n : e].double().sum(0) for n, e in zip(counts.tolist(), ends)])
+    assert bias.grad.dtype == torch.bfloat16 and not bias.grad[1].any()
+    # one rounding of the fp32 sum: within half a bf16 ulp of the exact value, plus fp32's error
+    torch.testing.assert_close(bias.grad.double(), exact, rtol=2**-8, atol=1e-5)
