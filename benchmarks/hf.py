@@ -27,6 +27,7 @@ from benchmarks.workload import SyntheticPlan, Workload
 
 class HFArm:
     name = "transformers"
+    heads_over_loss_rows = False  # logits of every position
 
     def __init__(
         self,

@@ -126,6 +126,7 @@ def measure(
         arm.step(step)
     arm.reset_fed()
     seconds, losses, step_flops, step_tokens, step_events = [], [], [], [], {}
+    executed_flops = []  # what the arm's kernels run: its LM head over the loss rows or every row
     for step in range(warmup, warmup + steps):
         arm.prepare(step)
         _sync(arm.device)
@@ -139,6 +140,7 @@ def measure(
             step_events[step - warmup] = dict(new)
         batch = workload.global_batch(step)
         step_flops.append(flops.train_step_flops(shape, batch))
+        executed_flops.append(flops.executed_step_flops(shape, batch) if arm.heads_over_loss_rows else step_flops[-1])
         step_tokens.append(real_tokens(batch))
     model_flops, tokens = sum(step_flops), sum(step_tokens)
     fed_tokens, fed_digest = arm.fed()
@@ -188,6 +190,8 @@ def measure(
         model_flop_per_step=model_flops / max(steps, 1),
         tokens_per_s_per_gpu=tokens / max(total_s, 1e-12) / arm.world,
         tflops_per_gpu=tflops,
+        executed_flop=sum(executed_flops),
+        hw_tflops_per_gpu=sum(executed_flops) / max(total_s, 1e-12) / arm.world / 1e12,
         peak_tflops=peak_tflops,
         mfu_pct=100.0 * tflops / peak_tflops,
         peak_allocated_gib=alloc,

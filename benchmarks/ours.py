@@ -30,6 +30,7 @@ from moe_sft.config import (
     validate_config,
 )
 from moe_sft.data.pipeline import DataPipeline
+from moe_sft.trainer import loss_rows
 from moe_sft.trainer import step as train_step
 from moe_sft.trainer.trainer import ModelSource, Trainer
 
@@ -121,6 +122,7 @@ class OursArm:
         lora: bool = False,
     ):
         self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
+        self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
         cfg = bench_config(
             model,
             work,

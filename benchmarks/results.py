@@ -94,22 +94,23 @@ def markdown(data: dict) -> str:
     lines += [
         "",
         "| arm | model | layers | GPUs (EP) | budget | tokens/step | step s (median) | tokens/s/GPU | "
-        "TFLOP/s/GPU | MFU % | peak alloc / reserved GiB | loss first → last | status |",
-        "|" + "---|" * 13,
+        "TFLOP/s/GPU | hw TFLOP/s/GPU | MFU % | peak alloc / reserved GiB | loss first → last | status |",
+        "|" + "---|" * 14,
     ]
     runs = sorted(data["runs"], key=lambda r: (r["model"], r["layers"], r["gpus"], r["budget"], r["arm"]))
     for r in runs:
         if r.get("status") != "ok":
             lines.append(
                 f"| {r['arm']} | {r['model']} | {r['layers']} | {r['gpus']} ({r.get('ep', 1)}) | "
-                f"{r['budget']} | | | | | | | | {r.get('status')} |"
+                f"{r['budget']} | | | | | | | | | {r.get('status')} |"
             )
             continue
         losses = r.get("losses") or [None]
         lines.append(
             f"| {r['arm']} | {r['model']} | {r['layers']} | {r['gpus']} ({r.get('ep', 1)}) | {r['budget']} | "
             f"{r['real_tokens_per_step']:,.0f} | {_f(r['step_seconds_median'], '.3f')} | "
-            f"{r['tokens_per_s_per_gpu']:,.0f} | {_n(r['tflops_per_gpu'])} | {_n(r['mfu_pct'])} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {_n(r['tflops_per_gpu'])} | {_n(r.get('hw_tflops_per_gpu'))} | "
+            f"{_n(r['mfu_pct'])} | "
             f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f} | "
             f"{_f(losses[0], '.3f')} → {_f(losses[-1], '.3f')} | "
             + ("ok |" if not r.get("phase_error") else f"ok; phases failed: {r['phase_error']} |")

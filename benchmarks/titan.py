@@ -64,6 +64,7 @@ def titan_args(cfg, max_seq_len: int):
 
 class TitanArm:
     name = "torchtitan"
+    heads_over_loss_rows = False  # logits of every position
 
     def __init__(
         self, hf_cfg, *, device: str, max_seq_len: int, lr: float = 1e-5, clip_grad: float = 1.0, seed: int = 0

@@ -150,3 +150,23 @@ def test_per_token_parts_of_a_full_size_config():
     }
     active = 48 * (attn + moe) + 2 * 2048 * 151936  # + the input embedding, which costs no FLOPs
     assert 3.3e9 < active < 3.4e9  # the model card: 3.3B activated (measured here: 3.35B)
+
+
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_executed_flops_count_each_head_over_the_rows_with_loss_only(mtp):
+    """The hardware FLOPs of the benchmarks: per head, the model FLOPs' every-token count less the
+    positions without loss, counted here one position at a time (depth k: the label k places
+    further, inside the document); the padding segment is neither."""
+    family = registry.family_by_name("deepseek_v3")
+    shape = _shape(family, family.tiny_hf_config(vocab_size=VOCAB, num_nextn_predict_layers=1), run_mtp=bool(mtp))
+    docs = [PromptedDoc(list(range(n)), prompt=p) for n, p in zip(LENGTHS, (5, 0, 6))]
+    mb = build_micro_batch(docs, pad_to=128)
+    has_loss, rows, start = (mb.loss_mask > 0).tolist(), 0, 0
+    for n in LENGTHS:
+        for depth in range(1 + mtp):
+            rows += sum(has_loss[start + t + depth] for t in range(n - depth))
+        start += n
+    head = 2 * shape.hidden * shape.vocab
+    skipped = (1 + mtp) * sum(LENGTHS) - rows
+    assert 0 < skipped < (1 + mtp) * sum(LENGTHS)
+    assert flops.executed_step_flops(shape, [mb]) == flops.train_step_flops(shape, [mb]) - 3 * head * skipped

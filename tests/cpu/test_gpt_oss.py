@@ -44,7 +44,10 @@ def test_layer_types_give_megatrons_window_pattern_and_the_sinks():
     assert kwargs["window_size"] == (15, 0)  # a query sees itself and the 15 keys before it
     assert kwargs["window_attn_skip_freq"] == [1, 0, 0, 1]
     assert kwargs["softmax_type"] == "learnable"
-    assert (kwargs["glu_linear_offset"], kwargs["activation_func_clamp_value"]) == (1.0, 7.0)  # the released value, the default
+    assert (kwargs["glu_linear_offset"], kwargs["activation_func_clamp_value"]) == (
+        1.0,
+        7.0,
+    )  # the released value, the default
     full = gpt_oss.transformer_config_kwargs(gpt_oss.tiny_hf_config(layer_types=["full_attention"] * 2))
     assert full["window_size"] is None
 

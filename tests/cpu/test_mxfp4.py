@@ -200,9 +200,13 @@ def test_an_mxfp4_checkpoint_converts_to_the_model_transformers_dequantises_and_
     with cpu_compat.suspended():
         # .float(): transformers < 5.24 keeps the dequantised experts in bf16 whatever `dtype` says
         # (exact: e2m1 x e8m0 values are bf16 values), which would make this a bf16 reference
-        hf = GptOssForCausalLM.from_pretrained(
-            str(path), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
-        ).float().eval()
+        hf = (
+            GptOssForCausalLM.from_pretrained(
+                str(path), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+            )
+            .float()
+            .eval()
+        )
     g = torch.Generator().manual_seed(3)
     vocab = hf.config.vocab_size
     docs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (19, 40, 7)]
