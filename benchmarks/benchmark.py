@@ -63,6 +63,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="moe-sft arms: model.moe_token_dispatcher_type",
     )
     parser.add_argument(
+        "--static-rows",
+        default="auto",
+        choices=("auto", "off"),
+        help="moe-sft arms: the allgather's static local row count where its rule allows (off: one host wait per layer)",
+    )
+    parser.add_argument(
         "--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)"
     )
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
@@ -89,6 +95,8 @@ def _forwarded(args) -> list[str]:
         str(args.ep),
         "--dispatcher",
         args.dispatcher,
+        "--static-rows",
+        args.static_rows,
         "--hf-attn",
         args.hf_attn,
         "--hf-experts",
@@ -109,6 +117,10 @@ def _make_arm(name: str, args, device: str, layers: int, first):
     if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
         from benchmarks.ours import OursArm
 
+        if args.static_rows == "off":
+            from moe_sft.kernels import permute
+
+            permute.STATIC_ROWS_MAX_PADDING = 0.0
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
         return OursArm(

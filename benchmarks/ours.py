@@ -193,10 +193,15 @@ class OursArm:
     def describe(self) -> dict:
         t = self.trainer
         params = sum(p.numel() for c in t.state.model for p in c.parameters())
+        static = sum(
+            getattr(getattr(m, "token_dispatcher", None), "moe_sft_static_rows", False)
+            for c in t.state.model
+            for m in c.modules()
+        )
         return dict(
             implementation="moe_sft Trainer.train_one_step (megatron-core "
             f"{_mcore_version()}, torch-native spec, {t.state.tconfig.moe_token_dispatcher_type} dispatcher, "
-            "distributed optimizer)",
+            f"static rows in {static} MoE layers, distributed optimizer)",
             params_rank0=params,
             ep=t.cfg.parallel.expert_model_parallel_size,
             precision=t.rt.precision,

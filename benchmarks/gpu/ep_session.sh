@@ -5,7 +5,8 @@
 # shape at 4096 and 8192 tokens per micro-batch, real routing, 32,768 tokens per GPU per step:
 #   ep4_alltoall / ep4_allgather   4 GPUs, EP 4 (DP 4 for the dense part), megatron's alltoall or
 #                                  allgather token dispatcher, EP4_LAYERS layers
-#   ep2_alltoall / ep2_allgather   2 GPUs, EP 2, EP2_LAYERS layers
+#   ep2_alltoall / ep2_allgather   2 GPUs, EP 2, EP2_LAYERS layers (the allgather with static rows)
+#   ep2_counted                    the same allgather with `--static-rows off`: one host wait per layer
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
 #                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
@@ -29,10 +30,11 @@ run_part() {  # name limit command...
   echo "== $name: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt"
   python3 benchmarks/benchmark.py report "$log/$name" > "$log/$name.md" 2>&1
 }
-ep_run() {  # name gpus layers dispatcher [model]
-  run_part "$1" "${LIMIT:-300}" torchrun --standalone --nproc_per_node="$2" benchmarks/benchmark.py train \
-    --arm moe-sft --model "${5:-qwen3_30b}" $common --layers "$3" --ep "$2" --dispatcher "$4" \
-    --tokens-per-step $((32768 * $2))
+ep_run() {  # name gpus layers dispatcher [model [extra arguments...]]
+  local name=$1 gpus=$2 layers=$3 dispatcher=$4 model=${5:-qwen3_30b}; shift $(( $# < 5 ? $# : 5 ))
+  run_part "$name" "${LIMIT:-300}" torchrun --standalone --nproc_per_node="$gpus" benchmarks/benchmark.py train \
+    --arm moe-sft --model "$model" $common --layers "$layers" --ep "$gpus" --dispatcher "$dispatcher" \
+    --tokens-per-step $((32768 * gpus)) "$@"
 }
 for part in $parts; do
   case $part in
@@ -40,6 +42,7 @@ for part in $parts; do
     ep4_allgather) ep_run "$part" 4 "$ep4_layers" allgather ;;
     ep2_alltoall) ep_run "$part" 2 "$ep2_layers" alltoall ;;
     ep2_allgather) ep_run "$part" 2 "$ep2_layers" allgather ;;
+    ep2_counted) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows off ;;
     one) run_part one "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm moe-sft --model qwen3_30b \
       $common --layers "$one_layers" --tokens-per-step 32768 ;;
     dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;

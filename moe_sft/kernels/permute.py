@@ -30,6 +30,17 @@ megatron: the per-expert counts, the permutation's two `masked_select`s and its 
 probs' `masked_select`. Here it reads one number, the layer's local row count (`CountedRows`),
 and every other size follows from it and from min(top-k, local experts).
 
+Where that count's bound costs at most `STATIC_ROWS_MAX_PADDING` x the expected rows (EP2 with
+top-k <= local experts: 2x), the allgather's local permutation has no wait at all (`BoundedRows`,
+`enable_static_rows`): it always has tokens x min(top-k, local experts) rows, the routed ones
+first and padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer
+at the host's launch pace, and the other EP ranks' collectives wait for it (docs/benchmarks.md,
+EP2). What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel
+stop at the last expert's offset; the combine and the gather's backward read the routed rows only
+(a padding row's slot is a spare one past the grid); and the padding's probs are 0 with their
+gradient masked, the one path by which a padding row (whatever the GEMMs left in it) could reach
+the router. Off for experts with biases or adapters, whose extra terms read every row.
+
 A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
 """
 
@@ -58,6 +69,19 @@ class CountedRows(int):
         rows = super().__new__(cls, count)
         rows.width = width
         return rows
+
+
+class BoundedRows(int):
+    """The static row count of the allgather's local permutation, tokens x `width`: the routed rows
+    first (megatron's order), then padding rows that no result reads."""
+
+    def __new__(cls, count: int, width: int):
+        rows = super().__new__(cls, count)
+        rows.width = width
+        return rows
+
+
+STATIC_ROWS_MAX_PADDING = 2.0  # the most padding, as a multiple of a rank's expected routed rows
 
 
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
@@ -104,10 +128,30 @@ def _rows_and_slots(routing_map: torch.Tensor):
 
 
 def _slot_rows(places: torch.Tensor, num_tokens: int, width: int) -> torch.Tensor:
-    """[tokens, width]: the row held by each slot (-1: an empty one), i.e. `places` inverted."""
-    slot_rows = torch.full((num_tokens * width,), -1, dtype=torch.long, device=places.device)
+    """[tokens, width]: the row held by each slot (-1: an empty one), i.e. `places` inverted.
+    A place of tokens x width (a padding row's) lands in a spare slot that is dropped."""
+    slot_rows = torch.full((num_tokens * width + 1,), -1, dtype=torch.long, device=places.device)
     slot_rows.index_copy_(0, places, torch.arange(places.numel(), device=places.device))
-    return slot_rows.view(num_tokens, width)
+    return slot_rows[:-1].view(num_tokens, width)
+
+
+def _padded_rows(routing_map: torch.Tensor, probs, num_rows: int, width: int):
+    """(rows, slot_rows, permuted probs) of `BoundedRows`: the routed (expert, token) places in
+    megatron's order, then unrouted ones as padding (valid token ids, prob 0, spare slot)."""
+    num_tokens = routing_map.shape[0]
+    routed = routing_map.bool()
+    slots = routed.cumsum(dim=1, dtype=torch.int32) - 1
+    by_expert = routed.T.reshape(-1)
+    flat = torch.argsort((~by_expert).to(torch.uint8), stable=True)[:num_rows]
+    rows = flat % num_tokens
+    real = by_expert.index_select(0, flat)
+    places = rows * width + slots.T.reshape(-1).index_select(0, flat).long()
+    slot_rows = _slot_rows(places.masked_fill(~real, num_tokens * width), num_tokens, width)
+    permuted_probs = None
+    if probs is not None:
+        # where, not a product: the padding rows' gradient is whatever the GEMMs left there
+        permuted_probs = torch.where(real, probs.T.reshape(-1).index_select(0, flat), 0)
+    return rows, slot_rows, permuted_probs
 
 
 def _merge_rows(rows_data: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
@@ -151,7 +195,9 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
         )
     permuted_probs = None
     known = _known_rows(routing_map, num_out_tokens)
-    if known and known[1] and topk_rows.fits(routing_map):  # exactly top-k, CUDA: one Triton pass
+    if isinstance(num_out_tokens, BoundedRows):
+        rows, slot_rows, permuted_probs = _padded_rows(routing_map, probs, int(num_out_tokens), num_out_tokens.width)
+    elif known and known[1] and topk_rows.fits(routing_map):  # exactly top-k, CUDA: one Triton pass
         rows, slot_rows, permuted_probs = topk_rows.topk_rows(routing_map, probs, known[0])
     else:
         if known:
@@ -234,16 +280,20 @@ _megatron_allgather_postprocess = token_dispatcher.MoEAllGatherTokenDispatcher.d
 
 
 def _allgather_postprocess(self, hidden_states, probs):
-    """megatron's allgather `dispatch_postprocess` (same outputs, same order) with one host wait:
-    the count of the gathered tokens' rows for this rank's experts. The per-expert counts stay on
-    the device (torch's grouped_mm takes device offsets)."""
+    """megatron's allgather `dispatch_postprocess` (same outputs, same order) with one host wait,
+    the count of the gathered tokens' rows for this rank's experts, or none with static rows. The
+    per-expert counts stay on the device (torch's grouped_mm takes device offsets)."""
     if self.config.moe_permute_fusion:
         return _megatron_allgather_postprocess(self, hidden_states, probs)
     self.hidden_shape_before_permute = hidden_states.shape
     local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
     self.local_map = self.routing_map[:, local].contiguous()
     tokens_per_expert = self.local_map.sum(dim=0).long()
-    rows = CountedRows(int(tokens_per_expert.sum()), min(self.router_topk, self.num_local_experts))
+    width = min(self.router_topk, self.num_local_experts)
+    if getattr(self, "moe_sft_static_rows", False):
+        rows = BoundedRows(hidden_states.shape[0] * width, width)
+    else:
+        rows = CountedRows(int(tokens_per_expert.sum()), width)
     permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
         hidden_states, self.local_map, probs=probs[:, local], num_out_tokens=rows
     )
@@ -258,3 +308,30 @@ def use_gather_permutation() -> None:
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
     token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess = _alltoall_preprocess
     token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess = _allgather_postprocess
+
+
+def static_rows_padding(dispatcher) -> float:
+    """A rank's static row count over its expected routed rows: EP x min(top-k, local experts) / top-k."""
+    width = min(dispatcher.router_topk, dispatcher.num_local_experts)
+    return dispatcher.ep_size * width / dispatcher.router_topk
+
+
+def enable_static_rows(chunks) -> int:
+    """Turns on static rows in every allgather dispatcher of the chunks whose padding is within
+    STATIC_ROWS_MAX_PADDING and whose experts read no row beyond their offsets (no biases, no
+    adapters); returns how many layers."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    enabled = 0
+    for chunk in chunks:
+        for layer in get_attr_wrapped_model(chunk, "decoder").layers:
+            dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+            if not isinstance(dispatcher, token_dispatcher.MoEAllGatherTokenDispatcher):
+                continue
+            experts = layer.mlp.experts
+            plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
+            static = plain and static_rows_padding(dispatcher) <= STATIC_ROWS_MAX_PADDING
+            static = static and not dispatcher.config.moe_permute_fusion
+            dispatcher.moe_sft_static_rows = static
+            enabled += static
+    return enabled

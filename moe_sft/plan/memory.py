@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_sft.kernels import permute
 from moe_sft.models.shape import ModelShape
 from moe_sft.plan import peft_memory
 from moe_sft.plan.layout import Layout, stage_layers
@@ -202,7 +203,21 @@ def _opt_bytes(train: Training) -> tuple[float, float]:
     return master + moments * (1 - f), moments * f
 
 
+def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
+    """The routed rows a rank's experts hold over the expected ones when the allgather dispatcher's
+    local permutation has a static size (moe_sft/kernels/permute.py `enable_static_rows`, on CUDA
+    where the auto dispatcher is the allgather); 1 where it has not."""
+    if not s.num_experts or not 1 < lay.ep * lay.etp <= s.topk or s.linear_bias:
+        return 1.0
+    if train.peft is not None and peft_memory.adapts_experts(train.peft):
+        return 1.0
+    padding = lay.ep * min(s.topk, s.num_experts // lay.ep) / s.topk
+    return padding if padding <= permute.STATIC_ROWS_MAX_PADDING else 1.0
+
+
 def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imbalance: float = 1.0) -> StageMemory:
+    # static rows: every rank's experts hold their bound whatever the routing (no further imbalance)
+    imbalance = max(imbalance, static_rows_padding(s, lay, train))
     count = stage_params(s, lay, pp_rank, train.backend, mtp_frozen=not train.mtp_trained)
     wbytes = 2 if train.precision == "bf16" else 4
     trainable, weights, dequant = count.dense + count.expert, count.total * wbytes, 0.0

@@ -104,6 +104,11 @@ def _targeted(name: str, entries: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pat) for e in entries for pat in patterns(e))
 
 
+def adapts_experts(p: PeftPlan) -> bool:
+    """Whether the routed experts get adapters (any layer: the targets name modules, not layers)."""
+    return _targeted("decoder.layers.0.mlp.experts", p.target_modules)
+
+
 def linear_adapter(lin: Linear, p: PeftPlan) -> int:
     column_in = lin.in_local
     n = p.rank * column_in * lin.parts + lin.out_local * p.rank

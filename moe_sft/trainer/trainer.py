@@ -35,6 +35,7 @@ from moe_sft.config import (
 from moe_sft.config.validate import doc_multiple_for, optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
 from moe_sft.kernels import install as kernels
+from moe_sft.kernels import permute
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config, token_dispatcher
 from moe_sft.models.hf_config import num_experts
@@ -383,6 +384,9 @@ class Trainer:
                 for line in fp8_base.install(chunks):
                     log.info(line)
                 fp8_loading.materialise_placeholders(chunks)
+        static = permute.enable_static_rows(chunks)  # after the adapters: experts with them are left out
+        if static:
+            log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
         frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
         if patterns:

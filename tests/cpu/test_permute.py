@@ -134,6 +134,60 @@ def test_allgather_postprocess_equals_megatron_s_for_a_local_expert_slice(monkey
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_static_rows_equal_megatron_s_and_their_padding_reaches_nothing(monkeypatch):
+    """Static rows (no host wait): the routed rows first, as megatron's, then padding up to tokens x
+    min(top-k, local experts). The experts' stand-in writes NaN into every padding row, as a grouped
+    GEMM leaves those rows unwritten; the output, the tokens' and the probs' gradients still equal
+    megatron's exactly, and the padding's probs are 0."""
+    from moe_sft.runtime import device as rdevice
+    from tests.cpu.test_plan import _reset_world
+
+    rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
+    try:
+        moe = _moe_layers("allgather")[0]
+    finally:
+        _reset_world()
+    d = moe.token_dispatcher
+    d.local_expert_indices, d.num_local_experts = [2, 3, 4], 3
+    routing_map, probs = _routing(num_tokens=29, num_experts=d.config.num_moe_experts, topk=d.router_topk, seed=3)
+    count, bound = int(routing_map[:, 2:5].sum()), 29 * min(d.router_topk, 3)
+    assert count < bound
+    x = torch.randn(29, 16, dtype=torch.float64)
+    weight_rows = torch.randn(bound, 1, dtype=torch.float64)
+    weight_rows[count:] = float("nan")
+
+    def round_trip(postprocess, static):
+        xs, ps = x.clone().requires_grad_(True), probs.double().clone().requires_grad_(True)
+        d.routing_map, d.moe_sft_static_rows = routing_map, static
+        rows, counts, local_probs = postprocess(d, xs, ps)
+        out = d.combine_preprocess(rows * weight_rows[: rows.shape[0]] * local_probs.unsqueeze(-1))
+        (out * torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return rows, counts.long().cpu(), local_probs, out, xs.grad, ps.grad
+
+    monkeypatch.setattr(token_dispatcher, "unpermute", ours.unpermute)
+    rows, counts, local_probs, *results = round_trip(ours._allgather_postprocess, True)
+    assert rows.shape[0] == local_probs.shape[0] == bound and not local_probs[count:].any()
+    monkeypatch.setattr(token_dispatcher, "permute", moe_utils.permute)
+    monkeypatch.setattr(token_dispatcher, "unpermute", moe_utils.unpermute)
+    ref_rows, ref_counts, ref_probs, *ref = round_trip(ours._megatron_allgather_postprocess, False)
+    assert torch.equal(counts, ref_counts) and torch.equal(rows[:count], ref_rows)
+    assert torch.equal(local_probs[:count], ref_probs)
+    for a, b in zip(results, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_static_rows_are_on_where_the_padding_is_at_most_twice_the_expected_rows():
+    """EP x min(top-k, local experts) / top-k <= 2, experts without biases or adapters."""
+    from types import SimpleNamespace
+
+    def padding(ep, topk, local):
+        return ours.static_rows_padding(SimpleNamespace(ep_size=ep, router_topk=topk, num_local_experts=local))
+
+    assert padding(2, 8, 64) == 2.0 and padding(4, 8, 32) == 4.0  # Qwen3-30B-A3B at EP2 / EP4
+    assert padding(8, 8, 1) == 1.0  # one expert per rank: at most one row per token
+    assert padding(2, 2, 4) == 2.0  # the tiny test models at EP2
+
+
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():
     routing_map, _ = _routing(num_tokens=256, num_experts=16, topk=8, seed=1)
     x = torch.randn(256, 64, dtype=torch.bfloat16)
