@@ -65,8 +65,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--static-rows",
         default="auto",
-        choices=("auto", "off"),
-        help="moe-sft arms: the allgather's static local row count where its rule allows (off: one host wait per layer)",
+        choices=("auto", "on", "off"),
+        help="moe-sft arms: the allgather's static local row count where its rule allows (auto), at any "
+        "micro-batch size (on), or never (off: one host wait per layer)",
     )
     parser.add_argument(
         "--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)"
@@ -121,6 +122,8 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             from moe_sft.kernels import permute
 
             permute.STATIC_ROWS_MAX_PADDING = 0.0
+        elif args.static_rows == "on":
+            permute.STATIC_ROWS_MAX_TOKENS = 1 << 30
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
         return OursArm(

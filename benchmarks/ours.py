@@ -30,6 +30,7 @@ from moe_sft.config import (
     validate_config,
 )
 from moe_sft.data.pipeline import DataPipeline
+from moe_sft.kernels import permute
 from moe_sft.trainer import loss_rows
 from moe_sft.trainer import step as train_step
 from moe_sft.trainer.trainer import ModelSource, Trainer
@@ -148,6 +149,8 @@ class OursArm:
         t.state.batches = SyntheticPlan(workload)
         t.cfg.data.pack_length = t.cfg.data.max_seq_len = workload.budget
         t.state.shape = t._batch_shape()
+        # the trainer's rule for this budget, as a run with this pack_length would have it
+        permute.enable_static_rows(t.state.model, workload.budget // t.cfg.parallel.context_parallel_size)
         t._cuda_graphs()  # graphs for this budget's micro-batch length (if on)
 
     def prepare(self, step: int) -> None:

@@ -5,8 +5,8 @@
 # shape at 4096 and 8192 tokens per micro-batch, real routing, 32,768 tokens per GPU per step:
 #   ep4_alltoall / ep4_allgather   4 GPUs, EP 4 (DP 4 for the dense part), megatron's alltoall or
 #                                  allgather token dispatcher, EP4_LAYERS layers
-#   ep2_alltoall / ep2_allgather   2 GPUs, EP 2, EP2_LAYERS layers (the allgather with static rows)
-#   ep2_counted                    the same allgather with `--static-rows off`: one host wait per layer
+#   ep2_alltoall / ep2_allgather   2 GPUs, EP 2, EP2_LAYERS layers (the allgather: static rows at 4096)
+#   ep2_static / ep2_counted       the allgather with `--static-rows on` / `off` at every budget
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
 #                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
@@ -42,6 +42,7 @@ for part in $parts; do
     ep4_allgather) ep_run "$part" 4 "$ep4_layers" allgather ;;
     ep2_alltoall) ep_run "$part" 2 "$ep2_layers" alltoall ;;
     ep2_allgather) ep_run "$part" 2 "$ep2_layers" allgather ;;
+    ep2_static) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows on ;;
     ep2_counted) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows off ;;
     one) run_part one "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm moe-sft --model qwen3_30b \
       $common --layers "$one_layers" --tokens-per-step 32768 ;;

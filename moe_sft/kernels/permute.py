@@ -31,11 +31,13 @@ probs' `masked_select`. Here it reads one number, the layer's local row count (`
 and every other size follows from it and from min(top-k, local experts).
 
 Where that count's bound costs at most `STATIC_ROWS_MAX_PADDING` x the expected rows (EP2 with
-top-k <= local experts: 2x), the allgather's local permutation has no wait at all (`BoundedRows`,
+top-k <= local experts: 2x) and micro-batches are small enough for the host to be the limit
+(`STATIC_ROWS_MAX_TOKENS`), the allgather's local permutation has no wait at all (`BoundedRows`,
 `enable_static_rows`): it always has tokens x min(top-k, local experts) rows, the routed ones
 first and padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer
-at the host's launch pace, and the other EP ranks' collectives wait for it (docs/benchmarks.md,
-EP2). What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel
+at the host's launch pace. Measured at EP2 on 2 x H100 (Qwen3-30B-A3B shape, docs/benchmarks.md):
+1.12x the step's throughput at 4096 tokens per micro-batch, 0.97x at 8192, where the step is
+GPU-bound and the padding's extra gather and activation traffic is what is left. What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel
 stop at the last expert's offset; the combine and the gather's backward read the routed rows only
 (a padding row's slot is a spare one past the grid); and the padding's probs are 0 with their
 gradient masked, the one path by which a padding row (whatever the GEMMs left in it) could reach
@@ -82,6 +84,12 @@ class BoundedRows(int):
 
 
 STATIC_ROWS_MAX_PADDING = 2.0  # the most padding, as a multiple of a rank's expected routed rows
+STATIC_ROWS_MAX_TOKENS = 4096  # the largest micro-batch (tokens per rank) that gets static rows
+
+
+def static_rows_apply(padding: float, tokens: int) -> bool:
+    """The rule on the padding (`static_rows_padding`) and the tokens per rank of a micro-batch."""
+    return padding <= STATIC_ROWS_MAX_PADDING and tokens <= STATIC_ROWS_MAX_TOKENS
 
 
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
@@ -316,10 +324,10 @@ def static_rows_padding(dispatcher) -> float:
     return dispatcher.ep_size * width / dispatcher.router_topk
 
 
-def enable_static_rows(chunks) -> int:
-    """Turns on static rows in every allgather dispatcher of the chunks whose padding is within
-    STATIC_ROWS_MAX_PADDING and whose experts read no row beyond their offsets (no biases, no
-    adapters); returns how many layers."""
+def enable_static_rows(chunks, tokens: int) -> int:
+    """Turns on static rows in every allgather dispatcher of the chunks where `static_rows_apply`
+    (micro-batches of `tokens` per rank) and whose experts read no row beyond their offsets (no
+    biases, no adapters); returns how many layers."""
     from megatron.core.utils import get_attr_wrapped_model
 
     enabled = 0
@@ -330,7 +338,7 @@ def enable_static_rows(chunks) -> int:
                 continue
             experts = layer.mlp.experts
             plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
-            static = plain and static_rows_padding(dispatcher) <= STATIC_ROWS_MAX_PADDING
+            static = plain and static_rows_apply(static_rows_padding(dispatcher), tokens)
             static = static and not dispatcher.config.moe_permute_fusion
             dispatcher.moe_sft_static_rows = static
             enabled += static

@@ -212,7 +212,7 @@ def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
     if train.peft is not None and peft_memory.adapts_experts(train.peft):
         return 1.0
     padding = lay.ep * min(s.topk, s.num_experts // lay.ep) / s.topk
-    return padding if padding <= permute.STATIC_ROWS_MAX_PADDING else 1.0
+    return padding if permute.static_rows_apply(padding, train.tokens // lay.cp) else 1.0
 
 
 def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imbalance: float = 1.0) -> StageMemory:

@@ -384,7 +384,8 @@ class Trainer:
                 for line in fp8_base.install(chunks):
                     log.info(line)
                 fp8_loading.materialise_placeholders(chunks)
-        static = permute.enable_static_rows(chunks)  # after the adapters: experts with them are left out
+        # after the adapters: experts with them are left out
+        static = permute.enable_static_rows(chunks, self.cfg.data.pack_length // p.context_parallel_size)
         if static:
             log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
