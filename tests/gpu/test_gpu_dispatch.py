@@ -170,3 +170,49 @@ def test_triton_topk_rows_equal_the_torch_permutation(tokens, experts, k):
     assert topk_rows.unchecked_topk_rows(routing_map, k)[-1].item() == 0
     routing_map[tokens // 2, choice[tokens // 2, 0]] = False
     assert topk_rows.unchecked_topk_rows(routing_map, k)[-1].item() == 1
+
+
+def test_static_rows_make_no_host_sync_and_their_padding_reaches_nothing():
+    """The allgather's static rows (kernels/permute.py `BoundedRows`) on a local slice of 3 of the
+    16 experts, as at EP > 1, with torch's grouped_mm as the experts: the rows past the last
+    offset, which the GEMM leaves unwritten, must reach neither the output nor any gradient. Same
+    result as the counted permutation (one host wait; tested against megatron's above and on the
+    CPU), bit for bit forward; no host sync."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from moe_sft.kernels import permute as ours
+
+    d = _moe_layer("allgather").token_dispatcher
+    d.local_expert_indices, d.num_local_experts = [2, 3, 4], 3
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden = 2048, 256
+    scores = torch.rand(tokens, 16, device="cuda", generator=g)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(4, dim=1).indices, True)
+    probs = torch.softmax(scores, dim=1) * routing_map
+    x = torch.randn(tokens, hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(3, hidden, hidden, device="cuda", generator=g, dtype=torch.bfloat16) / 16
+
+    def round_trip(postprocess, static):
+        xs, ps, ws = x.clone().requires_grad_(True), probs.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        d.routing_map, d.moe_sft_static_rows = routing_map, static
+        rows, counts, local_probs = postprocess(d, xs, ps)
+        ends = counts.to("cuda").cumsum(0).to(torch.int32)
+        h = F.grouped_mm(rows, ws, offs=ends) * local_probs.unsqueeze(-1).to(rows.dtype)
+        out = d.combine_preprocess(h)
+        out.float().square().sum().backward()
+        return out.detach(), xs.grad, ps.grad, ws.grad
+
+    assert token_dispatcher.unpermute is ours.unpermute  # kernels installed by _moe_layer
+    round_trip(ours._allgather_postprocess, True)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mine = round_trip(ours._allgather_postprocess, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = round_trip(ours._allgather_postprocess, False)
+    assert torch.equal(mine[0], ref[0])
+    for a, b in zip(mine[1:], ref[1:]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)
