@@ -97,10 +97,8 @@ def test_counted_rows_path_equals_megatron():
     assert mine[2]._moe_sft_slots.shape == (routing_map.shape[0], 3)
 
 
-def test_allgather_postprocess_equals_megatron_s_for_a_local_expert_slice(monkeypatch):
-    """The allgather dispatcher's permutation for this rank's experts (as at EP > 1: a slice of the
-    gathered routing map) and its combine: same rows, counts, probs, output and gradients as
-    megatron's own postprocess with megatron's permute/unpermute."""
+def _local_slice_dispatcher():
+    """An allgather dispatcher holding experts 2-4 (as a rank at EP > 1), and a routing of 29 tokens."""
     from moe_sft.runtime import device as rdevice
     from tests.cpu.test_plan import _reset_world
 
@@ -110,9 +108,15 @@ def test_allgather_postprocess_equals_megatron_s_for_a_local_expert_slice(monkey
     finally:
         _reset_world()
     d = moe.token_dispatcher
-    num_experts = d.config.num_moe_experts
     d.local_expert_indices, d.num_local_experts = [2, 3, 4], 3
-    routing_map, probs = _routing(num_tokens=29, num_experts=num_experts, topk=d.router_topk, seed=3)
+    return (d, *_routing(num_tokens=29, num_experts=d.config.num_moe_experts, topk=d.router_topk, seed=3))
+
+
+def test_allgather_postprocess_equals_megatron_s_for_a_local_expert_slice(monkeypatch):
+    """The allgather dispatcher's permutation for this rank's experts (as at EP > 1: a slice of the
+    gathered routing map) and its combine: same rows, counts, probs, output and gradients as
+    megatron's own postprocess with megatron's permute/unpermute."""
+    d, routing_map, probs = _local_slice_dispatcher()
     x = torch.randn(29, 16, dtype=torch.float64)
     weight_rows = torch.randn(int(routing_map[:, 2:5].sum()), 1, dtype=torch.float64)
 
@@ -139,17 +143,7 @@ def test_static_rows_equal_megatron_s_and_their_padding_reaches_nothing(monkeypa
     min(top-k, local experts). The experts' stand-in writes NaN into every padding row, as a grouped
     GEMM leaves those rows unwritten; the output, the tokens' and the probs' gradients still equal
     megatron's exactly, and the padding's probs are 0."""
-    from moe_sft.runtime import device as rdevice
-    from tests.cpu.test_plan import _reset_world
-
-    rdevice.prepare_runtime(rdevice.RuntimeChoice("cpu", "fp32", "torch", ()))
-    try:
-        moe = _moe_layers("allgather")[0]
-    finally:
-        _reset_world()
-    d = moe.token_dispatcher
-    d.local_expert_indices, d.num_local_experts = [2, 3, 4], 3
-    routing_map, probs = _routing(num_tokens=29, num_experts=d.config.num_moe_experts, topk=d.router_topk, seed=3)
+    d, routing_map, probs = _local_slice_dispatcher()
     count, bound = int(routing_map[:, 2:5].sum()), 29 * min(d.router_topk, 3)
     assert count < bound
     x = torch.randn(29, 16, dtype=torch.float64)
