@@ -117,10 +117,9 @@ def _make_arm(name: str, args, device: str, layers: int, first):
 
     if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
         from benchmarks.ours import OursArm
+        from moe_sft.kernels import permute
 
         if args.static_rows == "off":
-            from moe_sft.kernels import permute
-
             permute.STATIC_ROWS_MAX_PADDING = 0.0
         elif args.static_rows == "on":
             permute.STATIC_ROWS_MAX_TOKENS = 1 << 30

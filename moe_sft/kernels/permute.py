@@ -37,9 +37,11 @@ top-k <= local experts: 2x) and micro-batches are small enough for the host to b
 first and padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer
 at the host's launch pace. Measured at EP2 on 2 x H100 (Qwen3-30B-A3B shape, docs/benchmarks.md):
 1.12x the step's throughput at 4096 tokens per micro-batch, 0.97x at 8192, where the step is
-GPU-bound and the padding's extra gather and activation traffic is what is left. What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel
-stop at the last expert's offset; the combine and the gather's backward read the routed rows only
-(a padding row's slot is a spare one past the grid); and the padding's probs are 0 with their
+GPU-bound and the padding's extra gather and activation traffic is what is left.
+
+What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel stop
+at the last expert's offset; the combine and the gather's backward read the routed rows only (a
+padding row's slot is a spare one past the grid); and the padding's probs are 0 with their
 gradient masked, the one path by which a padding row (whatever the GEMMs left in it) could reach
 the router. Off for experts with biases or adapters, whose extra terms read every row.
 
