@@ -150,7 +150,8 @@ class OursArm:
         t.cfg.data.pack_length = t.cfg.data.max_seq_len = workload.budget
         t.state.shape = t._batch_shape()
         # the trainer's rule for this budget, as a run with this pack_length would have it
-        permute.enable_static_rows(t.state.model, workload.budget // t.cfg.parallel.context_parallel_size)
+        tokens = workload.budget // t.cfg.parallel.context_parallel_size
+        permute.enable_static_rows(t.state.model, tokens, graphed=t.cfg.trainer.cuda_graphs)
         t._cuda_graphs()  # graphs for this budget's micro-batch length (if on)
 
     def prepare(self, step: int) -> None:

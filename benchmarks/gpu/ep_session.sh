@@ -7,10 +7,14 @@
 #                                  allgather token dispatcher, EP4_LAYERS layers
 #   ep2_alltoall / ep2_allgather   2 GPUs, EP 2, EP2_LAYERS layers (the allgather: static rows at 4096)
 #   ep2_static / ep2_counted       the allgather with `--static-rows on` / `off` at every budget
+#   ep2_graphs                     the allgather with trainer.cuda_graphs (arm moe-sft-graphs): the
+#                                  MoE half captured with its collectives, static rows at every budget
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
+#   one_graphs                     the same with CUDA graphs (arm moe-sft-graphs)
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
 #                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
 #   gpu_tests                      tests/gpu/test_gpu_dispatch.py (the dispatch's numerics, host syncs)
+#   graph_tests                    tests/gpu/test_gpu_cuda_graphs.py at EP2 (graphed vs eager, 2 GPUs)
 # Layer counts default to what fits the GPU (H200: 24 / 16 / 8 / 10; 80 GB H100: 16 / 10 / 5 / 6).
 set -uo pipefail
 log=${1:?LOG_DIR}; parts=${2:-"ep4_alltoall ep4_allgather one"}
@@ -30,10 +34,10 @@ run_part() {  # name limit command...
   echo "== $name: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt"
   python3 benchmarks/benchmark.py report "$log/$name" > "$log/$name.md" 2>&1
 }
-ep_run() {  # name gpus layers dispatcher [model [extra arguments...]]
+ep_run() {  # name gpus layers dispatcher [model [extra arguments...]]; ARM=moe-sft-graphs: CUDA graphs
   local name=$1 gpus=$2 layers=$3 dispatcher=$4 model=${5:-qwen3_30b}; shift $(( $# < 5 ? $# : 5 ))
   run_part "$name" "${LIMIT:-300}" torchrun --standalone --nproc_per_node="$gpus" benchmarks/benchmark.py train \
-    --arm moe-sft --model "$model" $common --layers "$layers" --ep "$gpus" --dispatcher "$dispatcher" \
+    --arm "${ARM:-moe-sft}" --model "$model" $common --layers "$layers" --ep "$gpus" --dispatcher "$dispatcher" \
     --tokens-per-step $((32768 * gpus)) "$@"
 }
 for part in $parts; do
@@ -44,13 +48,16 @@ for part in $parts; do
     ep2_allgather) ep_run "$part" 2 "$ep2_layers" allgather ;;
     ep2_static) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows on ;;
     ep2_counted) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows off ;;
-    one) run_part one "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm moe-sft --model qwen3_30b \
-      $common --layers "$one_layers" --tokens-per-step 32768 ;;
+    ep2_graphs) ARM=moe-sft-graphs ep_run "$part" 2 "$ep2_layers" allgather ;;
+    one|one_graphs) arm=$([ $part = one ] && echo moe-sft || echo moe-sft-graphs)
+      run_part "$part" "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm "$arm" --model qwen3_30b \
+        $common --layers "$one_layers" --tokens-per-step 32768 ;;
     dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;
-    gpu_tests)
+    gpu_tests|graph_tests)
       start=$(date +%s)
-      timeout 240 python3 -m pytest tests/gpu/test_gpu_dispatch.py -q -p no:cacheprovider > "$log/gpu_tests.log" 2>&1
-      echo "== gpu_tests: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt" ;;
+      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k ep2); fi
+      timeout 300 python3 -m pytest "${args[@]}" -q -s -p no:cacheprovider > "$log/$part.log" 2>&1
+      echo "== $part: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt" ;;
     *) echo "unknown part $part" | tee -a "$log/summary.txt" ;;
   esac
 done

@@ -312,18 +312,21 @@ def cuda_graphs_ineligible(device: str, cfg: TrainConfig) -> list[str]:
     parallel, model, reasons = cfg.parallel, cfg.model, []
     if device != "cuda":
         reasons.append(f"trainer.device={device}: CUDA graphs need CUDA")
-    for name in (
-        "tensor_model_parallel_size",
-        "expert_model_parallel_size",
-        "context_parallel_size",
-        "pipeline_model_parallel_size",
-    ):
+    for name in ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"):
         if getattr(parallel, name) != 1:
             reasons.append(
                 f"parallel.{name}={getattr(parallel, name)}: the graphed MoE half needs 1 (its "
                 "dispatch then has fixed sizes and no host sync; PP > 1 keeps several micro-batches "
                 "in flight, whose activations would share the graph's buffers)"
             )
+    if parallel.expert_model_parallel_size > 1 and model.moe_token_dispatcher_type == "alltoall":
+        # The allgather's collectives have static sizes, and with static rows so does its local
+        # permutation (kernels/permute.py); the alltoall needs its split sizes on the host per layer.
+        reasons.append(
+            f"parallel.expert_model_parallel_size={parallel.expert_model_parallel_size} with "
+            "model.moe_token_dispatcher_type=alltoall: its split sizes need the host in every MoE layer; "
+            "use allgather or auto"
+        )
     if parallel.expert_tp != 1:
         reasons.append(
             f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} (null = TP): needs 1"

@@ -89,9 +89,10 @@ STATIC_ROWS_MAX_PADDING = 2.0  # the most padding, as a multiple of a rank's exp
 STATIC_ROWS_MAX_TOKENS = 4096  # the largest micro-batch (tokens per rank) that gets static rows
 
 
-def static_rows_apply(padding: float, tokens: int) -> bool:
-    """The rule on the padding (`static_rows_padding`) and the tokens per rank of a micro-batch."""
-    return padding <= STATIC_ROWS_MAX_PADDING and tokens <= STATIC_ROWS_MAX_TOKENS
+def static_rows_apply(padding: float, tokens: int, graphed: bool = False) -> bool:
+    """The rule on the padding (`static_rows_padding`) and the tokens per rank of a micro-batch; any
+    size where the MoE half is `graphed` (trainer.cuda_graphs), since a graph needs the static size."""
+    return padding <= STATIC_ROWS_MAX_PADDING and (graphed or tokens <= STATIC_ROWS_MAX_TOKENS)
 
 
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
@@ -326,10 +327,11 @@ def static_rows_padding(dispatcher) -> float:
     return dispatcher.ep_size * width / dispatcher.router_topk
 
 
-def enable_static_rows(chunks, tokens: int) -> int:
+def enable_static_rows(chunks, tokens: int, graphed: bool = False) -> int:
     """Turns on static rows in every allgather dispatcher of the chunks where `static_rows_apply`
     (micro-batches of `tokens` per rank) and whose experts read no row beyond their offsets (no
-    biases, no adapters); returns how many layers."""
+    biases, no adapters); returns how many layers. `graphed`: trainer.cuda_graphs is on
+    (moe_sft/trainer/cuda_graphs.py)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     enabled = 0
@@ -340,7 +342,7 @@ def enable_static_rows(chunks, tokens: int) -> int:
                 continue
             experts = layer.mlp.experts
             plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
-            static = plain and static_rows_apply(static_rows_padding(dispatcher), tokens)
+            static = plain and static_rows_apply(static_rows_padding(dispatcher), tokens, graphed)
             static = static and not dispatcher.config.moe_permute_fusion
             dispatcher.moe_sft_static_rows = static
             enabled += static

@@ -72,6 +72,7 @@ def training_of(cfg, lay: Layout, backend: str) -> memory.Training:
         mtp_trained=not m.freeze_mtp and m.mtp_loss_weight > 0,
         backend=backend,
         peft=peft_memory.from_config(cfg.peft),
+        cuda_graphs=t.cuda_graphs,
     )
 
 

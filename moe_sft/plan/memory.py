@@ -55,6 +55,7 @@ class Training:
     mtp_trained: bool = True  # False: MTP frozen (weights only)
     backend: str = "torch"
     peft: peft_memory.PeftPlan | None = None  # LoRA / DoRA: the base frozen (bf16 or FP8), adapters train
+    cuda_graphs: bool = False  # trainer.cuda_graphs: static rows at any micro-batch size
 
 
 # ----------------------------------------------------------------------------- activations
@@ -212,7 +213,7 @@ def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
     if train.peft is not None and peft_memory.adapts_experts(train.peft):
         return 1.0
     padding = lay.ep * min(s.topk, s.num_experts // lay.ep) / s.topk
-    return padding if permute.static_rows_apply(padding, train.tokens // lay.cp) else 1.0
+    return padding if permute.static_rows_apply(padding, train.tokens // lay.cp, train.cuda_graphs) else 1.0
 
 
 def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imbalance: float = 1.0) -> StageMemory:

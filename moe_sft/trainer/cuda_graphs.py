@@ -13,7 +13,10 @@ the combine and the residual add; the padding mask is a static input too (all Fa
 micro-batch without padding). Attention stays eager: its kernels depend on the documents of a
 micro-batch (cu_seqlens, max length), the MoE half only on the token count. With EP x TP = 1 the
 dropless dispatch has no host sync and fixed sizes (moe_sft/kernels/permute.py), so one graph
-serves every micro-batch of that length; micro-batches are padded to `data.pack_length`.
+serves every micro-batch of that length; micro-batches are padded to `data.pack_length`. With
+EP > 1 the allgather dispatcher's gather and reduce-scatter have fixed sizes too, and with static
+rows so has its local permutation: the graph holds those NCCL collectives (`dispatch_ineligible`
+says where that does not hold: the alltoall, or more padding than static rows allow).
 
 What the graphs rely on, and how it is kept true:
 - Every micro-batch's forward is followed by its backward before the next forward (PP = 1): each
@@ -28,7 +31,7 @@ What the graphs rely on, and how it is kept true:
   Capture runs warm-up iterations that add into all of them; `reset_after_capture` clears them.
 - The expert wgrad's side stream (moe_sft/kernels/wgrad.py) would fork inside the capture and join
   outside it: graphs keep it on the compute stream.
-Not graphable, refused with the reason (`ineligible`): CPU, TP/EP/CP/PP > 1, recompute,
+Not graphable, refused with the reason (`ineligible`): CPU, TP/CP/PP > 1, recompute,
 activation offload, overlapped gradient reduction or parameter all-gather (DDP's hooks would not
 run for the graphed weights), offload between steps. Data parallel is fine: each rank replays its
 own graphs and DDP reduces the main grads after the backward.
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_sft.config.validate import cuda_graphs_ineligible as ineligible  # noqa: F401  (the rules are config checks)
+from moe_sft.kernels import permute
 
 # False (trainer.cuda_graphs_replay=false, set by capture_moe_graphs): capture, then run every layer
 # eagerly anyway: the same padding, data and stream use, for parity checks and A/B timings
@@ -128,6 +132,32 @@ def _trainable(modules) -> list:
     return out
 
 
+def dispatch_ineligible(chunks) -> list[str]:
+    """Why the MoE layers' dispatch cannot be captured (empty: it can). With EP > 1 the graph holds the
+    allgather dispatcher's collectives, which have static sizes; its local permutation does too only
+    with static rows (moe_sft/kernels/permute.py `enable_static_rows`), else it waits for the host."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    reasons = set()
+    for layer in moe_layers(chunks):
+        dispatcher = layer.mlp.token_dispatcher
+        if dispatcher.ep_size * dispatcher.tp_size == 1:
+            continue
+        if not isinstance(dispatcher, MoEAllGatherTokenDispatcher):
+            reasons.add(
+                f"the {type(dispatcher).__name__} needs its split sizes on the host in every MoE layer; "
+                "set model.moe_token_dispatcher_type=allgather"
+            )
+        elif not getattr(dispatcher, "moe_sft_static_rows", False):
+            reasons.add(
+                f"EP {dispatcher.ep_size} x min(top-k {dispatcher.router_topk}, local experts "
+                f"{dispatcher.num_local_experts}) / top-k = {permute.static_rows_padding(dispatcher):g}x padding "
+                f"(at most {permute.STATIC_ROWS_MAX_PADDING:g}x), or experts with biases or adapters: the "
+                "allgather's local permutation then waits for the host; lower the expert parallel size"
+            )
+    return sorted(reasons)
+
+
 def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True) -> list[_LayerGraph]:
     """Capture every MoE layer's `_forward_mlp` for `tokens`-token micro-batches and route the layer's
     training forward through the replay (`replay`=False: captured, but run eagerly); replaces the
@@ -180,6 +210,11 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True
     # reverse), as torch.cuda.make_graphed_callables does: a later capture reuses only memory an
     # earlier graph no longer needs.
     pool = torch.cuda.graph_pool_handle()
+    # With EP > 1 the graphs hold NCCL collectives. NCCL's watchdog thread queries its events while
+    # we capture, which the default "global" mode makes an error (as megatron's full-iteration
+    # graphs, capture "thread_local": only this thread's unsafe calls are refused).
+    collectives = any(layer.mlp.token_dispatcher.ep_size * layer.mlp.token_dispatcher.tp_size > 1 for layer in layers)
+    mode = "thread_local" if collectives else "global"
     leaves = []
     for layer, graph in zip(layers, graphs):
         # Autograd runs a leaf's gradient on the stream its accumulator was made on: the input's on
@@ -189,12 +224,12 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True
         # gradients for, swapped into their modules for the capture only.
         graph.static_in = graph.static_in.detach().requires_grad_()
         graph.fwd, graph.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.fwd, pool=pool), _aliased(layer, graph.params) as aliases:
+        with torch.cuda.graph(graph.fwd, pool=pool, capture_error_mode=mode), _aliased(layer, graph.params) as aliases:
             graph.static_out = graph.run(graph.static_in)
         leaves.append(aliases)
     for graph, aliases in reversed(list(zip(graphs, leaves))):
         graph.static_grad_out = torch.empty_like(graph.static_out)
-        with torch.cuda.graph(graph.bwd, pool=pool):
+        with torch.cuda.graph(graph.bwd, pool=pool, capture_error_mode=mode):
             grads = torch.autograd.grad(
                 graph.static_out, [graph.static_in, *aliases], graph.static_grad_out, allow_unused=True
             )

@@ -385,7 +385,8 @@ class Trainer:
                     log.info(line)
                 fp8_loading.materialise_placeholders(chunks)
         # after the adapters: experts with them are left out
-        static = permute.enable_static_rows(chunks, self.cfg.data.pack_length // p.context_parallel_size)
+        tokens = self.cfg.data.pack_length // p.context_parallel_size
+        static = permute.enable_static_rows(chunks, tokens, graphed=self.cfg.trainer.cuda_graphs)
         if static:
             log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
@@ -465,7 +466,7 @@ class Trainer:
         s = self.state
         if not self.cfg.trainer.cuda_graphs or cuda_graphs.captured_length(s.model) == s.shape.seq_length:
             return
-        errors = cuda_graphs.ineligible(self.rt.device, self.cfg)
+        errors = cuda_graphs.ineligible(self.rt.device, self.cfg) + cuda_graphs.dispatch_ineligible(s.model)
         if errors:
             raise ConfigError("trainer.cuda_graphs=true: " + "; ".join(errors))
         graphs = cuda_graphs.capture_moe_graphs(s.model, s.shape.seq_length, replay=self.cfg.trainer.cuda_graphs_replay)

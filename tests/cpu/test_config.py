@@ -319,6 +319,8 @@ TP2_SP = dict(parallel__tensor_model_parallel_size=2, parallel__sequence_paralle
             4,
         ),
         ({"trainer__cuda_graphs": True}, 8),  # data parallel is fine: each rank replays its own graphs
+        # the allgather dispatcher's collectives are captured (static rows: kernels/permute.py)
+        ({"trainer__cuda_graphs": True, "parallel__expert_model_parallel_size": 2}, 2),
     ],
 )
 def test_good_configs_pass(good, changes, world_size):
@@ -507,9 +509,19 @@ def test_good_configs_pass(good, changes, world_size):
             "[trainer] trainer.cuda_graphs=true: trainer.device=cpu: CUDA graphs need CUDA; or set trainer.cuda_graphs=false",
         ),
         (
-            {"trainer__cuda_graphs": True, "parallel__expert_model_parallel_size": 2},
+            {
+                "trainer__cuda_graphs": True,
+                "parallel__expert_model_parallel_size": 2,
+                "model__moe_token_dispatcher_type": "alltoall",
+            },
             2,
-            "trainer.cuda_graphs=true: parallel.expert_model_parallel_size=2: the graphed MoE half needs 1",
+            "trainer.cuda_graphs=true: parallel.expert_model_parallel_size=2 with "
+            "model.moe_token_dispatcher_type=alltoall: its split sizes need the host",
+        ),
+        (
+            {"trainer__cuda_graphs": True, "parallel__tensor_model_parallel_size": 2},
+            2,
+            "trainer.cuda_graphs=true: parallel.tensor_model_parallel_size=2: the graphed MoE half needs 1",
         ),
         (
             {"trainer__cuda_graphs": True, "parallel__pipeline_model_parallel_size": 2},

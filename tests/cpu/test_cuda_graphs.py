@@ -86,3 +86,28 @@ def test_aliased_swaps_weights_for_leaves_on_the_same_storage_and_restores_them(
         assert layer.mlp.weight is alias and alias is not weight and alias.is_leaf
         assert alias.data_ptr() == weight.data_ptr() and layer.mlp.bias is bias
     assert layer.mlp.weight is weight
+
+
+def _dispatcher(cls, ep: int, topk: int = 8, local: int = 64, static: bool = False):
+    d = object.__new__(cls)  # the attributes the rule reads, without process groups
+    d.ep_size, d.tp_size, d.router_topk, d.num_local_experts, d.moe_sft_static_rows = ep, 1, topk, local, static
+    return d
+
+
+def test_expert_parallel_dispatch_is_captured_only_with_static_rows():
+    """EP > 1: the allgather with static rows has static sizes and no host wait (capturable); the
+    alltoall and a counted permutation wait for the host, and the reason names what to change."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    def reasons(dispatcher):
+        layer = _Layer()
+        layer.mlp.token_dispatcher = dispatcher
+        return cuda_graphs.dispatch_ineligible([_model([layer])])
+
+    assert reasons(_dispatcher(td.MoEAlltoAllTokenDispatcher, ep=1)) == []  # local dispatch
+    assert reasons(_dispatcher(td.MoEAllGatherTokenDispatcher, ep=2, static=True)) == []
+    (alltoall,) = reasons(_dispatcher(td.MoEAlltoAllTokenDispatcher, ep=2))
+    assert "MoEAlltoAllTokenDispatcher needs its split sizes on the host" in alltoall
+    assert "model.moe_token_dispatcher_type=allgather" in alltoall
+    (counted,) = reasons(_dispatcher(td.MoEAllGatherTokenDispatcher, ep=4))
+    assert "EP 4 x min(top-k 8, local experts 64) / top-k = 4x padding (at most 2x)" in counted

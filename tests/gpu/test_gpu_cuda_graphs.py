@@ -46,13 +46,14 @@ def model_dir(request, tmp_path_factory):
     return request.param, tmp
 
 
-def _run(tmp, name: str, graphs: bool, replay: bool = True):
+def _run(tmp, name: str, graphs: bool, replay: bool = True, gpus: int = 1, extra: tuple = ()):
     from tests.dist.launch import torchrun
     from tools.plot_metrics import read_scalars
 
     proc = torchrun(
-        1,
+        gpus,
         [
+            *extra,
             f"trainer.max_steps={STEPS}",
             "trainer.log_interval=1",
             "trainer.export_hf_at_end=false",
@@ -71,7 +72,8 @@ def _run(tmp, name: str, graphs: bool, replay: bool = True):
     counts = re.search(r"CUDA graphs: (\d+) MoE-half replays, (\d+) eager training forwards", proc.stdout)
     layers = re.search(r"the MoE half of (\d+) layers captured", proc.stdout)
     assert bool(counts) == bool(layers) == graphs, proc.stdout[-3000:]
-    return metrics, (int(counts.group(1)), int(counts.group(2)), int(layers.group(1))) if graphs else None
+    counted = (int(counts.group(1)), int(counts.group(2)), int(layers.group(1))) if graphs else None
+    return metrics, counted, proc.stdout
 
 
 def _rel(a: float, b: float) -> float:
@@ -80,8 +82,8 @@ def _rel(a: float, b: float) -> float:
 
 def test_graphed_moe_trains_as_eager(model_dir):
     family, tmp = model_dir
-    graphed, (replays, eager_calls, layers) = _run(tmp, "graphed", graphs=True)
-    eager, (replays_off, eager_off, _) = _run(tmp, "eager", graphs=True, replay=False)
+    graphed, (replays, eager_calls, layers), _ = _run(tmp, "graphed", graphs=True)
+    eager, (replays_off, eager_off, _), _ = _run(tmp, "eager", graphs=True, replay=False)
     assert layers > 0
     assert (replays, eager_calls) == (STEPS * MICRO_BATCHES * layers, 0)
     assert (replays_off, eager_off) == (0, STEPS * MICRO_BATCHES * layers)
@@ -97,7 +99,7 @@ def test_graphed_moe_trains_as_eager(model_dir):
     assert worst <= 2e-2
     assert graphed["loss"][STEPS] < graphed["loss"][1]  # it learns
     if family == "qwen3_moe":
-        off, _ = _run(tmp, "off", graphs=False)
+        off, _, _ = _run(tmp, "off", graphs=False)
         print(
             f"{family}: step 1 graphed vs no graphs (unpadded) loss {graphed['loss'][1]} vs {off['loss'][1]}, "
             f"grad norm {graphed['grad_norm'][1]} vs {off['grad_norm'][1]}"
@@ -105,3 +107,28 @@ def test_graphed_moe_trains_as_eager(model_dir):
         assert _rel(graphed["loss"][1], off["loss"][1]) <= 1e-3
         assert _rel(graphed["grad_norm"][1], off["grad_norm"][1]) <= 1e-2
         assert max(_rel(graphed["loss"][s], off["loss"][s]) for s in range(1, STEPS + 1)) <= 2e-2
+
+
+@pytest.mark.parametrize("model_dir", ["qwen3_moe", "deepseek_v3"], indirect=True)
+def test_graphed_moe_at_ep2_trains_as_eager(model_dir):
+    """EP 2 on two GPUs: the graphs hold the allgather dispatcher's NCCL collectives and its static-row
+    permutation (kernels/permute.py); replayed, they give the eager layers' first step bit for bit."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    family, tmp = model_dir
+    ep2 = ("parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=auto")
+    graphed, (replays, eager_calls, layers), out = _run(tmp, "graphed_ep2", True, gpus=2, extra=ep2)
+    eager, (replays_off, eager_off, _), _ = _run(tmp, "eager_ep2", True, replay=False, gpus=2, extra=ep2)
+    assert re.search(r"\d+ MoE layers permute a static row count per rank", out), out[-3000:]
+    per_rank = MICRO_BATCHES // 2  # data parallel 2 for the dense part
+    assert layers > 0 and (replays, eager_calls) == (STEPS * per_rank * layers, 0)
+    assert (replays_off, eager_off) == (0, STEPS * per_rank * layers)
+    first = {k: (graphed[k][1], eager[k][1]) for k in ("loss", "grad_norm")}
+    worst = max(_rel(graphed["loss"][s], eager["loss"][s]) for s in range(1, STEPS + 1))
+    print(f"{family} EP2: step 1 graphed vs eager {first}; worst relative loss difference {worst:.2e}")
+    assert first["loss"][0] == first["loss"][1]
+    assert _rel(*first["grad_norm"]) <= 1e-5
+    assert worst <= 2e-2
+    assert graphed["loss"][STEPS] < graphed["loss"][1]
