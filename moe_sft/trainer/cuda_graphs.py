@@ -276,6 +276,18 @@ def _dispatch(layer):
     return forward_mlp
 
 
+def release(chunks) -> None:
+    """Free every MoE layer's graphs; before the process groups go: graphs that hold NCCL
+    collectives (EP > 1) kept the process from exiting when the communicators were destroyed first."""
+    for layer in moe_layers(chunks):
+        graph = getattr(layer, "_moe_sft_graph", None)
+        if graph is not None:
+            torch.cuda.synchronize()
+            graph.fwd.reset()
+            graph.bwd.reset()
+            layer._moe_sft_graph = None
+
+
 def reset_after_capture(chunks, routing_stats=None) -> None:
     """Undo what the warm-up iterations accumulated: main grads, aux-loss logs, routing statistics and
     the expert-bias token counts (all updated in place, which is why the graphs can keep them)."""

@@ -134,6 +134,7 @@ class Trainer:
         self.finished_at: int | None = None  # the checkpoint step when it is >= trainer.max_steps
         self.saver: checkpoint.Saver | None = None
         self.gc: ScheduledGC | None = None
+        self.state: TrainState | None = None  # set by setup()
 
     # ---------------------------------------------------------------- phases
     def setup(self) -> Trainer:
@@ -711,6 +712,8 @@ class Trainer:
             self.saver.close()
         if self.gc is not None:
             self.gc.close()
+        if self.state is not None:
+            cuda_graphs.release(self.state.model)
         distributed.destroy()
         if self.lock is not None:
             self.lock.release()
