@@ -635,12 +635,13 @@ def validate_against_model(
     num_query_groups: int | None,
     vocab_size: int,
     expert_biases: bool = False,
+    topk: int = 0,
 ) -> None:
     """Checks that need the HF config's sizes; raise one ConfigError listing all failures.
 
     num_query_groups=None means plain multi-head attention (= num_attention_heads);
     num_experts=None means a dense model (no expert checks); expert_biases: the experts' GEMMs
-    have biases (gpt-oss).
+    have biases (gpt-oss); topk: experts per token.
     """
     p = cfg.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
@@ -669,8 +670,32 @@ def validate_against_model(
             f"{vocab_size} (the embedding is split evenly over TP); use one of "
             f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}"
         )
+    if cfg.trainer.cuda_graphs and num_experts and ep > 1 and topk:
+        errors += [f"[cuda_graphs] {m}" for m in _graphed_dispatch_errors(ep, num_experts, topk, expert_biases)]
     if errors:
         raise ConfigError(format_errors(errors))
+
+
+def _graphed_dispatch_errors(ep: int, num_experts: int, topk: int, expert_biases: bool) -> list[str]:
+    """trainer.cuda_graphs at EP > 1 captures the allgather's static-row permutation
+    (moe_sft/kernels/permute.py), which the padding bound and expert biases rule out."""
+    from moe_sft.kernels import permute
+
+    padding = permute.static_rows_bound(ep, topk, num_experts // ep)
+    errors = []
+    if padding > permute.STATIC_ROWS_MAX_PADDING:
+        errors.append(
+            f"trainer.cuda_graphs=true with parallel.expert_model_parallel_size={ep}: the captured "
+            f"dispatch holds EP x min(top-k {topk}, local experts {num_experts // ep}) / top-k = "
+            f"{padding:g}x its expected rows (at most {permute.STATIC_ROWS_MAX_PADDING:g}x); use "
+            "expert_model_parallel_size=2 or trainer.cuda_graphs=false"
+        )
+    if expert_biases:
+        errors.append(
+            "trainer.cuda_graphs=true with parallel.expert_model_parallel_size>1: this model's experts "
+            "have biases, which read every row of the static-row permutation; set trainer.cuda_graphs=false"
+        )
+    return errors
 
 
 def _pipeline_layer_errors(p: ParallelConfig, num_layers: int) -> list[str]:

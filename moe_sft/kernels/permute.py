@@ -321,10 +321,14 @@ def use_gather_permutation() -> None:
     token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess = _allgather_postprocess
 
 
-def static_rows_padding(dispatcher) -> float:
+def static_rows_bound(ep: int, topk: int, local_experts: int) -> float:
     """A rank's static row count over its expected routed rows: EP x min(top-k, local experts) / top-k."""
-    width = min(dispatcher.router_topk, dispatcher.num_local_experts)
-    return dispatcher.ep_size * width / dispatcher.router_topk
+    return ep * min(topk, local_experts) / topk
+
+
+def static_rows_padding(dispatcher) -> float:
+    """`static_rows_bound` of a built dispatcher."""
+    return static_rows_bound(dispatcher.ep_size, dispatcher.router_topk, dispatcher.num_local_experts)
 
 
 def enable_static_rows(chunks, tokens: int, graphed: bool = False) -> int:

@@ -212,7 +212,7 @@ def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
         return 1.0
     if train.peft is not None and peft_memory.adapts_experts(train.peft):
         return 1.0
-    padding = lay.ep * min(s.topk, s.num_experts // lay.ep) / s.topk
+    padding = permute.static_rows_bound(lay.ep, s.topk, s.num_experts // lay.ep)
     return padding if permute.static_rows_apply(padding, train.tokens // lay.cp, train.cuda_graphs) else 1.0
 
 

@@ -42,6 +42,7 @@ def layout_problems(
             shape.num_kv_heads,
             shape.vocab,
             expert_biases=shape.linear_bias,
+            topk=shape.topk,
         )
     except ConfigError as err:
         errors.extend(line.strip()[2:] for line in str(err).splitlines()[1:])

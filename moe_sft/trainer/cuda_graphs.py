@@ -149,12 +149,15 @@ def dispatch_ineligible(chunks) -> list[str]:
                 "set model.moe_token_dispatcher_type=allgather"
             )
         elif not getattr(dispatcher, "moe_sft_static_rows", False):
-            reasons.add(
+            padding = permute.static_rows_padding(dispatcher)
+            why = (
                 f"EP {dispatcher.ep_size} x min(top-k {dispatcher.router_topk}, local experts "
-                f"{dispatcher.num_local_experts}) / top-k = {permute.static_rows_padding(dispatcher):g}x padding "
-                f"(at most {permute.STATIC_ROWS_MAX_PADDING:g}x), or experts with biases or adapters: the "
-                "allgather's local permutation then waits for the host; lower the expert parallel size"
+                f"{dispatcher.num_local_experts}) / top-k = {padding:g}x padding (at most "
+                f"{permute.STATIC_ROWS_MAX_PADDING:g}x); lower parallel.expert_model_parallel_size"
+                if padding > permute.STATIC_ROWS_MAX_PADDING
+                else "experts with biases or adapters read every row of a static permutation"
             )
+            reasons.add(f"{why}: the allgather's local permutation then waits for the host")
     return sorted(reasons)
 
 
@@ -277,15 +280,15 @@ def _dispatch(layer):
 
 
 def release(chunks) -> None:
-    """Free every MoE layer's graphs; before the process groups go: graphs that hold NCCL
-    collectives (EP > 1) kept the process from exiting when the communicators were destroyed first."""
-    for layer in moe_layers(chunks):
-        graph = getattr(layer, "_moe_sft_graph", None)
-        if graph is not None:
-            torch.cuda.synchronize()
-            graph.fwd.reset()
-            graph.bwd.reset()
-            layer._moe_sft_graph = None
+    """Free every MoE layer's graphs. Called before the process groups are destroyed: with a graph
+    that holds an NCCL collective (EP > 1) still alive, `destroy_process_group` never returned."""
+    layers = [layer for layer in moe_layers(chunks) if getattr(layer, "_moe_sft_graph", None) is not None]
+    if layers:
+        torch.cuda.synchronize()
+    for layer in layers:
+        layer._moe_sft_graph.fwd.reset()
+        layer._moe_sft_graph.bwd.reset()
+        layer._moe_sft_graph = None
 
 
 def reset_after_capture(chunks, routing_stats=None) -> None:

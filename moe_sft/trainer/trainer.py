@@ -364,6 +364,7 @@ class Trainer:
             hf_cfg.num_key_value_heads,
             hf_cfg.vocab_size,
             expert_biases=family.shape(hf_cfg).linear_bias,
+            topk=family.shape(hf_cfg).topk,
         )
         m, p = self.cfg.model, self.cfg.parallel
         opts = ModelOptions.from_recipe(m, p, self.rt.precision, self.rt.backend, self.rt.device)

@@ -661,6 +661,29 @@ def test_expert_heads_and_vocab_checks_collected(good):
     assert "num_attention_heads=32;" not in msg  # 32 % 8 == 0: not reported
 
 
+def test_graphed_expert_parallel_is_checked_against_the_model(good):
+    """trainer.cuda_graphs at EP > 1 captures the static-row permutation: refused before any GPU work
+    where its padding passes 2x (Qwen3-30B-A3B top-8 at EP4: 4x) or the experts have biases."""
+    graphs = dict(trainer__cuda_graphs=True)
+    validate_against_model(_with(good, **graphs, parallel__expert_model_parallel_size=2), **QWEN3_30B, topk=8)
+    validate_against_model(_with(good, parallel__expert_model_parallel_size=4), **QWEN3_30B, topk=8)  # eager
+    msg = _error(
+        validate_against_model, _with(good, **graphs, parallel__expert_model_parallel_size=4), **QWEN3_30B, topk=8
+    )
+    assert (
+        "[cuda_graphs] trainer.cuda_graphs=true with parallel.expert_model_parallel_size=4: the captured dispatch "
+        "holds EP x min(top-k 8, local experts 32) / top-k = 4x its expected rows (at most 2x)"
+    ) in msg
+    msg = _error(
+        validate_against_model,
+        _with(good, **graphs, parallel__expert_model_parallel_size=2),
+        **QWEN3_30B,
+        topk=8,
+        expert_biases=True,
+    )
+    assert "this model's experts have biases" in msg and "set trainer.cuda_graphs=false" in msg
+
+
 def test_dense_model_and_mha_defaults(good):
     validate_against_model(
         good, num_layers=4, num_experts=None, num_attention_heads=4, num_query_groups=None, vocab_size=100

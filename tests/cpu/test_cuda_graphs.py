@@ -111,3 +111,5 @@ def test_expert_parallel_dispatch_is_captured_only_with_static_rows():
     assert "model.moe_token_dispatcher_type=allgather" in alltoall
     (counted,) = reasons(_dispatcher(td.MoEAllGatherTokenDispatcher, ep=4))
     assert "EP 4 x min(top-k 8, local experts 64) / top-k = 4x padding (at most 2x)" in counted
+    (biased,) = reasons(_dispatcher(td.MoEAllGatherTokenDispatcher, ep=2))  # 2x, yet left counted
+    assert "experts with biases or adapters read every row" in biased
