@@ -213,9 +213,9 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True
     # reverse), as torch.cuda.make_graphed_callables does: a later capture reuses only memory an
     # earlier graph no longer needs.
     pool = torch.cuda.graph_pool_handle()
-    # With EP > 1 the graphs hold NCCL collectives. NCCL's watchdog thread queries its events while
-    # we capture, which the default "global" mode makes an error (as megatron's full-iteration
-    # graphs, capture "thread_local": only this thread's unsafe calls are refused).
+    # With EP > 1 the graphs hold NCCL collectives, and NCCL's watchdog thread runs beside the
+    # capture; the default "global" mode would make its unsafe calls an error. As megatron's
+    # full-iteration graphs, capture "thread_local": only this thread's unsafe calls are refused.
     collectives = any(layer.mlp.token_dispatcher.ep_size * layer.mlp.token_dispatcher.tp_size > 1 for layer in layers)
     mode = "thread_local" if collectives else "global"
     leaves = []
