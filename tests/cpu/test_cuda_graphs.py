@@ -113,3 +113,23 @@ def test_expert_parallel_dispatch_is_captured_only_with_static_rows():
     assert "EP 4 x min(top-k 8, local experts 64) / top-k = 4x padding (at most 2x)" in counted
     (biased,) = reasons(_dispatcher(td.MoEAllGatherTokenDispatcher, ep=2))  # 2x, yet left counted
     assert "experts with biases or adapters read every row" in biased
+
+
+def test_release_resets_every_graph_and_needs_no_cuda_without_graphs(monkeypatch):
+    """Trainer.close frees the graphs before the process groups go (an NCCL collective inside a live
+    graph kept destroy_process_group from returning); a run without graphs (CPU) touches no CUDA."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    plain = _Layer()
+    plain._moe_sft_graph = None
+    cuda_graphs.release([_model([plain])])
+    assert syncs == []
+
+    resets = []
+    graphed = _Layer()
+    graphed._moe_sft_graph = types.SimpleNamespace(
+        fwd=types.SimpleNamespace(reset=lambda: resets.append("fwd")),
+        bwd=types.SimpleNamespace(reset=lambda: resets.append("bwd")),
+    )
+    cuda_graphs.release([_model([plain, graphed])])
+    assert syncs == [1] and resets == ["fwd", "bwd"] and graphed._moe_sft_graph is None
