@@ -119,8 +119,8 @@ def _make_arm(name: str, args, device: str, layers: int, first):
         from benchmarks.ours import OursArm
         from moe_sft.kernels import permute
 
-        if args.static_rows == "off":
-            permute.STATIC_ROWS_MAX_PADDING = 0.0
+        if args.static_rows == "off":  # (with graphs they are on anyway: a graph needs them)
+            permute.STATIC_ROWS_MAX_TOKENS = 0
         elif args.static_rows == "on":
             permute.STATIC_ROWS_MAX_TOKENS = 1 << 30
         budgets = [int(b) for b in args.budgets.split(",")]

@@ -151,7 +151,9 @@ class OursArm:
         t.state.shape = t._batch_shape()
         # the trainer's rule for this budget, as a run with this pack_length would have it
         tokens = workload.budget // t.cfg.parallel.context_parallel_size
-        permute.enable_static_rows(t.state.model, tokens, graphed=t.cfg.trainer.cuda_graphs)
+        permute.enable_static_rows(
+            t.state.model, tokens, graphed=t.cfg.trainer.cuda_graphs, capacity=t.cfg.model.moe_static_rows_capacity
+        )
         t._cuda_graphs()  # graphs for this budget's micro-batch length (if on)
 
     def prepare(self, step: int) -> None:

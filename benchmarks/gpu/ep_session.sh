@@ -9,12 +9,16 @@
 #   ep2_static / ep2_counted       the allgather with `--static-rows on` / `off` at every budget
 #   ep2_graphs                     the allgather with trainer.cuda_graphs (arm moe-sft-graphs): the
 #                                  MoE half captured with its collectives, static rows at every budget
+#   ep4_graphs / ep4_counted       the same at EP4 (static rows capped at 2x the expected rows) / the
+#                                  eager allgather with `--static-rows off`
+#   dsv3_ep4_graphs                dsv3_ep4 with trainer.cuda_graphs and the allgather
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   one_graphs                     the same with CUDA graphs (arm moe-sft-graphs)
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
 #                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
 #   gpu_tests                      tests/gpu/test_gpu_dispatch.py (the dispatch's numerics, host syncs)
-#   graph_tests                    tests/gpu/test_gpu_cuda_graphs.py at EP2 (graphed vs eager, 2 GPUs)
+#   graph_tests                    tests/gpu/test_gpu_cuda_graphs.py at EP2 / EP4 and the row-capacity
+#                                  re-run (graphed vs eager; each skips without its GPU count)
 # Layer counts default to what fits the GPU (H200: 24 / 16 / 8 / 10; 80 GB H100: 16 / 10 / 5 / 6).
 set -uo pipefail
 log=${1:?LOG_DIR}; parts=${2:-"ep4_alltoall ep4_allgather one"}
@@ -49,14 +53,17 @@ for part in $parts; do
     ep2_static) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows on ;;
     ep2_counted) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows off ;;
     ep2_graphs) ARM=moe-sft-graphs ep_run "$part" 2 "$ep2_layers" allgather ;;
+    ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather ;;
+    ep4_counted) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows off ;;
+    dsv3_ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced ;;
     one|one_graphs) arm=$([ $part = one ] && echo moe-sft || echo moe-sft-graphs)
       run_part "$part" "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm "$arm" --model qwen3_30b \
         $common --layers "$one_layers" --tokens-per-step 32768 ;;
     dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;
     gpu_tests|graph_tests)
       start=$(date +%s)
-      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k ep2); fi
-      timeout 300 python3 -m pytest "${args[@]}" -q -s -p no:cacheprovider > "$log/$part.log" 2>&1
+      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k "at_ep or row_capacity"); fi
+      timeout "${TEST_LIMIT:-300}" python3 -m pytest "${args[@]}" -q -s -p no:cacheprovider > "$log/$part.log" 2>&1
       echo "== $part: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt" ;;
     *) echo "unknown part $part" | tee -a "$log/summary.txt" ;;
   esac

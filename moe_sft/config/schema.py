@@ -90,6 +90,12 @@ class ModelConfig:
         "fp32", "router logits/softmax dtype: fp32 | fp64 | null (model dtype)", (None, "fp32", "fp64")
     )
     moe_expert_capacity_factor: float | None = _f(None, "expert capacity factor; null = dropless")
+    moe_static_rows_capacity: float = _f(
+        2.0,
+        "allgather dispatcher, short micro-batches or CUDA graphs: a rank's permutation has a static "
+        "row count, at most this multiple (>= 1) of its expected routed rows; a step whose routing "
+        "sends more runs again without it (nothing is dropped; logged, train/row_capacity_reruns)",
+    )
     recompute_granularity: str | None = _f(
         None, "activation recomputation: null (off) | full | selective", (None, "full", "selective")
     )
@@ -285,8 +291,9 @@ class TrainerConfig:
         False,
         "capture the MoE half of every MoE layer (pre-MLP norm, router, dispatch, experts, combine) as "
         "CUDA graphs, forward and backward: the host stops bounding short micro-batches (docs/benchmarks.md). "
-        "Needs CUDA and TP = EP = ETP = CP = PP = 1, no recompute or activation offload, no "
-        "overlap_grad_reduce / overlap_param_gather; micro-batches are padded to data.pack_length",
+        "Needs CUDA, TP = ETP = CP = PP = 1, at EP > 1 the allgather dispatcher, no recompute or "
+        "activation offload, no overlap_grad_reduce / overlap_param_gather; micro-batches are padded "
+        "to data.pack_length",
     )
     max_skipped_steps_in_a_row: int = _f(
         3, "steps with a non-finite loss or grad norm are skipped (no update); the run stops after this many in a row"

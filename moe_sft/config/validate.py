@@ -416,6 +416,11 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
                 "'sinkhorn'; megatron-core allows capacity only with aux_loss, seq_aux_loss, "
                 "global_aux_loss or none"
             )
+    if m.moe_static_rows_capacity < 1:
+        errors.append(
+            f"model.moe_static_rows_capacity={m.moe_static_rows_capacity} must be >= 1 (a multiple of a "
+            "rank's expected routed rows); 2 is the default"
+        )
     errors.extend(_recompute_errors(cfg))
     errors.extend(_activation_offload_errors(cfg))
     return errors
@@ -671,24 +676,23 @@ def validate_against_model(
             f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}"
         )
     if cfg.trainer.cuda_graphs and num_experts and ep > 1 and topk:
-        errors += [f"[cuda_graphs] {m}" for m in _graphed_dispatch_errors(ep, num_experts, topk, expert_biases)]
+        errors += [f"[cuda_graphs] {m}" for m in _graphed_dispatch_errors(cfg, num_experts, topk, expert_biases)]
     if errors:
         raise ConfigError(format_errors(errors))
 
 
-def _graphed_dispatch_errors(ep: int, num_experts: int, topk: int, expert_biases: bool) -> list[str]:
+def _graphed_dispatch_errors(cfg: TrainConfig, num_experts: int, topk: int, expert_biases: bool) -> list[str]:
     """trainer.cuda_graphs at EP > 1 captures the allgather's static-row permutation
-    (moe_sft/kernels/permute.py), which the padding bound and expert biases rule out."""
-    from moe_sft.kernels import permute
-
-    padding = permute.static_rows_bound(ep, topk, num_experts // ep)
-    errors = []
-    if padding > permute.STATIC_ROWS_MAX_PADDING:
+    (moe_sft/kernels/permute.py): the alltoall the auto dispatcher picks past top-k ranks, and
+    expert biases, rule it out."""
+    p, errors = cfg.parallel, []
+    group = p.expert_model_parallel_size * p.expert_tp
+    if cfg.model.moe_token_dispatcher_type == "auto" and group > topk:
         errors.append(
-            f"trainer.cuda_graphs=true with parallel.expert_model_parallel_size={ep}: the captured "
-            f"dispatch holds EP x min(top-k {topk}, local experts {num_experts // ep}) / top-k = "
-            f"{padding:g}x its expected rows (at most {permute.STATIC_ROWS_MAX_PADDING:g}x); use "
-            "expert_model_parallel_size=2 or trainer.cuda_graphs=false"
+            f"trainer.cuda_graphs=true with an expert group of EP x expert-TP = {group} > top-k {topk}: "
+            "model.moe_token_dispatcher_type=auto picks the alltoall there, whose split sizes need the "
+            "host in every MoE layer; set model.moe_token_dispatcher_type=allgather (it gathers every "
+            "rank's tokens) or trainer.cuda_graphs=false"
         )
     if expert_biases:
         errors.append(

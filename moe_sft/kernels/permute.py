@@ -30,14 +30,22 @@ megatron: the per-expert counts, the permutation's two `masked_select`s and its 
 probs' `masked_select`. Here it reads one number, the layer's local row count (`CountedRows`),
 and every other size follows from it and from min(top-k, local experts).
 
-Where that count's bound costs at most `STATIC_ROWS_MAX_PADDING` x the expected rows (EP2 with
-top-k <= local experts: 2x) and micro-batches are small enough for the host to be the limit
-(`STATIC_ROWS_MAX_TOKENS`), the allgather's local permutation has no wait at all (`BoundedRows`,
-`enable_static_rows`): it always has tokens x min(top-k, local experts) rows, the routed ones
-first and padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer
-at the host's launch pace. Measured at EP2 on 2 x H100 (Qwen3-30B-A3B shape, docs/benchmarks.md):
-1.12x the step's throughput at 4096 tokens per micro-batch, 0.97x at 8192, where the step is
-GPU-bound and the padding's extra gather and activation traffic is what is left.
+Where micro-batches are small enough for the host to be the limit (`STATIC_ROWS_MAX_TOKENS`), or
+the MoE half is a CUDA graph, the allgather's local permutation has no wait at all (`BoundedRows`,
+`enable_static_rows`): it always has the same row count, the routed rows first and padding after
+them. Why: with one wait per MoE layer the GPU runs the rest of the layer at the host's launch
+pace. Measured at EP2 on 2 x H100 (Qwen3-30B-A3B shape, docs/benchmarks.md): 1.12x the step's
+throughput at 4096 tokens per micro-batch, 0.97x at 8192, where the step is GPU-bound and the
+padding's extra gather and activation traffic is what is left.
+
+That count is the rank's worst case, tokens x min(top-k, local experts), capped at the capacity
+(`model.moe_static_rows_capacity`, 2 by default) times its expected routed rows, tokens x top-k x
+local / all experts. The worst case is EP x min(top-k, local) / top-k times the expected rows: 2x
+at EP2, but 4x at EP4 and 8x at EP8 with top-8, whose activations the cap keeps to 2x. Routing
+above the cap is possible there but not silent: the permutation keeps the first `capacity` rows,
+the expert counts are cut to match, and the layer records the excess on the device
+(`moe_sft_excess`); the trainer reads it once per step and runs the step again without static rows
+(moe_sft/trainer/row_capacity.py). Nothing routed is ever dropped from an update.
 
 What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel stop
 at the last expert's offset; the combine and the gather's backward read the routed rows only (a
@@ -49,6 +57,8 @@ A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad go
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -85,14 +95,14 @@ class BoundedRows(int):
         return rows
 
 
-STATIC_ROWS_MAX_PADDING = 2.0  # the most padding, as a multiple of a rank's expected routed rows
+STATIC_ROWS_CAPACITY = 2.0  # default cap of a rank's static rows, as a multiple of its expected routed rows
 STATIC_ROWS_MAX_TOKENS = 4096  # the largest micro-batch (tokens per rank) that gets static rows
 
 
-def static_rows_apply(padding: float, tokens: int, graphed: bool = False) -> bool:
-    """The rule on the padding (`static_rows_padding`) and the tokens per rank of a micro-batch; any
-    size where the MoE half is `graphed` (trainer.cuda_graphs), since a graph needs the static size."""
-    return padding <= STATIC_ROWS_MAX_PADDING and (graphed or tokens <= STATIC_ROWS_MAX_TOKENS)
+def static_rows_apply(tokens: int, graphed: bool = False) -> bool:
+    """Static rows for micro-batches of `tokens` per rank; any size where the MoE half is `graphed`
+    (trainer.cuda_graphs), since a graph needs the static size."""
+    return graphed or tokens <= STATIC_ROWS_MAX_TOKENS
 
 
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
@@ -302,7 +312,12 @@ def _allgather_postprocess(self, hidden_states, probs):
     tokens_per_expert = self.local_map.sum(dim=0).long()
     width = min(self.router_topk, self.num_local_experts)
     if getattr(self, "moe_sft_static_rows", False):
-        rows = BoundedRows(hidden_states.shape[0] * width, width)
+        capacity = static_rows_count(hidden_states.shape[0], self, self.moe_sft_capacity)
+        rows = BoundedRows(capacity, width)
+        if capacity < hidden_states.shape[0] * width:  # routing may exceed it: cut, and record by how much
+            routed = tokens_per_expert.cumsum(0)
+            torch.maximum(self.moe_sft_excess, routed[-1] - capacity, out=self.moe_sft_excess)
+            tokens_per_expert = torch.diff(routed.clamp(max=capacity), prepend=routed.new_zeros(1))
     else:
         rows = CountedRows(int(tokens_per_expert.sum()), width)
     permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
@@ -321,21 +336,35 @@ def use_gather_permutation() -> None:
     token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess = _allgather_postprocess
 
 
-def static_rows_bound(ep: int, topk: int, local_experts: int) -> float:
-    """A rank's static row count over its expected routed rows: EP x min(top-k, local experts) / top-k."""
+def static_rows_worst(ep: int, topk: int, local_experts: int) -> float:
+    """The most rows a rank's experts can get over their expected routed rows: EP x min(top-k, local) / top-k."""
     return ep * min(topk, local_experts) / topk
+
+
+def static_rows_bound(ep: int, topk: int, local_experts: int, capacity: float = STATIC_ROWS_CAPACITY) -> float:
+    """A rank's static row count over its expected routed rows: the worst case, capped at `capacity`."""
+    return min(static_rows_worst(ep, topk, local_experts), capacity)
+
+
+def static_rows_count(tokens: int, dispatcher, capacity: float) -> int:
+    """The static row count of a rank's local permutation of `tokens` gathered tokens."""
+    local, experts = dispatcher.num_local_experts, dispatcher.config.num_moe_experts
+    worst = tokens * min(dispatcher.router_topk, local)
+    return min(worst, math.ceil(capacity * tokens * dispatcher.router_topk * local / experts))
 
 
 def static_rows_padding(dispatcher) -> float:
     """`static_rows_bound` of a built dispatcher."""
-    return static_rows_bound(dispatcher.ep_size, dispatcher.router_topk, dispatcher.num_local_experts)
+    return static_rows_bound(
+        dispatcher.ep_size, dispatcher.router_topk, dispatcher.num_local_experts, dispatcher.moe_sft_capacity
+    )
 
 
-def enable_static_rows(chunks, tokens: int, graphed: bool = False) -> int:
+def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: float = STATIC_ROWS_CAPACITY) -> int:
     """Turns on static rows in every allgather dispatcher of the chunks where `static_rows_apply`
     (micro-batches of `tokens` per rank) and whose experts read no row beyond their offsets (no
-    biases, no adapters); returns how many layers. `graphed`: trainer.cuda_graphs is on
-    (moe_sft/trainer/cuda_graphs.py)."""
+    biases, no adapters), capped at `capacity` x the expected rows; returns how many layers.
+    `graphed`: trainer.cuda_graphs is on (moe_sft/trainer/cuda_graphs.py)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     enabled = 0
@@ -346,8 +375,28 @@ def enable_static_rows(chunks, tokens: int, graphed: bool = False) -> int:
                 continue
             experts = layer.mlp.experts
             plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
-            static = plain and static_rows_apply(static_rows_padding(dispatcher), tokens, graphed)
-            static = static and not dispatcher.config.moe_permute_fusion
+            static = plain and static_rows_apply(tokens, graphed) and not dispatcher.config.moe_permute_fusion
             dispatcher.moe_sft_static_rows = static
+            dispatcher.moe_sft_capacity = capacity
+            # the most rows routing sent above the capacity since the last look (row_capacity.py); kept
+            # across calls, since a captured graph holds its address
+            if getattr(dispatcher, "moe_sft_excess", None) is None:
+                device = next(layer.mlp.parameters()).device
+                dispatcher.moe_sft_excess = torch.zeros((), dtype=torch.long, device=device)
             enabled += static
     return enabled
+
+
+def capped_dispatchers(chunks) -> list:
+    """(layer number, dispatcher) of every static-row dispatcher whose routing can exceed its capacity."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    capped = []
+    for chunk in chunks:
+        for layer in get_attr_wrapped_model(chunk, "decoder").layers:
+            d = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+            if not getattr(d, "moe_sft_static_rows", False):
+                continue
+            if static_rows_worst(d.ep_size, d.router_topk, d.num_local_experts) > d.moe_sft_capacity:
+                capped.append((layer.layer_number, d))
+    return capped

@@ -73,6 +73,7 @@ def training_of(cfg, lay: Layout, backend: str) -> memory.Training:
         backend=backend,
         peft=peft_memory.from_config(cfg.peft),
         cuda_graphs=t.cuda_graphs,
+        static_rows_capacity=m.moe_static_rows_capacity,
     )
 
 

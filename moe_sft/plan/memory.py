@@ -56,6 +56,7 @@ class Training:
     backend: str = "torch"
     peft: peft_memory.PeftPlan | None = None  # LoRA / DoRA: the base frozen (bf16 or FP8), adapters train
     cuda_graphs: bool = False  # trainer.cuda_graphs: static rows at any micro-batch size
+    static_rows_capacity: float = 2.0  # model.moe_static_rows_capacity: the cap on static rows' padding
 
 
 # ----------------------------------------------------------------------------- activations
@@ -212,8 +213,9 @@ def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
         return 1.0
     if train.peft is not None and peft_memory.adapts_experts(train.peft):
         return 1.0
-    padding = permute.static_rows_bound(lay.ep, s.topk, s.num_experts // lay.ep)
-    return padding if permute.static_rows_apply(padding, train.tokens // lay.cp, train.cuda_graphs) else 1.0
+    if not permute.static_rows_apply(train.tokens // lay.cp, train.cuda_graphs):
+        return 1.0
+    return permute.static_rows_bound(lay.ep, s.topk, s.num_experts // lay.ep, train.static_rows_capacity)
 
 
 def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imbalance: float = 1.0) -> StageMemory:

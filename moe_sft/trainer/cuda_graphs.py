@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_sft.config.validate import cuda_graphs_ineligible as ineligible  # noqa: F401  (the rules are config checks)
-from moe_sft.kernels import permute
 
 # False (trainer.cuda_graphs_replay=false, set by capture_moe_graphs): capture, then run every layer
 # eagerly anyway: the same padding, data and stream use, for parity checks and A/B timings
@@ -149,15 +148,10 @@ def dispatch_ineligible(chunks) -> list[str]:
                 "set model.moe_token_dispatcher_type=allgather"
             )
         elif not getattr(dispatcher, "moe_sft_static_rows", False):
-            padding = permute.static_rows_padding(dispatcher)
-            why = (
-                f"EP {dispatcher.ep_size} x min(top-k {dispatcher.router_topk}, local experts "
-                f"{dispatcher.num_local_experts}) / top-k = {padding:g}x padding (at most "
-                f"{permute.STATIC_ROWS_MAX_PADDING:g}x); lower parallel.expert_model_parallel_size"
-                if padding > permute.STATIC_ROWS_MAX_PADDING
-                else "experts with biases or adapters read every row of a static permutation"
+            reasons.add(
+                "experts with biases or adapters read every row of a static permutation: "
+                "the allgather's local permutation then waits for the host"
             )
-            reasons.add(f"{why}: the allgather's local permutation then waits for the host")
     return sorted(reasons)
 
 
@@ -293,7 +287,7 @@ def release(chunks) -> None:
 
 def reset_after_capture(chunks, routing_stats=None) -> None:
     """Undo what the warm-up iterations accumulated: main grads, aux-loss logs, routing statistics and
-    the expert-bias token counts (all updated in place, which is why the graphs can keep them)."""
+    the expert-bias token counts, the static rows' excess (all updated in place, which is why the graphs can keep them)."""
     from megatron.core.transformer.moe import moe_utils
 
     for chunk in chunks:
@@ -305,6 +299,9 @@ def reset_after_capture(chunks, routing_stats=None) -> None:
         counts = getattr(layer.mlp.router, "local_tokens_per_expert", None)
         if counts is not None:
             counts.zero_()
+        excess = getattr(layer.mlp.token_dispatcher, "moe_sft_excess", None)  # kernels/permute.py
+        if excess is not None:
+            excess.zero_()
 
 
 def captured_length(chunks) -> int | None:

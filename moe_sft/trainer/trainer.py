@@ -53,6 +53,7 @@ from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.hooks import TrainHooks
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
 from moe_sft.trainer.optimizer import build_optimizer
+from moe_sft.trainer.row_capacity import RowCapacity
 from moe_sft.trainer.telemetry import Telemetry
 
 log = get_logger(__name__)
@@ -120,6 +121,7 @@ class TrainState:
     gc: ScheduledGC
     skips: guard.SkipCounter
     zero_grads: guard.ZeroGradStreak
+    row_capacity: RowCapacity
     start_step: int = 0
     consumed_tokens: int = 0  # real (non-padding) tokens trained on, all DP ranks; checkpointed
 
@@ -180,6 +182,7 @@ class Trainer:
             gc=self.gc,
             skips=guard.SkipCounter(t.max_skipped_steps_in_a_row),
             zero_grads=guard.ZeroGradStreak(),
+            row_capacity=RowCapacity(model, telemetry.moe),
             start_step=start_step,
             consumed_tokens=consumed,
         )
@@ -388,7 +391,9 @@ class Trainer:
                 fp8_loading.materialise_placeholders(chunks)
         # after the adapters: experts with them are left out
         tokens = self.cfg.data.pack_length // p.context_parallel_size
-        static = permute.enable_static_rows(chunks, tokens, graphed=self.cfg.trainer.cuda_graphs)
+        static = permute.enable_static_rows(
+            chunks, tokens, graphed=self.cfg.trainer.cuda_graphs, capacity=m.moe_static_rows_capacity
+        )
         if static:
             log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
@@ -511,16 +516,18 @@ class Trainer:
         s.optimizer.zero_grad()
         timer = Throughput()
         timer.start()
-        local = train_step.run_forward_backward(
-            s.model,
-            batches,
-            global_tokens,
-            self.rt.device,
-            s.hf_cfg.vocab_size,
-            s.shape.seq_length,
-            mtp_weight=self.cfg.model.mtp_loss_weight,
-            fixed_shape=s.shape.fixed_shape,
-        )
+        s.row_capacity.before_step()
+        local = self._forward_backward(batches, global_tokens)
+        if overflows := s.row_capacity.overflows():
+            log.info(
+                f"step {step + 1}: routing exceeded the static row capacity (model.moe_static_rows_capacity="
+                f"{self.cfg.model.moe_static_rows_capacity:g}) in {'; '.join(overflows)}: the step runs again "
+                "with exact row counts"
+            )
+            s.row_capacity.restore()
+            s.optimizer.zero_grad()
+            with s.row_capacity.exact_rows():
+                local = self._forward_backward(batches, global_tokens)
         loss, mtp_loss = train_step.global_loss(local)
         loss = self.hooks.after_backward(step + 1, loss, s.model)
         stepped, grad_norm = guard.step_unless_non_finite(s.optimizer, loss)
@@ -553,7 +560,22 @@ class Trainer:
             metrics["train/mtp_loss"] = mtp_loss
         if s.skips.total:
             metrics["train/skipped_steps"] = float(s.skips.total)
+        if s.row_capacity.reruns:
+            metrics["train/row_capacity_reruns"] = float(s.row_capacity.reruns)
         return metrics
+
+    def _forward_backward(self, batches, global_tokens: int) -> torch.Tensor:
+        s = self.state
+        return train_step.run_forward_backward(
+            s.model,
+            batches,
+            global_tokens,
+            self.rt.device,
+            s.hf_cfg.vocab_size,
+            s.shape.seq_length,
+            mtp_weight=self.cfg.model.mtp_loss_weight,
+            fixed_shape=s.shape.fixed_shape,
+        )
 
     def train(self) -> None:
         if self.finished_at is not None:
@@ -632,7 +654,7 @@ class Trainer:
             chunk.eval()
         per_call = max(self.cfg.trainer.global_batch_size // s.dp_size, 1)
         total = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
-        with torch.no_grad():
+        with torch.no_grad(), s.row_capacity.exact_rows():  # no step to run again: rows counted
             for batches in s.data.eval.for_rank(s.dp_rank, s.dp_size, per_call):
                 total += train_step.run_forward_backward(
                     s.model,

@@ -663,17 +663,24 @@ def test_expert_heads_and_vocab_checks_collected(good):
 
 def test_graphed_expert_parallel_is_checked_against_the_model(good):
     """trainer.cuda_graphs at EP > 1 captures the static-row permutation: refused before any GPU work
-    where its padding passes 2x (Qwen3-30B-A3B top-8 at EP4: 4x) or the experts have biases."""
+    where the auto dispatcher picks the alltoall (an expert group above top-k) or the experts have
+    biases. EP4 with top-8 is fine: its rows are capped at 2x (kernels/permute.py)."""
     graphs = dict(trainer__cuda_graphs=True)
-    validate_against_model(_with(good, **graphs, parallel__expert_model_parallel_size=2), **QWEN3_30B, topk=8)
-    validate_against_model(_with(good, parallel__expert_model_parallel_size=4), **QWEN3_30B, topk=8)  # eager
+    for ep in (2, 4, 8):
+        validate_against_model(_with(good, **graphs, parallel__expert_model_parallel_size=ep), **QWEN3_30B, topk=8)
+    validate_against_model(_with(good, parallel__expert_model_parallel_size=16), **QWEN3_30B, topk=8)  # eager
     msg = _error(
-        validate_against_model, _with(good, **graphs, parallel__expert_model_parallel_size=4), **QWEN3_30B, topk=8
+        validate_against_model, _with(good, **graphs, parallel__expert_model_parallel_size=16), **QWEN3_30B, topk=8
     )
     assert (
-        "[cuda_graphs] trainer.cuda_graphs=true with parallel.expert_model_parallel_size=4: the captured dispatch "
-        "holds EP x min(top-k 8, local experts 32) / top-k = 4x its expected rows (at most 2x)"
-    ) in msg
+        "[cuda_graphs] trainer.cuda_graphs=true with an expert group of EP x expert-TP = 16 > top-k 8: "
+        "model.moe_token_dispatcher_type=auto picks the alltoall there"
+    ) in msg and "set model.moe_token_dispatcher_type=allgather" in msg
+    validate_against_model(
+        _with(good, **graphs, parallel__expert_model_parallel_size=16, model__moe_token_dispatcher_type="allgather"),
+        **QWEN3_30B,
+        topk=8,
+    )
     msg = _error(
         validate_against_model,
         _with(good, **graphs, parallel__expert_model_parallel_size=2),

@@ -144,8 +144,9 @@ def test_static_rows_equal_megatron_s_and_their_padding_reaches_nothing(monkeypa
     GEMM leaves those rows unwritten; the output, the tokens' and the probs' gradients still equal
     megatron's exactly, and the padding's probs are 0."""
     d, routing_map, probs = _local_slice_dispatcher()
-    count, bound = int(routing_map[:, 2:5].sum()), 29 * min(d.router_topk, 3)
-    assert count < bound
+    d.moe_sft_capacity, d.moe_sft_excess = 2.0, torch.zeros((), dtype=torch.long)
+    count, bound = int(routing_map[:, 2:5].sum()), ours.static_rows_count(29, d, 2.0)
+    assert count < bound <= 29 * min(d.router_topk, 3)
     x = torch.randn(29, 16, dtype=torch.float64)
     weight_rows = torch.randn(bound, 1, dtype=torch.float64)
     weight_rows[count:] = float("nan")
@@ -168,22 +169,52 @@ def test_static_rows_equal_megatron_s_and_their_padding_reaches_nothing(monkeypa
     assert torch.equal(local_probs[:count], ref_probs)
     for a, b in zip(results, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert int(d.moe_sft_excess) == 0
 
 
-def test_static_rows_are_on_where_the_padding_is_at_most_twice_the_expected_rows():
-    """EP x min(top-k, local experts) / top-k <= 2 (experts without biases or adapters: the trainer's
-    EP2 runs log it, tests/dist/test_expert_parallel.py compares them with one rank)."""
+def test_static_rows_above_their_capacity_keep_megatron_s_first_rows_and_record_the_excess(monkeypatch):
+    """Routing that sends a rank more rows than its capacity: the permutation holds megatron's first
+    `capacity` rows (expert-major), the expert counts are cut to add up to them (the grouped GEMMs
+    stay in bounds), every kept row's token and prob are megatron's, and the excess is recorded for
+    the trainer, which then runs the step again (tests/dist/test_expert_parallel.py)."""
+    d, routing_map, probs = _local_slice_dispatcher()
+    count = int(routing_map[:, 2:5].sum())
+    d.routing_map, d.moe_sft_static_rows = routing_map, True
+    d.moe_sft_capacity, d.moe_sft_excess = (count - 5) / (29 * d.router_topk * 3 / d.config.num_moe_experts), None
+    capacity = ours.static_rows_count(29, d, d.moe_sft_capacity)
+    assert count - 5 <= capacity < count
+    d.moe_sft_excess = torch.tensor(2)  # an earlier layer call's smaller excess is kept as the max
+    x = torch.randn(29, 16, dtype=torch.float64)
+    rows, counts, local_probs = ours._allgather_postprocess(d, x, probs.double())
+    ref_counts = routing_map[:, 2:5].sum(dim=0).long()
+    ref_rows = x.index_select(0, routing_map[:, 2:5].T.nonzero()[:, 1])
+    ref_probs = probs.double()[:, 2:5].T[routing_map[:, 2:5].T.bool()]
+    assert rows.shape[0] == local_probs.shape[0] == capacity and int(counts.sum()) == capacity
+    assert torch.equal(counts, torch.diff(ref_counts.cumsum(0).clamp(max=capacity), prepend=torch.zeros(1).long()))
+    assert torch.equal(rows, ref_rows[:capacity]) and torch.equal(local_probs, ref_probs[:capacity])
+    assert int(d.moe_sft_excess) == count - capacity
+
+
+def test_static_rows_are_capped_at_twice_the_expected_rows():
+    """A rank's worst case is EP x min(top-k, local experts) / top-k times its expected rows; static
+    rows hold at most the capacity (2x by default), whatever the EP (experts without biases or
+    adapters: the trainer's EP2 runs log it, tests/dist/test_expert_parallel.py compares them with
+    one rank, there with the capacity cut to 1x too)."""
     from types import SimpleNamespace
 
-    def padding(ep, topk, local):
-        return ours.static_rows_padding(SimpleNamespace(ep_size=ep, router_topk=topk, num_local_experts=local))
+    def padding(ep, topk, local, capacity=2.0):
+        d = SimpleNamespace(ep_size=ep, router_topk=topk, num_local_experts=local, moe_sft_capacity=capacity)
+        return ours.static_rows_padding(d)
 
-    assert padding(2, 8, 64) == 2.0 and padding(4, 8, 32) == 4.0  # Qwen3-30B-A3B at EP2 / EP4
+    assert padding(2, 8, 64) == 2.0 and padding(4, 8, 32) == 2.0  # Qwen3-30B-A3B at EP2 / EP4 (worst: 4x)
+    assert ours.static_rows_worst(4, 8, 32) == 4.0 and padding(4, 8, 32, capacity=3.0) == 3.0
     assert padding(8, 8, 1) == 1.0  # one expert per rank: at most one row per token
     assert padding(2, 2, 4) == 2.0  # the tiny test models at EP2
-    # and micro-batches of up to 4096 tokens per rank (above it the step is GPU-bound: measured slower)
-    assert ours.static_rows_apply(2.0, 4096) and not ours.static_rows_apply(2.0, 8192)
-    assert not ours.static_rows_apply(4.0, 1024)
+    assert padding(2, 2, 4, capacity=1.0) == 1.0
+    # micro-batches of up to 4096 tokens per rank (above it the step is GPU-bound: measured slower),
+    # any size with CUDA graphs
+    assert ours.static_rows_apply(4096) and not ours.static_rows_apply(8192)
+    assert ours.static_rows_apply(8192, graphed=True)
 
 
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():

@@ -109,26 +109,60 @@ def test_graphed_moe_trains_as_eager(model_dir):
         assert max(_rel(graphed["loss"][s], off["loss"][s]) for s in range(1, STEPS + 1)) <= 2e-2
 
 
+@pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("model_dir", ["qwen3_moe", "deepseek_v3"], indirect=True)
-def test_graphed_moe_at_ep2_trains_as_eager(model_dir):
-    """EP 2 on two GPUs: the graphs hold the allgather dispatcher's NCCL collectives and its static-row
-    permutation (kernels/permute.py); replayed, they give the eager layers' first step bit for bit."""
+def test_graphed_moe_at_ep_trains_as_eager(model_dir, ep):
+    """EP 2 and 4 on as many GPUs: the graphs hold the allgather dispatcher's NCCL collectives and its
+    static-row permutation (kernels/permute.py; at EP4 capped at 2x the expected rows); replayed,
+    they give the eager layers' first step bit for bit."""
     import torch
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} GPUs")
     family, tmp = model_dir
-    ep2 = ("parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=auto")
-    graphed, (replays, eager_calls, layers), out = _run(tmp, "graphed_ep2", True, gpus=2, extra=ep2)
-    eager, (replays_off, eager_off, _), _ = _run(tmp, "eager_ep2", True, replay=False, gpus=2, extra=ep2)
+    layout = (
+        f"parallel.expert_model_parallel_size={ep}",
+        "model.moe_token_dispatcher_type=auto",
+        f"trainer.global_batch_size={ep}",  # one micro-batch per rank (data parallel EP for the dense part)
+    )
+    graphed, (replays, eager_calls, layers), out = _run(tmp, f"graphed_ep{ep}", True, gpus=ep, extra=layout)
+    eager, (replays_off, eager_off, _), out_off = _run(tmp, f"eager_ep{ep}", True, replay=False, gpus=ep, extra=layout)
     assert re.search(r"\d+ MoE layers permute a static row count per rank", out), out[-3000:]
-    per_rank = MICRO_BATCHES // 2  # data parallel 2 for the dense part
-    assert layers > 0 and (replays, eager_calls) == (STEPS * per_rank * layers, 0)
-    assert (replays_off, eager_off) == (0, STEPS * per_rank * layers)
+    # a step whose routing exceeded the rows' capacity ran again eagerly (rare at 2x; trainer/row_capacity.py)
+    reruns, reruns_off = (len(re.findall("runs again with exact row counts", o)) for o in (out, out_off))
+    assert layers > 0 and (replays, eager_calls) == (STEPS * layers, reruns * layers)
+    assert (replays_off, eager_off) == (0, (STEPS + reruns_off) * layers)
     first = {k: (graphed[k][1], eager[k][1]) for k in ("loss", "grad_norm")}
     worst = max(_rel(graphed["loss"][s], eager["loss"][s]) for s in range(1, STEPS + 1))
-    print(f"{family} EP2: step 1 graphed vs eager {first}; worst relative loss difference {worst:.2e}")
+    print(f"{family} EP{ep}: step 1 graphed vs eager {first}; worst relative loss difference {worst:.2e}")
     assert first["loss"][0] == first["loss"][1]
     assert _rel(*first["grad_norm"]) <= 1e-5
     assert worst <= 2e-2
     assert graphed["loss"][STEPS] < graphed["loss"][1]
+
+
+def test_graphed_steps_above_the_row_capacity_run_again_eagerly(tmp_path):
+    """EP4 with the static rows' capacity cut to 1x: in nearly every step some rank's routing exceeds
+    it inside the graph; the trainer sees the recorded excess, puts the step's state back and runs it
+    again eagerly with exact rows (trainer/row_capacity.py). The run trains as one without graphs."""
+    import torch
+
+    from tests.dist.launch import make_tiny_model
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    tmp = make_tiny_model(tmp_path)
+    layout = (
+        "parallel.expert_model_parallel_size=4",
+        "model.moe_token_dispatcher_type=auto",
+        "trainer.global_batch_size=4",
+    )
+    capped = (*layout, "model.moe_static_rows_capacity=1")
+    graphed, (replays, eager_calls, layers), out = _run(tmp, "capped", True, gpus=4, extra=capped)
+    plain, _, _ = _run(tmp, "plain", False, gpus=4, extra=layout)
+    reruns = len(re.findall("runs again with exact row counts", out))
+    print(f"EP4 capacity 1x: {reruns} of {STEPS} steps ran again; losses {graphed['loss']} vs {plain['loss']}")
+    assert reruns >= STEPS // 2 and eager_calls == reruns * layers  # one micro-batch per rank
+    assert replays == STEPS * layers
+    assert _rel(graphed["loss"][1], plain["loss"][1]) <= 1e-3
+    assert max(_rel(graphed["loss"][s], plain["loss"][s]) for s in range(1, STEPS + 1)) <= 2e-2
