@@ -62,7 +62,7 @@ for part in $parts; do
     dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;
     gpu_tests|graph_tests)
       start=$(date +%s)
-      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k "at_ep or row_capacity"); fi
+      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k "${GRAPH_K:-at_ep or row_capacity}"); fi
       timeout "${TEST_LIMIT:-300}" python3 -m pytest "${args[@]}" -q -s -p no:cacheprovider > "$log/$part.log" 2>&1
       echo "== $part: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt" ;;
     *) echo "unknown part $part" | tee -a "$log/summary.txt" ;;
