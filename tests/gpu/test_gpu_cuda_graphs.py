@@ -122,7 +122,7 @@ def test_graphed_moe_at_ep_trains_as_eager(model_dir, ep):
     family, tmp = model_dir
     layout = (
         f"parallel.expert_model_parallel_size={ep}",
-        "model.moe_token_dispatcher_type=auto",
+        "model.moe_token_dispatcher_type=allgather",  # auto: alltoall past top-k (2) ranks
         f"trainer.global_batch_size={ep}",  # one micro-batch per rank (data parallel EP for the dense part)
     )
     graphed, (replays, eager_calls, layers), out = _run(tmp, f"graphed_ep{ep}", True, gpus=ep, extra=layout)
@@ -154,7 +154,7 @@ def test_graphed_steps_above_the_row_capacity_run_again_eagerly(tmp_path):
     tmp = make_tiny_model(tmp_path)
     layout = (
         "parallel.expert_model_parallel_size=4",
-        "model.moe_token_dispatcher_type=auto",
+        "model.moe_token_dispatcher_type=allgather",
         "trainer.global_batch_size=4",
     )
     capped = (*layout, "model.moe_static_rows_capacity=1")
