@@ -120,9 +120,9 @@ def _make_arm(name: str, args, device: str, layers: int, first):
         from moe_sft.kernels import permute
 
         if args.static_rows == "off":  # (with graphs they are on anyway: a graph needs them)
-            permute.STATIC_ROWS_MAX_TOKENS = 0
+            permute.STATIC_ROWS_MAX_GATHERED = 0
         elif args.static_rows == "on":
-            permute.STATIC_ROWS_MAX_TOKENS = 1 << 30
+            permute.STATIC_ROWS_MAX_GATHERED = 1 << 30
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
         return OursArm(

@@ -30,13 +30,14 @@ megatron: the per-expert counts, the permutation's two `masked_select`s and its 
 probs' `masked_select`. Here it reads one number, the layer's local row count (`CountedRows`),
 and every other size follows from it and from min(top-k, local experts).
 
-Where micro-batches are small enough for the host to be the limit (`STATIC_ROWS_MAX_TOKENS`), or
-the MoE half is a CUDA graph, the allgather's local permutation has no wait at all (`BoundedRows`,
-`enable_static_rows`): it always has the same row count, the routed rows first and padding after
-them. Why: with one wait per MoE layer the GPU runs the rest of the layer at the host's launch
-pace. Measured at EP2 on 2 x H100 (Qwen3-30B-A3B shape, docs/benchmarks.md): 1.12x the step's
-throughput at 4096 tokens per micro-batch, 0.97x at 8192, where the step is GPU-bound and the
-padding's extra gather and activation traffic is what is left.
+Where a rank gathers few enough tokens for the host to be the limit (`STATIC_ROWS_MAX_GATHERED`),
+or the MoE half is a CUDA graph, the allgather's local permutation has no wait at all
+(`BoundedRows`, `enable_static_rows`): it always has the same row count, the routed rows first and
+padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer at the
+host's launch pace. Measured eagerly (Qwen3-30B-A3B shape, docs/benchmarks.md): EP2 on 2 x H100,
+8192 gathered tokens (4096 per micro-batch), 1.12x the step's throughput; 16,384 gathered, the
+step is GPU-bound and the padding's extra gather and activation traffic is what is left: 0.97x at
+EP2 (8192 per micro-batch), 0.89x at EP4 on 4 x H200 (4096 per micro-batch).
 
 That count is the rank's worst case, tokens x min(top-k, local experts), capped at the capacity
 (`model.moe_static_rows_capacity`, 2 by default) times its expected routed rows, tokens x top-k x
@@ -96,13 +97,14 @@ class BoundedRows(int):
 
 
 STATIC_ROWS_CAPACITY = 2.0  # default cap of a rank's static rows, as a multiple of its expected routed rows
-STATIC_ROWS_MAX_TOKENS = 4096  # the largest micro-batch (tokens per rank) that gets static rows
+STATIC_ROWS_MAX_GATHERED = 8192  # eager: the most tokens a rank gathers (micro-batch x expert group)
 
 
-def static_rows_apply(tokens: int, graphed: bool = False) -> bool:
-    """Static rows for micro-batches of `tokens` per rank; any size where the MoE half is `graphed`
-    (trainer.cuda_graphs), since a graph needs the static size."""
-    return graphed or tokens <= STATIC_ROWS_MAX_TOKENS
+def static_rows_apply(gathered: int, graphed: bool = False) -> bool:
+    """Static rows where a rank's dispatcher gathers `gathered` tokens (tokens per rank of a
+    micro-batch x EP x expert-TP); any size where the MoE half is `graphed` (trainer.cuda_graphs),
+    since a graph needs the static size."""
+    return graphed or gathered <= STATIC_ROWS_MAX_GATHERED
 
 
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
@@ -362,7 +364,7 @@ def static_rows_padding(dispatcher) -> float:
 
 def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: float = STATIC_ROWS_CAPACITY) -> int:
     """Turns on static rows in every allgather dispatcher of the chunks where `static_rows_apply`
-    (micro-batches of `tokens` per rank) and whose experts read no row beyond their offsets (no
+    (micro-batches of `tokens` per rank, gathered over the expert group) and whose experts read no row beyond their offsets (no
     biases, no adapters), capped at `capacity` x the expected rows; returns how many layers.
     `graphed`: trainer.cuda_graphs is on (moe_sft/trainer/cuda_graphs.py)."""
     from megatron.core.utils import get_attr_wrapped_model
@@ -375,7 +377,8 @@ def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: flo
                 continue
             experts = layer.mlp.experts
             plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
-            static = plain and static_rows_apply(tokens, graphed) and not dispatcher.config.moe_permute_fusion
+            gathered = tokens * dispatcher.ep_size * dispatcher.tp_size
+            static = plain and static_rows_apply(gathered, graphed) and not dispatcher.config.moe_permute_fusion
             dispatcher.moe_sft_static_rows = static
             dispatcher.moe_sft_capacity = capacity
             # the most rows routing sent above the capacity since the last look (row_capacity.py); kept

@@ -213,7 +213,7 @@ def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
         return 1.0
     if train.peft is not None and peft_memory.adapts_experts(train.peft):
         return 1.0
-    if not permute.static_rows_apply(train.tokens // lay.cp, train.cuda_graphs):
+    if not permute.static_rows_apply(train.tokens // lay.cp * lay.ep * lay.etp, train.cuda_graphs):
         return 1.0
     return permute.static_rows_bound(lay.ep, s.topk, s.num_experts // lay.ep, train.static_rows_capacity)
 

@@ -211,10 +211,10 @@ def test_static_rows_are_capped_at_twice_the_expected_rows():
     assert padding(8, 8, 1) == 1.0  # one expert per rank: at most one row per token
     assert padding(2, 2, 4) == 2.0  # the tiny test models at EP2
     assert padding(2, 2, 4, capacity=1.0) == 1.0
-    # micro-batches of up to 4096 tokens per rank (above it the step is GPU-bound: measured slower),
-    # any size with CUDA graphs
-    assert ours.static_rows_apply(4096) and not ours.static_rows_apply(8192)
-    assert ours.static_rows_apply(8192, graphed=True)
+    # eagerly up to 8192 gathered tokens per rank (EP2 x 4096; above it the step is GPU-bound and
+    # measured slower: EP2 x 8192, EP4 x 4096), any size with CUDA graphs
+    assert ours.static_rows_apply(2 * 4096) and not ours.static_rows_apply(2 * 8192)
+    assert not ours.static_rows_apply(4 * 4096) and ours.static_rows_apply(4 * 4096, graphed=True)
 
 
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():

@@ -874,8 +874,8 @@ def test_lora_memory_terms_for_a_small_config():
     # full SFT's experts hold the allgather's static rows (kernels/permute.py), adapted ones do not
     padding = memory.static_rows_padding(shape, lay, full)
     assert padding == 2.0 and memory.static_rows_padding(shape, lay, lora) == 1.0
-    # above the micro-batch bound only a graphed MoE half keeps them (it needs the static size)
-    long = memory.Training(tokens=2 * permute.STATIC_ROWS_MAX_TOKENS * lay.cp, micro_batches=2)
+    # above the gathered-token bound only a graphed MoE half keeps them (it needs the static size)
+    long = memory.Training(tokens=2 * permute.STATIC_ROWS_MAX_GATHERED * lay.cp, micro_batches=2)
     graphed = memory.Training(tokens=long.tokens, micro_batches=2, cuda_graphs=True)
     assert memory.static_rows_padding(shape, lay, long) == 1.0 < memory.static_rows_padding(shape, lay, graphed) == 2.0
     assert memory.stage_memory(shape, lay, 0, lora, imbalance=padding).activations == a.activations > b.activations

@@ -185,6 +185,7 @@ def test_static_rows_make_no_host_sync_and_their_padding_reaches_nothing():
 
     d = _moe_layer("allgather").token_dispatcher
     d.local_expert_indices, d.num_local_experts = [2, 3, 4], 3
+    d.moe_sft_capacity, d.moe_sft_excess = 2.0, torch.zeros((), dtype=torch.long, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, hidden = 2048, 256
     scores = torch.rand(tokens, 16, device="cuda", generator=g)
@@ -216,3 +217,16 @@ def test_static_rows_make_no_host_sync_and_their_padding_reaches_nothing():
     for a, b in zip(mine[1:], ref[1:]):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)
+    assert d.moe_sft_excess.item() == 0
+    # Above the capacity (0.75x the expected rows here): cut, recorded on the device, still no host sync
+    routed = int(routing_map[:, 2:5].sum())
+    d.moe_sft_capacity = 0.75
+    capacity = ours.static_rows_count(tokens, d, 0.75)
+    assert capacity < routed
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cut = round_trip(ours._allgather_postprocess, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert d.moe_sft_excess.item() == routed - capacity
+    assert all(torch.isfinite(t).all() for t in cut)
