@@ -355,18 +355,11 @@ def static_rows_count(tokens: int, dispatcher, capacity: float) -> int:
     return min(worst, math.ceil(capacity * tokens * dispatcher.router_topk * local / experts))
 
 
-def static_rows_padding(dispatcher) -> float:
-    """`static_rows_bound` of a built dispatcher."""
-    return static_rows_bound(
-        dispatcher.ep_size, dispatcher.router_topk, dispatcher.num_local_experts, dispatcher.moe_sft_capacity
-    )
-
-
 def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: float = STATIC_ROWS_CAPACITY) -> int:
     """Turns on static rows in every allgather dispatcher of the chunks where `static_rows_apply`
-    (micro-batches of `tokens` per rank, gathered over the expert group) and whose experts read no row beyond their offsets (no
-    biases, no adapters), capped at `capacity` x the expected rows; returns how many layers.
-    `graphed`: trainer.cuda_graphs is on (moe_sft/trainer/cuda_graphs.py)."""
+    (micro-batches of `tokens` per rank, gathered over the expert group) and whose experts read no
+    row beyond their offsets (no biases, no adapters), capped at `capacity` x the expected rows;
+    returns how many layers. `graphed`: trainer.cuda_graphs is on (moe_sft/trainer/cuda_graphs.py)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     enabled = 0

@@ -16,7 +16,9 @@ dropless dispatch has no host sync and fixed sizes (moe_sft/kernels/permute.py),
 serves every micro-batch of that length; micro-batches are padded to `data.pack_length`. With
 EP > 1 the allgather dispatcher's gather and reduce-scatter have fixed sizes too, and with static
 rows so has its local permutation: the graph holds those NCCL collectives (`dispatch_ineligible`
-says where that does not hold: the alltoall, or more padding than static rows allow).
+says where that does not hold: the alltoall, or experts with biases or adapters). Past EP2 the
+static rows are capped below their worst case; a step whose routing exceeds the cap inside a
+graph runs again eagerly (moe_sft/trainer/row_capacity.py).
 
 What the graphs rely on, and how it is kept true:
 - Every micro-batch's forward is followed by its backward before the next forward (PP = 1): each
@@ -287,7 +289,8 @@ def release(chunks) -> None:
 
 def reset_after_capture(chunks, routing_stats=None) -> None:
     """Undo what the warm-up iterations accumulated: main grads, aux-loss logs, routing statistics and
-    the expert-bias token counts, the static rows' excess (all updated in place, which is why the graphs can keep them)."""
+    the expert-bias token counts, the static rows' excess (all updated in place, which is why the
+    graphs can keep them)."""
     from megatron.core.transformer.moe import moe_utils
 
     for chunk in chunks:

@@ -200,11 +200,7 @@ def test_static_rows_are_capped_at_twice_the_expected_rows():
     rows hold at most the capacity (2x by default), whatever the EP (experts without biases or
     adapters: the trainer's EP2 runs log it, tests/dist/test_expert_parallel.py compares them with
     one rank, there with the capacity cut to 1x too)."""
-    from types import SimpleNamespace
-
-    def padding(ep, topk, local, capacity=2.0):
-        d = SimpleNamespace(ep_size=ep, router_topk=topk, num_local_experts=local, moe_sft_capacity=capacity)
-        return ours.static_rows_padding(d)
+    padding = ours.static_rows_bound
 
     assert padding(2, 8, 64) == 2.0 and padding(4, 8, 32) == 2.0  # Qwen3-30B-A3B at EP2 / EP4 (worst: 4x)
     assert ours.static_rows_worst(4, 8, 32) == 4.0 and padding(4, 8, 32, capacity=3.0) == 3.0
