@@ -63,6 +63,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="moe-sft arms: model.moe_token_dispatcher_type",
     )
     parser.add_argument(
+        "--static-rows-capacity",
+        type=float,
+        default=2.0,
+        help="moe-sft arms: model.moe_static_rows_capacity (static rows' cap, x a rank's expected rows)",
+    )
+    parser.add_argument(
         "--static-rows",
         default="auto",
         choices=("auto", "on", "off"),
@@ -98,6 +104,8 @@ def _forwarded(args) -> list[str]:
         args.dispatcher,
         "--static-rows",
         args.static_rows,
+        "--static-rows-capacity",
+        str(args.static_rows_capacity),
         "--hf-attn",
         args.hf_attn,
         "--hf-experts",
@@ -136,6 +144,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             device=device,
             cuda_graphs=name == "moe-sft-graphs",
             lora=name == "moe-sft-lora",
+            static_rows_capacity=args.static_rows_capacity,
         )
     if name == "transformers":
         from benchmarks.hf import HFArm

@@ -48,12 +48,17 @@ def bench_config(
     device: str = "auto",
     cuda_graphs: bool = False,
     peft: PeftConfig | None = None,
+    static_rows_capacity: float = 2.0,
 ) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
     return TrainConfig(
         model=ModelConfig(
-            mcore_path=str(work / "model"), backend="torch", moe_token_dispatcher_type=dispatcher, **options
+            mcore_path=str(work / "model"),
+            backend="torch",
+            moe_token_dispatcher_type=dispatcher,
+            moe_static_rows_capacity=static_rows_capacity,
+            **options,
         ),
         # validate_config checks that a train file exists; the workload replaces the data plan
         data=DataConfig(
@@ -121,6 +126,7 @@ class OursArm:
         device: str = "auto",
         cuda_graphs: bool = False,
         lora: bool = False,
+        static_rows_capacity: float = 2.0,
     ):
         self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
@@ -135,6 +141,7 @@ class OursArm:
             device=device,
             cuda_graphs=cuda_graphs,
             peft=BENCH_LORA if lora else None,
+            static_rows_capacity=static_rows_capacity,
         )
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer

@@ -12,6 +12,7 @@
 #   ep4_graphs / ep4_counted       the same at EP4 (static rows capped at 2x the expected rows) / the
 #                                  eager allgather with `--static-rows off`
 #   dsv3_ep4_graphs                dsv3_ep4 with trainer.cuda_graphs and the allgather
+#   ep4_graphs_c125 / _c150        ep4_graphs with static rows capped at 1.25x / 1.5x the expected rows
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   one_graphs                     the same with CUDA graphs (arm moe-sft-graphs)
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
@@ -54,6 +55,8 @@ for part in $parts; do
     ep2_counted) ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --static-rows off ;;
     ep2_graphs) ARM=moe-sft-graphs ep_run "$part" 2 "$ep2_layers" allgather ;;
     ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather ;;
+    ep4_graphs_c125) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows-capacity 1.25 ;;
+    ep4_graphs_c150) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows-capacity 1.5 ;;
     ep4_counted) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows off ;;
     dsv3_ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced ;;
     one|one_graphs) arm=$([ $part = one ] && echo moe-sft || echo moe-sft-graphs)
