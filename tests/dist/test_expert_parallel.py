@@ -48,3 +48,39 @@ def test_ep2_dp2_losses_match_one_rank(tmp_path):
     assert "rows above 1x its expected rows" in reruns[0]
     for step in (1, 2, 3):
         assert capped[step] == pytest.approx(one[step], rel=2e-4), (one, capped)
+
+
+def test_a_step_run_again_updates_the_expert_bias_once(tmp_path):
+    """GLM-4.5's tiny model (sigmoid routing with the aux-loss-free expert bias, an MTP layer) at EP2
+    with the static rows' capacity at 1x, so that steps run again (trainer/row_capacity.py).
+    megatron updates the expert bias from the step's token counts after each backward; the re-run
+    must start from the bias as it was, or the bias moves twice per step. Loss, grad norm and the
+    bias drift (TensorBoard's float32 values) equal those of the same layout without re-runs."""
+    from transformers import AutoTokenizer
+
+    from moe_sft.conversion.convert import convert
+    from tests.dist.launch import REPO
+    from tests.glm4_moe_mtp import write_tiny_glm4_moe_with_mtp
+    from tools.plot_metrics import read_scalars
+
+    vocab = len(AutoTokenizer.from_pretrained(str(REPO / "recipes/demo/tokenizer")))
+    write_tiny_glm4_moe_with_mtp(tmp_path / "hf", vocab)
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    glm = [
+        "parallel.expert_model_parallel_size=2",
+        "model.create_tiny_if_missing=false",
+        "model.moe_router_bias_update_rate=0.01",  # a visible move per step
+        "model.mtp_loss_weight=0.3",
+    ]
+    runs = {}
+    for name, capacity in (("plain", 2), ("capped", 1)):
+        _, log = _run(tmp_path, 2, [*glm, f"model.moe_static_rows_capacity={capacity}"], name)
+        reruns = log.count("runs again with exact row counts")
+        scalars = read_scalars(tmp_path / f"run2{name}")
+        runs[name] = (reruns, {tag: dict(scalars[tag]) for tag in ("train/loss", "train/grad_norm", "moe/bias_drift")})
+    assert runs["plain"][0] == 0 and runs["capped"][0] == 3, runs
+    plain, capped = runs["plain"][1], runs["capped"][1]
+    assert plain["moe/bias_drift"][1] > 0
+    for tag, by_step in plain.items():
+        for step in (1, 2, 3):
+            assert capped[tag][step] == pytest.approx(by_step[step], rel=1e-5), (tag, plain, capped)
