@@ -30,48 +30,55 @@ from moe_sft.trainer import cuda_graphs
 
 
 class RowCapacity:
-    """The capped static-row layers of the model chunks, and the re-runs their overflows cost."""
+    """The capped static-row layers of the model chunks, and the re-runs their overflows cost.
 
-    def __init__(self, chunks, routing_stats=None):
+    `collective`: the run has an allgather dispatcher at EP x expert-TP > 1, the same on every rank,
+    so every rank reads the excess each step, also a pipeline stage whose own layers are not capped
+    (dense layers only): the re-run is the whole step's, on every rank."""
+
+    def __init__(self, chunks, num_layers: int, collective: bool, routing_stats=None):
         self.chunks = chunks
+        self.num_layers = num_layers  # megatron's layer numbers are global across pipeline stages
+        self.collective = collective and dist.is_initialized()
         self.capped = permute.capped_dispatchers(chunks)  # again each step: a benchmark may re-enable them
         self.routing_stats = routing_stats
         self.reruns = 0
         self._saved = None
 
     @property
-    def active(self) -> bool:
-        return bool(self.capped)
+    def watching(self) -> bool:
+        return bool(self.capped) or self.collective
 
     def before_step(self) -> None:
         """Keep what a forward and backward change besides the gradients (small tensors)."""
         self.capped = permute.capped_dispatchers(self.chunks)
-        if not self.active:
+        if not self.watching:
             return
         biases = [(b, b.clone()) for b in _expert_biases(self.chunks)]
         stats = self.routing_stats.acc.clone() if self.routing_stats is not None else None
-        on_cuda = self.capped[0][1].moe_sft_excess.is_cuda
         rng = (
             torch.get_rng_state(),
-            torch.cuda.get_rng_state() if on_cuda else None,
+            torch.cuda.get_rng_state() if self._device().type == "cuda" else None,
             get_cuda_rng_tracker().get_states(),
         )
         self._saved = (biases, stats, rng)
 
     def overflows(self) -> list[str]:
-        """The capped layers whose routing exceeded the capacity on any rank this step (empty: none)."""
-        if not self.active:
+        """The layers whose routing exceeded the capacity on any rank this step (empty: none)."""
+        if not self.watching:
             return []
-        excess = torch.stack([d.moe_sft_excess for _, d in self.capped])
-        if dist.is_initialized():
+        excess = torch.zeros(self.num_layers, dtype=torch.long, device=self._device())
+        if self.capped:
+            numbers = torch.tensor([n - 1 for n, _ in self.capped], device=excess.device)
+            excess.index_copy_(0, numbers, torch.stack([d.moe_sft_excess for _, d in self.capped]))
+        if self.collective:
             dist.all_reduce(excess, op=dist.ReduceOp.MAX)
         for _, d in self.capped:
             d.moe_sft_excess.zero_()
-        return [
-            f"layer {number}: {int(rows):,} rows above {d.moe_sft_capacity:g}x its expected rows"
-            for (number, d), rows in zip(self.capped, excess.tolist())
-            if rows > 0
-        ]
+        return [f"layer {n + 1}: {rows:,} rows above the capacity" for n, rows in enumerate(excess.tolist()) if rows]
+
+    def _device(self) -> torch.device:
+        return next(p for chunk in self.chunks for p in chunk.parameters()).device
 
     def restore(self) -> None:
         """Put back what `before_step` kept and clear what the step accumulated."""

@@ -182,7 +182,12 @@ class Trainer:
             gc=self.gc,
             skips=guard.SkipCounter(t.max_skipped_steps_in_a_row),
             zero_grads=guard.ZeroGradStreak(),
-            row_capacity=RowCapacity(model, telemetry.moe),
+            row_capacity=RowCapacity(
+                model,
+                tconfig.num_layers,
+                collective=tconfig.moe_token_dispatcher_type == "allgather" and self._expert_group() > 1,
+                routing_stats=telemetry.moe,
+            ),
             start_step=start_step,
             consumed_tokens=consumed,
         )
@@ -317,12 +322,16 @@ class Trainer:
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
         # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
         # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
-        expert_group = p.expert_model_parallel_size * p.expert_tp
+        expert_group = self._expert_group()
         allgather = self._token_dispatcher(expert_group) == "allgather"
         fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
         if fixed_shape or self.cfg.trainer.cuda_graphs:  # graphs: one micro-batch length
             pad_to = d.pack_length
         return BatchShape(seq_length=d.pack_length, fixed_shape=fixed_shape, pad_to=pad_to)
+
+    def _expert_group(self) -> int:
+        p = self.cfg.parallel
+        return p.expert_model_parallel_size * p.expert_tp
 
     def _token_dispatcher(self, expert_group: int) -> str:
         from moe_sft.conversion.hf_source import load_hf_config
