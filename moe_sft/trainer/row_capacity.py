@@ -40,7 +40,7 @@ class RowCapacity:
         self.chunks = chunks
         self.num_layers = num_layers  # megatron's layer numbers are global across pipeline stages
         self.collective = collective and dist.is_initialized()
-        self.capped = permute.capped_dispatchers(chunks)  # again each step: a benchmark may re-enable them
+        self.capped = []  # read in each step's before_step: a benchmark re-enables static rows per budget
         self.routing_stats = routing_stats
         self.reruns = 0
         self._saved = None
