@@ -69,6 +69,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="moe-sft arms: model.moe_static_rows_capacity (static rows' cap, x a rank's expected rows)",
     )
     parser.add_argument(
+        "--combine-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="moe-sft arms: model.moe_combine_dtype (the allgather combine's reduce-scatter)",
+    )
+    parser.add_argument(
+        "--padding-rows",
+        default="skip",
+        choices=("skip", "compute"),
+        help="moe-sft arms, static rows: the row gathers and SwiGLU stop at the routed rows (skip) or "
+        "run over the padding too (compute: the A/B of moe_sft/kernels/bounded_rows.py)",
+    )
+    parser.add_argument(
         "--static-rows",
         default="auto",
         choices=("auto", "on", "off"),
@@ -106,6 +119,10 @@ def _forwarded(args) -> list[str]:
         args.static_rows,
         "--static-rows-capacity",
         str(args.static_rows_capacity),
+        "--combine-dtype",
+        args.combine_dtype,
+        "--padding-rows",
+        args.padding_rows,
         "--hf-attn",
         args.hf_attn,
         "--hf-experts",
@@ -125,8 +142,9 @@ def _make_arm(name: str, args, device: str, layers: int, first):
 
     if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
         from benchmarks.ours import OursArm
-        from moe_sft.kernels import permute
+        from moe_sft.kernels import bounded_rows, permute
 
+        bounded_rows.ENABLED = args.padding_rows == "skip"
         if args.static_rows == "off":  # (with graphs they are on anyway: a graph needs them)
             permute.STATIC_ROWS_MAX_GATHERED = 0
         elif args.static_rows == "on":
@@ -145,6 +163,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             cuda_graphs=name == "moe-sft-graphs",
             lora=name == "moe-sft-lora",
             static_rows_capacity=args.static_rows_capacity,
+            combine_dtype=args.combine_dtype,
         )
     if name == "transformers":
         from benchmarks.hf import HFArm

@@ -49,6 +49,7 @@ def bench_config(
     cuda_graphs: bool = False,
     peft: PeftConfig | None = None,
     static_rows_capacity: float = 2.0,
+    combine_dtype: str = "fp32",
 ) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
@@ -58,6 +59,7 @@ def bench_config(
             backend="torch",
             moe_token_dispatcher_type=dispatcher,
             moe_static_rows_capacity=static_rows_capacity,
+            moe_combine_dtype=combine_dtype,
             **options,
         ),
         # validate_config checks that a train file exists; the workload replaces the data plan
@@ -127,6 +129,7 @@ class OursArm:
         cuda_graphs: bool = False,
         lora: bool = False,
         static_rows_capacity: float = 2.0,
+        combine_dtype: str = "fp32",
     ):
         self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
@@ -142,6 +145,7 @@ class OursArm:
             cuda_graphs=cuda_graphs,
             peft=BENCH_LORA if lora else None,
             static_rows_capacity=static_rows_capacity,
+            combine_dtype=combine_dtype,
         )
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer

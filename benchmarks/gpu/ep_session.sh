@@ -13,11 +13,16 @@
 #                                  eager allgather with `--static-rows off`
 #   dsv3_ep4_graphs                dsv3_ep4 with trainer.cuda_graphs and the allgather
 #   ep4_graphs_c125 / _c150        ep4_graphs with static rows capped at 1.25x / 1.5x the expected rows
+#   ep4_graphs_padded              ep4_graphs with the padding rows gathered and activated (the A/B of
+#                                  moe_sft/kernels/bounded_rows.py, `--padding-rows compute`)
+#   ep4_graphs_bf16                ep4_graphs with the combine's reduce-scatter in bf16
+#   ep4_static                     the eager allgather with `--static-rows on` at every budget
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   one_graphs                     the same with CUDA graphs (arm moe-sft-graphs)
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
 #                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
-#   gpu_tests                      tests/gpu/test_gpu_dispatch.py (the dispatch's numerics, host syncs)
+#   gpu_tests                      tests/gpu/test_gpu_dispatch.py and test_gpu_bounded_rows.py (the
+#                                  dispatch's numerics, host syncs, the kernels that skip padding)
 #   graph_tests                    tests/gpu/test_gpu_cuda_graphs.py at EP2 / EP4 and the row-capacity
 #                                  re-run (graphed vs eager; each skips without its GPU count)
 # Layer counts default to what fits the GPU (H200: 24 / 16 / 8 / 10; 80 GB H100: 16 / 10 / 5 / 6).
@@ -57,6 +62,9 @@ for part in $parts; do
     ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather ;;
     ep4_graphs_c125) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows-capacity 1.25 ;;
     ep4_graphs_c150) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows-capacity 1.5 ;;
+    ep4_graphs_padded) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --padding-rows compute ;;
+    ep4_graphs_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --combine-dtype bf16 ;;
+    ep4_static) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows on ;;
     ep4_counted) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows off ;;
     dsv3_ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced ;;
     one|one_graphs) arm=$([ $part = one ] && echo moe-sft || echo moe-sft-graphs)
@@ -65,7 +73,7 @@ for part in $parts; do
     dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;
     gpu_tests|graph_tests)
       start=$(date +%s)
-      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k "${GRAPH_K:-at_ep or row_capacity}"); fi
+      if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py tests/gpu/test_gpu_bounded_rows.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k "${GRAPH_K:-at_ep or row_capacity}"); fi
       timeout "${TEST_LIMIT:-300}" python3 -m pytest "${args[@]}" -q -s -p no:cacheprovider > "$log/$part.log" 2>&1
       echo "== $part: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log/summary.txt" ;;
     *) echo "unknown part $part" | tee -a "$log/summary.txt" ;;

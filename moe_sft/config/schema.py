@@ -97,6 +97,12 @@ class ModelConfig:
         "sends more runs again without it (nothing is dropped; logged, train/row_capacity_reruns; "
         "EP4 on 4 x H200: 1.5 was 4% faster per step, but a re-run costs 2.4 steps: docs/benchmarks.md)",
     )
+    moe_combine_dtype: str = _f(
+        "fp32",
+        "allgather dispatcher: dtype of the combine's reduce-scatter over the expert group; fp32 "
+        "(megatron's) | bf16 (half the bytes, as a TP layer's reduce-scatter; sums in bf16 per hop)",
+        ("fp32", "bf16"),
+    )
     recompute_granularity: str | None = _f(
         None, "activation recomputation: null (off) | full | selective", (None, "full", "selective")
     )

@@ -62,9 +62,10 @@ from __future__ import annotations
 import math
 
 import torch
+from megatron.core.tensor_parallel import reduce_scatter_to_sequence_parallel_region
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from moe_sft.kernels import topk_rows
+from moe_sft.kernels import bounded_rows, topk_rows
 from moe_sft.kernels.gather_sum import gather_sum
 
 _megatron_permute = moe_utils.permute
@@ -87,12 +88,14 @@ class CountedRows(int):
 
 
 class BoundedRows(int):
-    """The static row count of the allgather's local permutation, tokens x `width`: the routed rows
-    first (megatron's order), then padding rows that no result reads."""
+    """The static row count of the allgather's local permutation: the routed rows first (megatron's
+    order), then padding rows that no result reads. `width`: the most rows a token may have;
+    `routed`: the routed row count on the device (0-dim), where the row-wise kernels stop
+    (moe_sft/kernels/bounded_rows.py), or None to run them over every row."""
 
-    def __new__(cls, count: int, width: int):
+    def __new__(cls, count: int, width: int, routed: torch.Tensor | None = None):
         rows = super().__new__(cls, count)
-        rows.width = width
+        rows.width, rows.routed = width, routed
         return rows
 
 
@@ -183,31 +186,34 @@ def _merge_rows(rows_data: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tenso
 
 
 class _GatherRows(torch.autograd.Function):
-    """Forward: x[rows]. Backward: a token's gradient is the sum of its rows' gradients."""
+    """Forward: x[rows] (up to the routed rows' bound, if any). Backward: a token's gradient is the
+    sum of its rows' gradients."""
 
     @staticmethod
-    def forward(ctx, x, rows, slot_rows):
+    def forward(ctx, x, rows, slot_rows, bound):
         ctx.save_for_backward(slot_rows)
-        return x.index_select(0, rows)
+        return bounded_rows.gather_rows(x, rows, bound)
 
     @staticmethod
     def backward(ctx, grad_rows):
         (slot_rows,) = ctx.saved_tensors
-        return _merge_rows(grad_rows, slot_rows), None, None
+        return _merge_rows(grad_rows, slot_rows), None, None, None
 
 
 class _MergeRows(torch.autograd.Function):
-    """Forward: out[t] = sum of token t's rows. Backward: every row gets its token's gradient."""
+    """Forward: out[t] = sum of token t's rows. Backward: every row gets its token's gradient (up
+    to the routed rows' bound, if any: a padding row's gradient is never read)."""
 
     @staticmethod
     def forward(ctx, rows_data, rows, slot_rows):
-        ctx.save_for_backward(rows)
+        bound = getattr(rows, "_moe_sft_bound", None)
+        ctx.save_for_backward(rows, bound)
         return _merge_rows(rows_data, slot_rows)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (rows,) = ctx.saved_tensors
-        return grad_out.index_select(0, rows), None, None
+        rows, bound = ctx.saved_tensors
+        return bounded_rows.gather_rows(grad_out, rows, bound), None, None
 
 
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
@@ -216,9 +222,10 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
         return _megatron_permute(
             tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused, drop_and_pad=drop_and_pad
         )
-    permuted_probs = None
+    permuted_probs, bound = None, None
     known = _known_rows(routing_map, num_out_tokens)
     if isinstance(num_out_tokens, BoundedRows):
+        bound = num_out_tokens.routed
         rows, slot_rows, permuted_probs = _padded_rows(routing_map, probs, int(num_out_tokens), num_out_tokens.width)
     elif known and known[1] and topk_rows.fits(routing_map):  # exactly top-k, CUDA: one Triton pass
         rows, slot_rows, permuted_probs = topk_rows.topk_rows(routing_map, probs, known[0])
@@ -236,7 +243,11 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
     # megatron hands `rows` (its "sorted_indices") back to unpermute: the slots travel with it, so
     # the combine does not recompute them (another masked_select, i.e. another host sync).
     rows._moe_sft_slots = slot_rows
-    return _GatherRows.apply(tokens, rows, slot_rows), permuted_probs, rows
+    rows._moe_sft_bound = bound
+    permuted = _GatherRows.apply(tokens, rows, slot_rows, bound)
+    # the experts' SwiGLU stops there too (moe_sft/layers/experts.py)
+    permuted._moe_sft_rows_bound = bound
+    return permuted, permuted_probs, rows
 
 
 def unpermute(
@@ -315,11 +326,12 @@ def _allgather_postprocess(self, hidden_states, probs):
     width = min(self.router_topk, self.num_local_experts)
     if getattr(self, "moe_sft_static_rows", False):
         capacity = static_rows_count(hidden_states.shape[0], self, self.moe_sft_capacity)
-        rows = BoundedRows(capacity, width)
+        routed = tokens_per_expert.cumsum(0)
         if capacity < hidden_states.shape[0] * width:  # routing may exceed it: cut, and record by how much
-            routed = tokens_per_expert.cumsum(0)
             torch.maximum(self.moe_sft_excess, routed[-1] - capacity, out=self.moe_sft_excess)
-            tokens_per_expert = torch.diff(routed.clamp(max=capacity), prepend=routed.new_zeros(1))
+            routed = routed.clamp(max=capacity)
+            tokens_per_expert = torch.diff(routed, prepend=routed.new_zeros(1))
+        rows = BoundedRows(capacity, width, routed[-1])
     else:
         rows = CountedRows(int(tokens_per_expert.sum()), width)
     permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
@@ -329,6 +341,41 @@ def _allgather_postprocess(self, hidden_states, probs):
     return permuted, tokens_per_expert, self.local_probs
 
 
+_megatron_allgather_combine = token_dispatcher.MoEAllGatherTokenDispatcher.token_combine
+
+
+def _allgather_combine(self, hidden_states):
+    """megatron's allgather `token_combine`; with `moe_sft_combine_dtype` bf16 the reduce-scatter
+    sums the expert outputs in their own dtype (megatron casts them to fp32 first: twice the bytes)."""
+    if getattr(self, "moe_sft_combine_dtype", "fp32") == "fp32" or (self.tp_size == 1 and self.ep_size == 1):
+        return _megatron_allgather_combine(self, hidden_states)
+    return reduce_scatter_to_sequence_parallel_region(hidden_states, group=self.tp_ep_group)
+
+
+def set_combine_dtype(chunks, dtype: str) -> int:
+    """Sets the combine's reduce-scatter dtype (`model.moe_combine_dtype`) of every allgather
+    dispatcher of the chunks; returns how many layers."""
+    dispatchers = _allgather_dispatchers(chunks)
+    for _, dispatcher in dispatchers:
+        dispatcher.moe_sft_combine_dtype = dtype
+    return len(dispatchers)
+
+
+def _allgather_dispatchers(chunks) -> list:
+    """(layer, dispatcher) of every MoE layer of the chunks with the allgather dispatcher."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return [
+        (layer, dispatcher)
+        for chunk in chunks
+        for layer in get_attr_wrapped_model(chunk, "decoder").layers
+        if isinstance(
+            dispatcher := getattr(getattr(layer, "mlp", None), "token_dispatcher", None),
+            token_dispatcher.MoEAllGatherTokenDispatcher,
+        )
+    ]
+
+
 def use_gather_permutation() -> None:
     """Make megatron's token dispatchers use the functions above (they import them by name)."""
     token_dispatcher.permute = permute
@@ -336,6 +383,7 @@ def use_gather_permutation() -> None:
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
     token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess = _alltoall_preprocess
     token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess = _allgather_postprocess
+    token_dispatcher.MoEAllGatherTokenDispatcher.token_combine = _allgather_combine
 
 
 def static_rows_worst(ep: int, topk: int, local_experts: int) -> float:
@@ -360,26 +408,20 @@ def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: flo
     (micro-batches of `tokens` per rank, gathered over the expert group) and whose experts read no
     row beyond their offsets (no biases, no adapters), capped at `capacity` x the expected rows;
     returns how many layers. `graphed`: trainer.cuda_graphs is on (moe_sft/trainer/cuda_graphs.py)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
     enabled = 0
-    for chunk in chunks:
-        for layer in get_attr_wrapped_model(chunk, "decoder").layers:
-            dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
-            if not isinstance(dispatcher, token_dispatcher.MoEAllGatherTokenDispatcher):
-                continue
-            experts = layer.mlp.experts
-            plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
-            gathered = tokens * dispatcher.ep_size * dispatcher.tp_size
-            static = plain and static_rows_apply(gathered, graphed) and not dispatcher.config.moe_permute_fusion
-            dispatcher.moe_sft_static_rows = static
-            dispatcher.moe_sft_capacity = capacity
-            # the most rows routing sent above the capacity since the last look (row_capacity.py); kept
-            # across calls, since a captured graph holds its address
-            if getattr(dispatcher, "moe_sft_excess", None) is None:
-                device = next(layer.mlp.parameters()).device
-                dispatcher.moe_sft_excess = torch.zeros((), dtype=torch.long, device=device)
-            enabled += static
+    for layer, dispatcher in _allgather_dispatchers(chunks):
+        experts = layer.mlp.experts
+        plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
+        gathered = tokens * dispatcher.ep_size * dispatcher.tp_size
+        static = plain and static_rows_apply(gathered, graphed) and not dispatcher.config.moe_permute_fusion
+        dispatcher.moe_sft_static_rows = static
+        dispatcher.moe_sft_capacity = capacity
+        # the most rows routing sent above the capacity since the last look (row_capacity.py); kept
+        # across calls, since a captured graph holds its address
+        if getattr(dispatcher, "moe_sft_excess", None) is None:
+            device = next(layer.mlp.parameters()).device
+            dispatcher.moe_sft_excess = torch.zeros((), dtype=torch.long, device=device)
+        enabled += static
     return enabled
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe import experts as mcore_experts
 
-from moe_sft.kernels import wgrad
+from moe_sft.kernels import bounded_rows, wgrad
 from moe_sft.layers import expert_bias
 from moe_sft.runtime.device import host_to_device
 
@@ -84,6 +84,7 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
         if config.add_bias_linear:
             expert_bias.add_expert_biases(self)
         self._extended_glu = expert_bias.uses_extended_glu(config)
+        self._swiglu = config.gated_linear_unit and config.activation_func is F.silu and not self._extended_glu
         # LoRA beside the grouped weights (moe_sft/peft/experts.py), set when adapters are added:
         # it needs the tokens between fc1 and the activation, which no forward hook sees.
         self.adapter = None
@@ -101,8 +102,12 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
         if self.adapter is not None:
             h = h + self.adapter.fc1(x, tokens_per_expert)
         probs = permuted_probs.unsqueeze(-1)
+        # static rows' padding (moe_sft/kernels/permute.py): the SwiGLU stops at the routed rows
+        bound = getattr(x, "_moe_sft_rows_bound", None)
         if self._extended_glu:
             h = expert_bias.extended_glu_with_probs(self.config, h, probs)
+        elif bound is not None and self._swiglu and bounded_rows.applies(h):
+            h = bounded_rows.swiglu_with_probs(h, probs, bound)
         else:
             # megatron's compiled SwiGLU x probs (one kernel each way on CUDA; the probs product in
             # fp32, rounded once): a separate bf16 multiply took 10.6 ms per step on the H200 benchmark

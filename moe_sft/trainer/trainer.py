@@ -405,6 +405,8 @@ class Trainer:
         )
         if static:
             log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
+        if m.moe_combine_dtype != "fp32" and permute.set_combine_dtype(chunks, m.moe_combine_dtype):
+            log.info(f"the allgather's combine reduce-scatters in {m.moe_combine_dtype} (model.moe_combine_dtype)")
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
         frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
         if patterns:

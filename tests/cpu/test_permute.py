@@ -162,6 +162,7 @@ def test_static_rows_equal_megatron_s_and_their_padding_reaches_nothing(monkeypa
     monkeypatch.setattr(token_dispatcher, "unpermute", ours.unpermute)
     rows, counts, local_probs, *results = round_trip(ours._allgather_postprocess, True)
     assert rows.shape[0] == local_probs.shape[0] == bound and not local_probs[count:].any()
+    assert int(rows._moe_sft_rows_bound) == count  # where the bounded kernels stop (bounded_rows.py)
     monkeypatch.setattr(token_dispatcher, "permute", moe_utils.permute)
     monkeypatch.setattr(token_dispatcher, "unpermute", moe_utils.unpermute)
     ref_rows, ref_counts, ref_probs, *ref = round_trip(ours._megatron_allgather_postprocess, False)
@@ -190,6 +191,7 @@ def test_static_rows_above_their_capacity_keep_megatron_s_first_rows_and_record_
     ref_rows = x.index_select(0, routing_map[:, 2:5].T.nonzero()[:, 1])
     ref_probs = probs.double()[:, 2:5].T[routing_map[:, 2:5].T.bool()]
     assert rows.shape[0] == local_probs.shape[0] == capacity and int(counts.sum()) == capacity
+    assert int(rows._moe_sft_rows_bound) == capacity
     assert torch.equal(counts, torch.diff(ref_counts.cumsum(0).clamp(max=capacity), prepend=torch.zeros(1).long()))
     assert torch.equal(rows, ref_rows[:capacity]) and torch.equal(local_probs, ref_probs[:capacity])
     assert int(d.moe_sft_excess) == count - capacity

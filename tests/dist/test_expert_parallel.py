@@ -32,7 +32,8 @@ def _run(tmp, nproc, extra=(), name=""):
 def test_ep2_dp2_losses_match_one_rank(tmp_path):
     """Top-2 of 8 experts at EP2 and 1024-token micro-batches: the static-row permutation
     (kernels/permute.py, its padding 2x), whose padding must change nothing; and with its capacity
-    cut to 1x, the steps whose routing exceeds it run again and train the same."""
+    cut to 1x, the steps whose routing exceeds it run again and train the same (that run also
+    reduce-scatters the combine in the model's dtype, `model.moe_combine_dtype=bf16`: fp32 on CPU)."""
     one, _ = _run(tmp_path, 1)
     two, log = _run(tmp_path, 2, ["parallel.expert_model_parallel_size=2"])
     assert "2 MoE layers permute a static row count" in log
@@ -42,7 +43,13 @@ def test_ep2_dp2_losses_match_one_rank(tmp_path):
     # Capacity 1x (EP3+ runs are capped at 2x): one of the two ranks gets more than its expected rows
     # in nearly every layer, so the capped permutation cuts rows, and every step must run again with
     # exact rows (trainer/row_capacity.py) and still train as one rank does.
-    capped, log = _run(tmp_path, 2, ["parallel.expert_model_parallel_size=2", "model.moe_static_rows_capacity=1"], "c")
+    capped_run = [
+        "parallel.expert_model_parallel_size=2",
+        "model.moe_static_rows_capacity=1",
+        "model.moe_combine_dtype=bf16",
+    ]
+    capped, log = _run(tmp_path, 2, capped_run, "c")
+    assert "the allgather's combine reduce-scatters in bf16" in log
     reruns = [line for line in log.splitlines() if "runs again with exact row counts" in line]
     assert [line.split("step ")[1].split(":")[0] for line in reruns] == ["1", "2", "3"], log[-3000:]
     assert "rows above the capacity" in reruns[0]
