@@ -65,9 +65,10 @@ def test_swiglu_with_probs_equals_megatron_s_on_the_routed_rows(rows, ffn, route
         assert a.dtype == b.dtype, name
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2, msg=name)
-        # no less accurate than megatron's against the fp64 result
+        # as accurate as megatron's against the fp64 result, up to fp32 summation order (grad probs
+        # sums ffn products per row)
         err, ref_err = (a.double() - e).abs().max(), (b.double() - e).abs().max()
-        assert err <= ref_err * 1.01 + 1e-6, (name, float(err), float(ref_err))
+        assert err <= ref_err * 1.01 + 4e-6 * e.abs().max(), (name, float(err), float(ref_err))
 
 
 def test_a_moe_layer_with_static_rows_is_the_same_with_and_without_the_bounded_kernels():
