@@ -12,6 +12,7 @@
 #   ep4_graphs / ep4_counted       the same at EP4 (static rows capped at 2x the expected rows) / the
 #                                  eager allgather with `--static-rows off`
 #   dsv3_ep4_graphs                dsv3_ep4 with trainer.cuda_graphs and the allgather
+#   dsv3_ep4_graphs_bf16           the same with the combine's reduce-scatter in bf16
 #   ep4_graphs_c125 / _c150        ep4_graphs with static rows capped at 1.25x / 1.5x the expected rows
 #   ep4_graphs_padded              ep4_graphs with the padding rows gathered and activated (the A/B of
 #                                  moe_sft/kernels/bounded_rows.py, `--padding-rows compute`)
@@ -66,6 +67,7 @@ for part in $parts; do
     ep4_graphs_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --combine-dtype bf16 ;;
     ep4_static) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows on ;;
     ep4_counted) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows off ;;
+    dsv3_ep4_graphs_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced --combine-dtype bf16 ;;
     dsv3_ep4_graphs) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced ;;
     one|one_graphs) arm=$([ $part = one ] && echo moe-sft || echo moe-sft-graphs)
       run_part "$part" "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm "$arm" --model qwen3_30b \
