@@ -171,14 +171,16 @@ def test_graphed_steps_above_the_row_capacity_run_again_eagerly(tmp_path):
 def test_bf16_combine_at_ep4_trains_as_the_fp32_one(tmp_path):
     """EP4 with graphs, the allgather combine's reduce-scatter in bf16 (`model.moe_combine_dtype`,
     two more roundings of a token's partial sums at EP4, as a TP layer's reduce-scatter) against
-    megatron's fp32 one: the same losses and grad norms to bf16 precision over 12 steps."""
+    megatron's fp32 one: the same losses and grad norms to bf16 precision over 12 steps. Top-8 of
+    16 experts, so a token's rows lie on up to all 4 ranks (with the quickstart's top-2 at most two
+    partial sums are nonzero, one addition either way, and the two runs are bit-equal)."""
     import torch
 
     from tests.dist.launch import make_tiny_model
 
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    tmp = make_tiny_model(tmp_path)
+    tmp = make_tiny_model(tmp_path, num_experts=16, num_experts_per_tok=8)
     layout = (
         "parallel.expert_model_parallel_size=4",
         "model.moe_token_dispatcher_type=allgather",
