@@ -48,10 +48,11 @@ the expert counts are cut to match, and the layer records the excess on the devi
 (`moe_sft_excess`); the trainer reads it once per step and runs the step again without static rows
 (moe_sft/trainer/row_capacity.py). Nothing routed is ever dropped from an update.
 
-What keeps the padding out of the results: the grouped GEMMs and the weight-gradient kernel stop
-at the last expert's offset; the combine and the gather's backward read the routed rows only (a
-padding row's slot is a spare one past the grid); and the padding's probs are 0 with their
-gradient masked, the one path by which a padding row (whatever the GEMMs left in it) could reach
+What keeps the padding out of the results, and costs it nothing on CUDA: the grouped GEMMs and
+the weight-gradient kernel stop at the last expert's offset, the row gather (forward, and the
+combine's backward) and the experts' SwiGLU at the routed row count (kernels/bounded_rows.py);
+the combine and the gather's backward read the routed rows only (a padding row's slot is a spare
+one past the grid); and the padding's probs are 0 with their gradient masked, the one path by which a padding row (whatever the GEMMs left in it) could reach
 the router. Off for experts with biases or adapters, whose extra terms read every row.
 
 A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
