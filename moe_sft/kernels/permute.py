@@ -52,8 +52,9 @@ What keeps the padding out of the results, and costs it nothing on CUDA: the gro
 the weight-gradient kernel stop at the last expert's offset, the row gather (forward, and the
 combine's backward) and the experts' SwiGLU at the routed row count (kernels/bounded_rows.py);
 the combine and the gather's backward read the routed rows only (a padding row's slot is a spare
-one past the grid); and the padding's probs are 0 with their gradient masked, the one path by which a padding row (whatever the GEMMs left in it) could reach
-the router. Off for experts with biases or adapters, whose extra terms read every row.
+one past the grid); and the padding's probs are 0 with their gradient masked, the one path by
+which a padding row (whatever the GEMMs left in it) could reach the router. Off for experts with
+biases or adapters, whose extra terms read every row.
 
 A call with `fused=True` (TE's kernels, `moe_permute_fusion`) or drop-and-pad goes to megatron unchanged.
 """
@@ -428,14 +429,9 @@ def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: flo
 
 def capped_dispatchers(chunks) -> list:
     """(layer number, dispatcher) of every static-row dispatcher whose routing can exceed its capacity."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    capped = []
-    for chunk in chunks:
-        for layer in get_attr_wrapped_model(chunk, "decoder").layers:
-            d = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
-            if not getattr(d, "moe_sft_static_rows", False):
-                continue
-            if static_rows_worst(d.ep_size, d.router_topk, d.num_local_experts) > d.moe_sft_capacity:
-                capped.append((layer.layer_number, d))
-    return capped
+    return [
+        (layer.layer_number, d)
+        for layer, d in _allgather_dispatchers(chunks)
+        if getattr(d, "moe_sft_static_rows", False)
+        and static_rows_worst(d.ep_size, d.router_topk, d.num_local_experts) > d.moe_sft_capacity
+    ]
