@@ -127,7 +127,7 @@ def test_ci_runs_the_readme_test_command_with_the_pinned_versions():
     readme = (root / "README.md").read_text()
     tests_section = readme[readme.index("## Tests") :]
     command = re.search(r"```bash\n(.+?)\n```", tests_section).group(1)
-    assert "-c constraints-cpu.txt" in command and command.endswith("python -m pytest tests")
+    assert "-c constraints-cpu.txt" in command and command.endswith("python -m pytest tests -n 2")
     ci = [ln for ln in (root / ".ci/run").read_text().splitlines() if ln and not ln.startswith(("#", "set ", "cd "))]
     assert ci == [command], "`.ci/run` must run exactly the README's test command"
 
