@@ -75,6 +75,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="moe-sft arms: model.moe_combine_dtype (the allgather combine's reduce-scatter)",
     )
     parser.add_argument(
+        "--dispatch-chunks",
+        type=int,
+        default=1,
+        help="moe-sft arms: model.moe_dispatch_chunks (the allgather's collectives overlapped with other "
+        "token chunks' experts; 1: off)",
+    )
+    parser.add_argument(
         "--padding-rows",
         default="skip",
         choices=("skip", "compute"),
@@ -121,6 +128,8 @@ def _forwarded(args) -> list[str]:
         str(args.static_rows_capacity),
         "--combine-dtype",
         args.combine_dtype,
+        "--dispatch-chunks",
+        str(args.dispatch_chunks),
         "--padding-rows",
         args.padding_rows,
         "--hf-attn",
@@ -164,6 +173,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             lora=name == "moe-sft-lora",
             static_rows_capacity=args.static_rows_capacity,
             combine_dtype=args.combine_dtype,
+            dispatch_chunks=args.dispatch_chunks,
         )
     if name == "transformers":
         from benchmarks.hf import HFArm

@@ -50,6 +50,7 @@ def bench_config(
     peft: PeftConfig | None = None,
     static_rows_capacity: float = 2.0,
     combine_dtype: str = "fp32",
+    dispatch_chunks: int = 1,
 ) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
@@ -60,6 +61,7 @@ def bench_config(
             moe_token_dispatcher_type=dispatcher,
             moe_static_rows_capacity=static_rows_capacity,
             moe_combine_dtype=combine_dtype,
+            moe_dispatch_chunks=dispatch_chunks,
             **options,
         ),
         # validate_config checks that a train file exists; the workload replaces the data plan
@@ -130,6 +132,7 @@ class OursArm:
         lora: bool = False,
         static_rows_capacity: float = 2.0,
         combine_dtype: str = "fp32",
+        dispatch_chunks: int = 1,
     ):
         self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
@@ -146,6 +149,7 @@ class OursArm:
             peft=BENCH_LORA if lora else None,
             static_rows_capacity=static_rows_capacity,
             combine_dtype=combine_dtype,
+            dispatch_chunks=dispatch_chunks,
         )
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer

@@ -17,6 +17,11 @@
 #   ep4_graphs_padded              ep4_graphs with the padding rows gathered and activated (the A/B of
 #                                  moe_sft/kernels/bounded_rows.py, `--padding-rows compute`)
 #   ep4_graphs_bf16                ep4_graphs with the combine's reduce-scatter in bf16
+#   ep4_graphs_split / _split_bf16 ep4_graphs with each MoE layer's dispatch in 2 token chunks whose
+#                                  collectives overlap the other chunk's experts (model.moe_dispatch_chunks)
+#                                  / the same with the bf16 combine
+#   ep2_graphs_split               ep2_graphs in 2 token chunks
+#   dsv3_ep4_graphs_split_bf16     dsv3_ep4_graphs_bf16 in 2 token chunks
 #   ep4_static                     the eager allgather with `--static-rows on` at every budget
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   one_graphs                     the same with CUDA graphs (arm moe-sft-graphs)
@@ -25,7 +30,8 @@
 #   gpu_tests                      tests/gpu/test_gpu_dispatch.py and test_gpu_bounded_rows.py (the
 #                                  dispatch's numerics, host syncs, the kernels that skip padding)
 #   graph_tests                    tests/gpu/test_gpu_cuda_graphs.py at EP2 / EP4 and the row-capacity
-#                                  re-run (graphed vs eager; each skips without its GPU count)
+#                                  re-run (graphed vs eager; each skips without its GPU count);
+#                                  GRAPH_K picks others (e.g. "chunks" for the split dispatch's)
 # Layer counts default to what fits the GPU (H200: 24 / 16 / 8 / 10; 80 GB H100: 16 / 10 / 5 / 6).
 set -uo pipefail
 log=${1:?LOG_DIR}; parts=${2:-"ep4_alltoall ep4_allgather one"}
@@ -65,6 +71,10 @@ for part in $parts; do
     ep4_graphs_c150) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows-capacity 1.5 ;;
     ep4_graphs_padded) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --padding-rows compute ;;
     ep4_graphs_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --combine-dtype bf16 ;;
+    ep4_graphs_split) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --dispatch-chunks 2 ;;
+    ep4_graphs_split_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --dispatch-chunks 2 --combine-dtype bf16 ;;
+    ep2_graphs_split) ARM=moe-sft-graphs ep_run "$part" 2 "$ep2_layers" allgather qwen3_30b --dispatch-chunks 2 ;;
+    dsv3_ep4_graphs_split_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced --dispatch-chunks 2 --combine-dtype bf16 ;;
     ep4_static) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows on ;;
     ep4_counted) ep_run "$part" 4 "$ep4_layers" allgather qwen3_30b --static-rows off ;;
     dsv3_ep4_graphs_bf16) ARM=moe-sft-graphs ep_run "$part" 4 "$dsv3_layers" allgather dsv3_reduced --combine-dtype bf16 ;;

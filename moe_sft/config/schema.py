@@ -104,6 +104,12 @@ class ModelConfig:
         "EP4 on 4 x H100: 1.05-1.07x per step, docs/benchmarks.md)",
         ("fp32", "bf16"),
     )
+    moe_dispatch_chunks: int = _f(
+        1,
+        "allgather dispatcher at EP x expert TP > 1: cut each micro-batch's MoE layer into this many "
+        "token chunks, whose gather and reduce-scatter run while another chunk's experts compute "
+        "(1: off; moe_sft/layers/split_dispatch.py, docs/benchmarks.md)",
+    )
     recompute_granularity: str | None = _f(
         None, "activation recomputation: null (off) | full | selective", (None, "full", "selective")
     )

@@ -421,6 +421,11 @@ def check_model(cfg: TrainConfig, world_size: int) -> list[str]:
             f"model.moe_static_rows_capacity={m.moe_static_rows_capacity} must be >= 1 (a multiple of a "
             "rank's expected routed rows); 2 is the default"
         )
+    if m.moe_dispatch_chunks < 1 or m.moe_dispatch_chunks > cfg.data.pack_length:
+        errors.append(
+            f"model.moe_dispatch_chunks={m.moe_dispatch_chunks} must be between 1 (off) and "
+            f"data.pack_length={cfg.data.pack_length}; 2 overlaps half a micro-batch's collectives"
+        )
     errors.extend(_recompute_errors(cfg))
     errors.extend(_activation_offload_errors(cfg))
     return errors

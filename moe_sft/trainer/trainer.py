@@ -36,6 +36,7 @@ from moe_sft.config.validate import doc_multiple_for, optimizer_offload_errors, 
 from moe_sft.conversion import mcore_io
 from moe_sft.kernels import install as kernels
 from moe_sft.kernels import permute
+from moe_sft.layers import split_dispatch
 from moe_sft.layers.attention import attention_kernel_name
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config, token_dispatcher
 from moe_sft.models.hf_config import num_experts
@@ -407,6 +408,12 @@ class Trainer:
             log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
         if m.moe_combine_dtype != "fp32" and permute.set_combine_dtype(chunks, m.moe_combine_dtype):
             log.info(f"the allgather's combine reduce-scatters in {m.moe_combine_dtype} (model.moe_combine_dtype)")
+        if m.moe_dispatch_chunks > 1:
+            split, reasons = split_dispatch.enable(chunks, m.moe_dispatch_chunks)
+            log.info(
+                f"{split} MoE layers dispatch in {m.moe_dispatch_chunks} token chunks whose collectives overlap "
+                f"the experts (model.moe_dispatch_chunks)" + (f"; not: {'; '.join(reasons)}" if reasons else "")
+            )
         patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
         frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
         if patterns:

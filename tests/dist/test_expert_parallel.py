@@ -33,7 +33,9 @@ def test_ep2_dp2_losses_match_one_rank(tmp_path):
     """Top-2 of 8 experts at EP2 and 1024-token micro-batches: the static-row permutation
     (kernels/permute.py, its padding 2x), whose padding must change nothing; and with its capacity
     cut to 1x, the steps whose routing exceeds it run again and train the same (that run also
-    reduce-scatters the combine in the model's dtype, `model.moe_combine_dtype=bf16`: fp32 on CPU)."""
+    reduce-scatters the combine in the model's dtype, `model.moe_combine_dtype=bf16`: fp32 on CPU,
+    and dispatches each MoE layer in 3 token chunks, `model.moe_dispatch_chunks=3`, each with its
+    own capacity)."""
     one, _ = _run(tmp_path, 1)
     two, log = _run(tmp_path, 2, ["parallel.expert_model_parallel_size=2"])
     assert "2 MoE layers permute a static row count" in log
@@ -47,9 +49,11 @@ def test_ep2_dp2_losses_match_one_rank(tmp_path):
         "parallel.expert_model_parallel_size=2",
         "model.moe_static_rows_capacity=1",
         "model.moe_combine_dtype=bf16",
+        "model.moe_dispatch_chunks=3",
     ]
     capped, log = _run(tmp_path, 2, capped_run, "c")
     assert "the allgather's combine reduce-scatters in bf16" in log
+    assert "2 MoE layers dispatch in 3 token chunks" in log
     reruns = [line for line in log.splitlines() if "runs again with exact row counts" in line]
     assert [line.split("step ")[1].split(":")[0] for line in reruns] == ["1", "2", "3"], log[-3000:]
     assert "rows above the capacity" in reruns[0]
