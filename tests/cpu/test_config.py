@@ -547,6 +547,7 @@ def test_good_configs_pass(good, changes, world_size):
             2,
             "trainer.cuda_graphs=true: parallel.overlap_grad_reduce / overlap_param_gather=true",
         ),
+        ({"model__moe_dispatch_chunks": 0}, 1, "model.moe_dispatch_chunks=0 must be between 1 (off) and"),
         ({"model__mcore_path": None}, 1, "[model_paths] model.mcore_path is null"),
         ({"model__mcore_path": "/nonexistent/mcore"}, 1, "model.mcore_path='/nonexistent/mcore' does not exist"),
     ],
