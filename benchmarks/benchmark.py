@@ -75,6 +75,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="moe-sft arms: model.moe_combine_dtype (the allgather combine's reduce-scatter)",
     )
     parser.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=("auto", "torch", "fa4"),
+        help="moe-sft arms: model.attention_kernel",
+    )
+    parser.add_argument(
         "--dispatch-chunks",
         type=int,
         default=1,
@@ -130,6 +136,8 @@ def _forwarded(args) -> list[str]:
         args.combine_dtype,
         "--dispatch-chunks",
         str(args.dispatch_chunks),
+        "--attention-kernel",
+        args.attention_kernel,
         "--padding-rows",
         args.padding_rows,
         "--hf-attn",
@@ -174,6 +182,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             static_rows_capacity=args.static_rows_capacity,
             combine_dtype=args.combine_dtype,
             dispatch_chunks=args.dispatch_chunks,
+            attention_kernel=args.attention_kernel,
         )
     if name == "transformers":
         from benchmarks.hf import HFArm

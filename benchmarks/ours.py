@@ -51,6 +51,7 @@ def bench_config(
     static_rows_capacity: float = 2.0,
     combine_dtype: str = "fp32",
     dispatch_chunks: int = 1,
+    attention_kernel: str = "auto",
 ) -> TrainConfig:
     """A TrainConfig as a recipe would give it (validated by the trainer before any process group)."""
     options = dict(PRESETS[model].model_options)
@@ -62,6 +63,7 @@ def bench_config(
             moe_static_rows_capacity=static_rows_capacity,
             moe_combine_dtype=combine_dtype,
             moe_dispatch_chunks=dispatch_chunks,
+            attention_kernel=attention_kernel,
             **options,
         ),
         # validate_config checks that a train file exists; the workload replaces the data plan
@@ -133,6 +135,7 @@ class OursArm:
         static_rows_capacity: float = 2.0,
         combine_dtype: str = "fp32",
         dispatch_chunks: int = 1,
+        attention_kernel: str = "auto",
     ):
         self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
@@ -150,6 +153,7 @@ class OursArm:
             static_rows_capacity=static_rows_capacity,
             combine_dtype=combine_dtype,
             dispatch_chunks=dispatch_chunks,
+            attention_kernel=attention_kernel,
         )
         self.trainer = BenchTrainer(cfg, model, layers, first).setup()
         t = self.trainer

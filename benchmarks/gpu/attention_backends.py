@@ -1,4 +1,4 @@
-"""Packed causal attention on one GPU: torch's flash kernels against cuDNN's fused attention.
+"""Packed causal attention on one GPU: torch's flash kernels against flash-attn-4 and cuDNN's fused attention.
 
 For the benchmark's packs (benchmarks/benchmark.py's documents, 4096 and 8192 tokens) and the two head
 layouts the trainer sees (Qwen3's GQA 32/4 x 128; DeepSeek-V3's MLA, q/k 192 and v 128), prints
@@ -9,6 +9,11 @@ Measured on an H200 (torch 2.11.0+cu130, cuDNN 9.19, docs/benchmarks.md): cuDNN'
 path gives the right output but 40-60 ms per forward (flash: 0.2-0.3 ms) and wrong dq/dk/dv
 (relative error ~1), so the trainer keeps the flash kernels. torch's own varlen_attn has this
 cuDNN path switched off (`_should_use_cudnn` returns False).
+
+Arms: `torch` (torch's flash varlen kernel as the trainer calls it, model.attention_kernel=torch),
+`fa4` (flash-attn-4's `flash_attn.cute.flash_attn_varlen_func`, where it imports: install it with
+benchmarks/gpu/fa4_wheels.sh and fa4_stage.sh; its first call of a shape JIT-compiles, which the
+timing's warm-up calls absorb) and `cudnn`.
 
     python3 benchmarks/gpu/attention_backends.py
 """
@@ -131,7 +136,13 @@ def main() -> int:
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     for op in ("_cudnn_attention_forward", "_cudnn_attention_backward"):
         print(getattr(torch.ops.aten, op).default._schema)
-    backends = {"flash": attention._varlen_cuda, "cudnn": cudnn_varlen}
+    attention.set_attention_kernel("torch")  # the `torch` arm: torch's kernel even where flash-attn imports
+    backends = {"torch": attention._varlen_cuda}
+    if attention.fa4_varlen_func is not None:
+        backends["fa4"] = attention.fa4_varlen
+    else:
+        print(f"flash-attn-4 does not import ({attention._FA4_IMPORT_ERROR}): no fa4 arm")
+    backends["cudnn"] = cudnn_varlen
     for budget in (4096, 8192):
         run_case(f"gqa32/4x128@{budget}", budget, 32, 4, 128, 128, backends)
     run_case("mla16x192/128@4096", 4096, 16, 16, 192, 128, backends)

@@ -32,6 +32,7 @@
 #   graph_tests                    tests/gpu/test_gpu_cuda_graphs.py at EP2 / EP4 and the row-capacity
 #                                  re-run (graphed vs eager; each skips without its GPU count);
 #                                  GRAPH_K picks others (e.g. "chunks" for the split dispatch's)
+# ATTN (default auto) is every moe-sft run's model.attention_kernel: auto | torch | fa4.
 # Layer counts default to what fits the GPU (H200: 24 / 16 / 8 / 10; 80 GB H100: 16 / 10 / 5 / 6).
 set -uo pipefail
 log=${1:?LOG_DIR}; parts=${2:-"ep4_alltoall ep4_allgather one"}
@@ -44,7 +45,7 @@ ep4_layers=${EP4_LAYERS:-$([ $big = 1 ] && echo 24 || echo 16)}
 ep2_layers=${EP2_LAYERS:-$([ $big = 1 ] && echo 16 || echo 10)}
 one_layers=${ONE_LAYERS:-$([ $big = 1 ] && echo 8 || echo 5)}
 dsv3_layers=${DSV3_LAYERS:-$([ $big = 1 ] && echo 10 || echo 6)}
-common="--budgets ${BUDGETS:-4096,8192} --warmup ${WARMUP:-2} --steps ${STEPS:-4} --profile-steps 1"
+common="--budgets ${BUDGETS:-4096,8192} --warmup ${WARMUP:-2} --steps ${STEPS:-4} --profile-steps 1 --attention-kernel ${ATTN:-auto}"
 run_part() {  # name limit command...
   local name=$1 limit=$2 start; shift 2; start=$(date +%s)
   timeout --kill-after=20 "$limit" "$@" --out "$log/$name" > "$log/$name.log" 2>&1

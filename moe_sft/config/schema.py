@@ -104,6 +104,13 @@ class ModelConfig:
         "EP4 on 4 x H100: 1.05-1.07x per step, docs/benchmarks.md)",
         ("fp32", "bf16"),
     )
+    attention_kernel: str = _f(
+        "auto",
+        "CUDA attention kernel: auto (flash-attn-4 for the calls it supports on SM90 / SM100 when it "
+        "imports, else flash-attn, else torch's flash varlen kernel) | torch (torch's kernel only) | "
+        "fa4 (flash-attn-4 required); CPU runs the per-document SDPA reference (moe_sft/layers/attention.py)",
+        ("auto", "torch", "fa4"),
+    )
     moe_dispatch_chunks: int = _f(
         1,
         "allgather dispatcher at EP x expert TP > 1: cut each micro-batch's MoE layer into this many "

@@ -3,11 +3,19 @@
 megatron-core's local `DotProductAttention` rejects `packed_seq_params` and allocates on CUDA,
 so the torch-native spec uses this module instead. Kernels, best first:
 
+* flash-attn-4's `flash_attn.cute.flash_attn_varlen_func` (CuTe DSL; SM90 and SM100) when it
+  imports and supports the call (`_fa4_refusal`): forward + backward 1.53-1.88x the speed of
+  torch's varlen kernel at 8,192 packed tokens, 1.17-1.27x at 4,096, on an H200 for Qwen3-30B-A3B's
+  attention (32 q / 4 kv heads x 128, bf16; the range: two packings), errors vs fp32 no larger
+  (docs/benchmarks.md);
 * flash-attn's `flash_attn_varlen_func` when the package imports (GPU);
 * torch's flash varlen kernel on CUDA: the aten op `torch.nn.attention.varlen.varlen_attn`
   runs, called directly (`_FlashVarlen`);
 * a per-document `scaled_dot_product_attention` loop that honours cu_seqlens (CPU, and any
   head dim the kernels refuse) — the reference the fast paths are tested against.
+
+`model.attention_kernel` (`set_attention_kernel`) picks among the CUDA kernels: "auto" (the list
+above), "torch" (torch's kernel only), "fa4" (flash-attn-4 required: an error where it cannot run).
 
 Inputs follow megatron's SelfAttention: THD `[t, heads, dim]` when packed, else `[s, b, heads, dim]`.
 With context_parallel_size > 1 (THD only) the same kernels run over all-gathered K/V:
@@ -39,11 +47,24 @@ from moe_sft.layers.attention_sinks import (
     sink_attention_reference,
 )
 from moe_sft.layers.context_parallel import context_parallel_attention, plan_cp_attention, sdpa_bottom_right
+from moe_sft.runtime.logs import get_logger
+
+log = get_logger(__name__)
 
 try:  # flash-attn is optional: the field's standard kernel when installed.
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
+
+# flash-attn-4 ships `flash_attn/cute/` without a `flash_attn/__init__.py`: installed alone it makes
+# `flash_attn` a namespace package, where the import above fails as it should. Its import loads the
+# CuTe DSL's native libraries, which fail with OSError / RuntimeError too, not only ImportError.
+try:
+    from flash_attn.cute import flash_attn_varlen_func as fa4_varlen_func
+
+    _FA4_IMPORT_ERROR = ""
+except Exception as exc:  # pragma: no cover - depends on the machine
+    fa4_varlen_func, _FA4_IMPORT_ERROR = None, f"{type(exc).__name__}: {exc}"
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -95,13 +116,113 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+# ---------------------------------------------------------------- kernel choice (model.attention_kernel)
+ATTENTION_KERNELS = ("auto", "torch", "fa4")
+_choice = "auto"
+_FA4_INSTALL = (
+    "install it with its CuTe DSL: pip install 'flash-attn-4[cu13]' (benchmarks/gpu/fa4_wheels.sh and "
+    "fa4_stage.sh for a machine without an index), or set model.attention_kernel=auto"
+)
+
+
+def set_attention_kernel(name: str) -> None:
+    """`model.attention_kernel`: "auto" (default): flash-attn-4 for the calls it supports on an SM90 /
+    SM100 GPU, else flash-attn, else torch's kernel; "torch": torch's flash varlen kernel only, no
+    optional package; "fa4": flash-attn-4 required, an error here when it does not import or the GPU
+    is not SM90 / SM100, and at a call it cannot run (rather than a quiet fallback)."""
+    global _choice
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"model.attention_kernel={name!r}: expected one of {', '.join(ATTENTION_KERNELS)}")
+    if name == "fa4":
+        if fa4_varlen_func is None:
+            raise RuntimeError(
+                f"model.attention_kernel=fa4 but flash-attn-4 does not import ({_FA4_IMPORT_ERROR}); {_FA4_INSTALL}"
+            )
+        cap = _cuda_capability(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+        if cap is None or cap[0] not in (9, 10):
+            found = "no CUDA device" if cap is None else f"compute capability {cap[0]}.{cap[1]}"
+            raise RuntimeError(
+                f"model.attention_kernel=fa4 needs an SM90 (Hopper) or SM100 (Blackwell) GPU, found {found}; "
+                "set model.attention_kernel=auto"
+            )
+    _choice = name
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for any other device: the one place the kernel choice
+    reads the hardware (the CPU tests patch it)."""
+    if device.type != "cuda":
+        return None
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # cached: asked on every attention call
+
+
+def _fa4_refusal(q, k, v, sink) -> str | None:
+    """Why flash-attn-4 cannot run this call, None when it can. From flash_attn/cute (4.0.0b36):
+    interface.py `_validate_head_dims` (dims multiples of 16 bytes; SM90 any in [8, 256];
+    SM100 both <= 128, DeepSeek's (192, 128), or (256, 256)); flash_bwd_sm90.py "GQA backward
+    requires head_dim == head_dim_v" (kept on SM100 too, untested there; MLA has as many k/v heads
+    as q heads); interface.py's SM100 (256, 256) backward "does not support learnable_sink"."""
+    if fa4_varlen_func is None:
+        return f"flash-attn-4 does not import ({_FA4_IMPORT_ERROR})"
+    cap = _cuda_capability(q.device)
+    if cap is None or cap[0] not in (9, 10):
+        return "it runs on SM90 / SM100 GPUs only, not on " + (str(q.device) if cap is None else f"SM{cap[0]}{cap[1]}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16 / bf16, not {q.dtype}"
+    d, dv = q.shape[-1], v.shape[-1]
+    if d % 8 or dv % 8:
+        return f"head dims ({d}, {dv}) are not multiples of 8"
+    if d != dv and q.shape[1] != k.shape[1]:
+        return f"its backward needs equal q/k and v head dims under GQA, not ({d}, {dv})"
+    if cap[0] == 9:
+        return None if 8 <= d <= 256 and 8 <= dv <= 256 else f"SM90 takes head dims in [8, 256], not ({d}, {dv})"
+    if (d, dv) == (256, 256):
+        return None if sink is None else "its SM100 backward for head dim 256 takes no sink"
+    if not ((d <= 128 and dv <= 128) or (d, dv) == (192, 128)):
+        return f"SM100 takes head dims <= 128, (192, 128) or (256, 256), not ({d}, {dv})"
+    return None
+
+
+@functools.cache
+def _log_fa4_fallback(reason: str) -> None:  # once per reason: the call runs every layer and step
+    log.info(f"attention: flash-attn-4 cannot run a call ({reason}); flash-attn or torch's kernel runs it")
+
+
+def _use_fa4(q, k, v, sink) -> bool:
+    if _choice == "torch" or (_choice == "auto" and fa4_varlen_func is None):
+        return False
+    reason = _fa4_refusal(q, k, v, sink)
+    if reason is None:
+        return True
+    if _choice == "fa4":
+        raise ValueError(f"model.attention_kernel=fa4: flash-attn-4 cannot run this attention call: {reason}")
+    _log_fa4_fallback(reason)
+    return False
+
+
+def _use_flash_attn2() -> bool:
+    return flash_attn_varlen_func is not None and _choice != "torch"
+
+
 def attention_kernel_name(device_type: str) -> str:
     """Which kernel `VarlenCoreAttention` uses on this device (printed at startup)."""
-    if device_type == "cuda" and flash_attn_varlen_func is not None:
-        return "flash_attn.flash_attn_varlen_func"
-    if device_type == "cuda" and varlen_attn is not None:
-        return "torch's flash varlen kernel (the one torch.nn.attention.varlen.varlen_attn runs), called directly"
-    return "per-document scaled_dot_product_attention (reference path)"
+    fallback = "per-document scaled_dot_product_attention (reference path)"
+    if device_type == "cuda" and _use_flash_attn2():
+        fallback = "flash_attn.flash_attn_varlen_func"
+    elif device_type == "cuda" and varlen_attn is not None:
+        fallback = "torch's flash varlen kernel (the one torch.nn.attention.varlen.varlen_attn runs), called directly"
+    fa4 = "flash-attn-4 (flash_attn.cute.flash_attn_varlen_func)"
+    if device_type == "cuda" and _choice == "fa4":
+        return f"{fa4} for every call (model.attention_kernel=fa4)"
+    if device_type == "cuda" and _choice == "auto" and fa4_varlen_func is not None:
+        if _cuda_capability(torch.device("cuda", torch.cuda.current_device()))[0] in (9, 10):
+            return f"{fa4} for the calls it supports, else {fallback}"
+    return fallback
 
 
 def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
@@ -121,21 +242,52 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
 
 
 def _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):
-    """Causal varlen attention; with seqlen_q < seqlen_k (context parallel) the causal mask is
-    bottom-right aligned in both kernels (flash-attn's `causal=True`; window (-1, 0) of torch's).
-    A sink or a window goes through torch's flash kernel with the sink folded in (`SinkFlashVarlen`)."""
+    """Causal varlen attention through the chosen CUDA kernel; with seqlen_q < seqlen_k (context
+    parallel) the causal mask is bottom-right aligned in every kernel (flash-attn's and
+    flash-attn-4's `causal=True`; window (-1, 0) of torch's)."""
+    if _use_fa4(q, k, v, sink):
+        return fa4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink, window)
+    return _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink, window)
+
+
+def fa4_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):
+    """flash-attn-4's varlen attention (an autograd Function: its backward is FA4's too) with the
+    semantics of `sink_attention_reference`, read from flash_attn/cute (4.0.0b36): the causal mask
+    and the window are bottom-right aligned (mask.py: key j visible from query i of a segment of
+    sq queries and sk keys iff i + sk - sq - left <= j <= i + sk - sq), and the sink is one logit
+    per head in natural-log units, not multiplied by the softmax scale (softmax.py
+    `apply_learnable_sink`). q/k and v head dims may differ (MLA): no padding of v."""
+    out, _lse = fa4_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(None, None) if window is None else (window, 0),
+        learnable_sink=sink,
+    )
+    return out
+
+
+def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):
+    """flash-attn's kernel or torch's. A sink or a window goes through torch's flash kernel with the
+    sink folded in (`SinkFlashVarlen`)."""
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:
-        # MLA: v head dim (128) < q/k head dim (192), which the flash kernels refuse. Zero-padding
+        # MLA: v head dim (128) < q/k head dim (192), which these kernels refuse. Zero-padding
         # v gives softmax(qkᵀ)·[v, 0] = [out, 0]; the slice keeps exact values and gradients.
         v = F.pad(v, (0, q.shape[-1] - v_dim))
-        out = _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink, window)
+        out = _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink, window)
         return out[..., :v_dim]
     if sink is not None or window is not None:
         return SinkFlashVarlen.apply(
             q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window, FLASH_KERNELS
         )
-    if flash_attn_varlen_func is not None:
+    if _use_flash_attn2():
         return flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=scale, causal=True
         )
@@ -153,14 +305,15 @@ def torch_varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def _has_cuda_kernel(q) -> bool:
     """The flash kernels take fp16/bf16 only: fp32 on CUDA (a reference run) takes the SDPA path."""
     half = q.dtype in (torch.float16, torch.bfloat16)
-    return q.is_cuda and half and (flash_attn_varlen_func is not None or varlen_attn is not None)
+    kernel = fa4_varlen_func is not None or flash_attn_varlen_func is not None or varlen_attn is not None
+    return half and kernel and _cuda_capability(q.device) is not None
 
 
 def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):
     """The context-parallel kernel: varlen (separate q/k cu_seqlens) on CUDA, else SDPA with a
     bottom-right causal mask. Sinks and windows are exact under CP: each query chunk attends to
     its whole key prefix (so the lse the sink is folded with spans all of the query's keys), and
-    both kernels align the window bottom-right like the causal mask."""
+    every kernel aligns the window bottom-right like the causal mask."""
     if _has_cuda_kernel(q):
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
         return _varlen_cuda(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale, sink, window)

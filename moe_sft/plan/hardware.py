@@ -7,6 +7,7 @@ Memory is what `torch.cuda.get_device_properties(0).total_memory` reports on the
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 from moe_sft.models.shape import default_peak_tflops, forward_flops
@@ -31,9 +32,22 @@ GPUS = {
 ASSUMED_MFU = 0.25
 
 
+def flash_attn_packages() -> tuple[bool, bool]:
+    """(flash-attn 2, flash-attn-4) installed here, found without importing them (the planner runs
+    without CUDA). flash-attn-4's wheel ships `flash_attn/cute/` and no `flash_attn/__init__.py`:
+    installed alone it makes `flash_attn` a namespace package, which find_spec finds (origin None)
+    though flash-attn 2's `flash_attn_varlen_func` is not there."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None:
+        return False, False
+    fa2 = spec.origin is not None  # a regular package: flash-attn 2's __init__.py
+    fa4 = any(os.path.isfile(os.path.join(p, "cute", "__init__.py")) for p in spec.submodule_search_locations or ())
+    return fa2, fa4
+
+
 def kernels(gpu: GPU, backend: str) -> list[str]:
     """What the target GPU offers and what this machine's Python environment will use."""
-    flash = importlib.util.find_spec("flash_attn") is not None
+    fa2, fa4 = flash_attn_packages()
     lines = [
         f"{gpu.name} ({gpu.sm}): bf16 tensor cores, torch grouped_mm (sm90), flash varlen attention; FP8 "
         f"capable (moe-sft trains in bf16; FP8 source checkpoints are dequantised at conversion)"
@@ -42,14 +56,17 @@ def kernels(gpu: GPU, backend: str) -> list[str]:
         lines.append("model.backend=te: Transformer Engine layer spec (needs transformer_engine on the cluster)")
     else:
         lines.append("model.backend=" + backend + ": torch-native spec (varlen attention, grouped_mm experts)")
-    lines.append(
-        "attention kernel on CUDA: "
-        + (
-            "flash_attn.flash_attn_varlen_func"
-            if flash
-            else "torch's flash varlen kernel (flash-attn not installed here)"
-        )
+    fallback = (
+        "flash_attn.flash_attn_varlen_func" if fa2 else "torch's flash varlen kernel (flash-attn not installed here)"
     )
+    if fa4 and gpu.sm in ("sm90", "sm100"):
+        kernel = (
+            "flash-attn-4 (flash_attn.cute.flash_attn_varlen_func) for the calls it supports with "
+            f"model.attention_kernel=auto (the default) or fa4, else {fallback}"
+        )
+    else:
+        kernel = fallback
+    lines.append("attention kernel on CUDA: " + kernel)
     return lines
 
 

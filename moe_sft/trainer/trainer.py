@@ -37,7 +37,7 @@ from moe_sft.conversion import mcore_io
 from moe_sft.kernels import install as kernels
 from moe_sft.kernels import permute
 from moe_sft.layers import split_dispatch
-from moe_sft.layers.attention import attention_kernel_name
+from moe_sft.layers.attention import attention_kernel_name, set_attention_kernel
 from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config, token_dispatcher
 from moe_sft.models.hf_config import num_experts
 from moe_sft.peft import fp8_base, fp8_loading
@@ -204,6 +204,10 @@ class Trainer:
                 raise ConfigError(f"device={rt.device} precision={rt.precision}: " + "; ".join(errors))
         applied = rdevice.prepare_runtime(rt)
         log.info(rt.describe())
+        try:  # after prepare_runtime: "fa4" checks the current CUDA device
+            set_attention_kernel(self.cfg.model.attention_kernel)
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from exc
         log.info(f"attention kernel: {attention_kernel_name(rt.device)}")
         if rt.device == "cuda":
             alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "default"

@@ -1,5 +1,6 @@
 """One GPU: gpt-oss attention through torch's flash varlen kernel, with the causal sliding window
-and the sink folded in from the kernel's log-sum-exp (moe_sft/layers/attention_sinks.py), against
+and the sink folded in from the kernel's log-sum-exp (moe_sft/layers/attention_sinks.py), and
+through flash-attn-4's own window and sink where it is installed (`kernel` "fa4"), against
 the exact fp32 reference on the same bf16 inputs: packed documents, GQA, values and the gradients
 of q, k, v and the sinks. The CPU suite proves the fold's algebra with a stand-in kernel; this
 checks the real kernel's window convention, lse layout and bf16 accuracy."""
@@ -13,6 +14,18 @@ pytestmark = pytest.mark.gpu
 
 LENGTHS = (300, 77, 1, 190)  # documents longer and shorter than the window
 HQ, HKV, DIM = 8, 2, 64
+
+
+@pytest.fixture(params=["torch", "fa4"], autouse=True)
+def kernel(request):
+    """Each test under torch's kernel (the sink folded in) and under flash-attn-4 (its own sink)."""
+    from moe_sft.layers import attention
+
+    if request.param == "fa4" and attention.fa4_varlen_func is None:
+        pytest.skip("flash-attn-4 is not installed: the torch run covers this machine's kernel")
+    attention.set_attention_kernel(request.param)
+    yield request.param
+    attention.set_attention_kernel("auto")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
