@@ -5,9 +5,10 @@ so the torch-native spec uses this module instead. Kernels, best first:
 
 * flash-attn-4's `flash_attn.cute.flash_attn_varlen_func` (CuTe DSL; SM90 and SM100) when it
   imports and supports the call (`_fa4_refusal`): forward + backward 1.53-1.88x the speed of
-  torch's varlen kernel at 8,192 packed tokens, 1.17-1.27x at 4,096, on an H200 for Qwen3-30B-A3B's
-  attention (32 q / 4 kv heads x 128, bf16; the range: two packings), errors vs fp32 no larger
-  (docs/benchmarks.md);
+  torch's varlen kernel at 8,192 packed tokens, 1.08-1.27x at 4,096, on an H200 for Qwen3-30B-A3B's
+  attention (32 q / 4 kv heads x 128, bf16; the ranges: three packings), errors vs fp32 no larger;
+  at EP4 on 4 x H200 the step ran 1.14x faster (docs/benchmarks.md). Not for MLA's unequal head
+  dims under "auto": slower there (0.93 against 0.75 ms at 4,096);
 * flash-attn's `flash_attn_varlen_func` when the package imports (GPU);
 * torch's flash varlen kernel on CUDA: the aten op `torch.nn.attention.varlen.varlen_attn`
   runs, called directly (`_FlashVarlen`);
@@ -120,7 +121,7 @@ class _FlashVarlen(torch.autograd.Function):
 ATTENTION_KERNELS = ("auto", "torch", "fa4")
 _choice = "auto"
 _FA4_INSTALL = (
-    "install it with its CuTe DSL: pip install 'flash-attn-4[cu13]' (benchmarks/gpu/fa4_wheels.sh and "
+    "install it with its CuTe DSL: pip install 'flash-attn-4[cu13]==4.0.0b36' (benchmarks/gpu/fa4_wheels.sh and "
     "fa4_stage.sh for a machine without an index), or set model.attention_kernel=auto"
 )
 
@@ -197,6 +198,10 @@ def _use_fa4(q, k, v, sink) -> bool:
     if _choice == "torch" or (_choice == "auto" and fa4_varlen_func is None):
         return False
     reason = _fa4_refusal(q, k, v, sink)
+    if reason is None and _choice == "auto" and q.shape[-1] != v.shape[-1]:
+        # MLA's (192, 128) heads: FA4 ran them slower than torch's kernel with v zero-padded (one
+        # H200, 16 heads, 4,096 packed tokens, fwd + bwd: 0.93 against 0.75 ms, docs/benchmarks.md)
+        reason = "auto keeps unequal q/k and v head dims (MLA) on the faster torch kernel"
     if reason is None:
         return True
     if _choice == "fa4":

@@ -26,6 +26,13 @@ a layer's weight gradients are added n times, and eagerly (without static rows) 
 once per chunk for its row count. Each chunk gets its own static-row capacity (kernels/permute.py),
 1/n of the layer's, so routing overflows it a little more often than the whole layer's.
 
+Measured (4 x H200, one host, NVLink; Qwen3-30B-A3B shape, 12 layers at EP4, CUDA graphs, bf16
+combine; docs/benchmarks.md): 2 chunks ran 0.93x / 0.97x the step's throughput at 4096 / 8192
+tokens per micro-batch. The overlapped NCCL kernels take SMs from the grouped GEMMs (with NCCL held
+to 8 channels the chunks ran 0.96x / 1.01x, but the fewer channels cost the unsplit step more), and
+each chunk's GEMMs are half as large. So it is off by default; it is kept for links where the
+collectives take longer than the SMs they hold (untested: between nodes).
+
 The numbers are those of one dispatch: a token's experts, probs and combine do not depend on
 which other tokens share its chunk. Only the weight gradients' fp32 sums are ordered per chunk.
 """

@@ -303,16 +303,18 @@ def test_cpu_tensors_never_reach_a_cuda_kernel(kernels):
 
 
 @pytest.mark.parametrize(
-    ("capability", "hkv", "kernel", "v_dim_given"),
+    ("capability", "hkv", "kernel", "v_dim_given", "choice"),
     [
-        ((9, 0), HQ, "fa4", 48),  # MLA (as many k/v heads as q heads): FA4 takes v unpadded
-        ((10, 0), HQ, "fa4", 48),
-        ((9, 0), HKV, "fa2", 64),  # GQA with unequal dims: FA4's SM90 backward refuses it
-        ((8, 0), HQ, "fa2", 64),  # flash-attn 2 gets v zero-padded to the q/k head dim
+        ((9, 0), HQ, "fa4", 48, "fa4"),  # MLA (as many k/v heads as q heads): FA4 takes v unpadded
+        ((10, 0), HQ, "fa4", 48, "fa4"),
+        ((9, 0), HQ, "fa2", 64, "auto"),  # auto: MLA stays on the faster flash kernel, v padded
+        ((9, 0), HKV, "fa2", 64, "auto"),  # GQA with unequal dims: FA4's SM90 backward refuses it
+        ((8, 0), HQ, "fa2", 64, "auto"),  # flash-attn 2 gets v zero-padded to the q/k head dim
     ],
 )
-def test_v_is_padded_only_for_the_kernels_that_need_it(kernels, capability, hkv, kernel, v_dim_given):
+def test_v_is_padded_only_for_the_kernels_that_need_it(kernels, capability, hkv, kernel, v_dim_given, choice):
     kernels.gpu(capability)
+    attention._choice = choice  # "fa4" past set_attention_kernel's device check (the fixture restores auto)
     q, k, v = _qkv(hkv=hkv, d=64, dv=48)
     out = _call(q, k, v)
     assert kernels.used() == [kernel] and getattr(kernels, kernel).calls[0]["v"].shape[-1] == v_dim_given

@@ -168,24 +168,30 @@ def test_graphed_steps_above_the_row_capacity_run_again_eagerly(tmp_path):
     assert max(_rel(graphed["loss"][s], plain["loss"][s]) for s in range(1, STEPS + 1)) <= 2e-2
 
 
-def test_bf16_combine_at_ep4_trains_as_the_fp32_one(tmp_path):
-    """EP4 with graphs, the allgather combine's reduce-scatter in bf16 (`model.moe_combine_dtype`,
-    two more roundings of a token's partial sums at EP4, as a TP layer's reduce-scatter) against
-    megatron's fp32 one: the same losses and grad norms to bf16 precision over 12 steps. Top-8 of
-    16 experts, so a token's rows lie on up to all 4 ranks (with the quickstart's top-2 at most two
-    partial sums are nonzero, one addition either way, and the two runs are bit-equal)."""
+def _ep4_top8_of_16(tmp_path):
+    """The tiny Qwen3-MoE with top-8 of 16 experts (a token's rows on up to all 4 ranks) and the
+    EP4 allgather layout, one micro-batch per rank; skips without 4 GPUs."""
     import torch
 
     from tests.dist.launch import make_tiny_model
 
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    tmp = make_tiny_model(tmp_path, num_experts=16, num_experts_per_tok=8)
     layout = (
         "parallel.expert_model_parallel_size=4",
         "model.moe_token_dispatcher_type=allgather",
         "trainer.global_batch_size=4",
     )
+    return make_tiny_model(tmp_path, num_experts=16, num_experts_per_tok=8), layout
+
+
+def test_bf16_combine_at_ep4_trains_as_the_fp32_one(tmp_path):
+    """EP4 with graphs, the allgather combine's reduce-scatter in bf16 (`model.moe_combine_dtype`,
+    two more roundings of a token's partial sums at EP4, as a TP layer's reduce-scatter) against
+    megatron's fp32 one: the same losses and grad norms to bf16 precision over 12 steps. Top-8 of
+    16 experts, so a token's rows lie on up to all 4 ranks (with the quickstart's top-2 at most two
+    partial sums are nonzero, one addition either way, and the two runs are bit-equal)."""
+    tmp, layout = _ep4_top8_of_16(tmp_path)
     bf16, _, out = _run(tmp, "bf16", True, gpus=4, extra=(*layout, "model.moe_combine_dtype=bf16"))
     fp32, _, _ = _run(tmp, "fp32", True, gpus=4, extra=layout)
     assert "the allgather's combine reduce-scatters in bf16" in out
@@ -201,18 +207,7 @@ def test_dispatch_in_chunks_at_ep4_trains_as_one_dispatch(tmp_path):
     across autograd nodes (`model.moe_dispatch_chunks`, moe_sft/layers/split_dispatch.py): captured
     in the graphs, replayed, it gives the eager layers' first step bit for bit (every NCCL launch is
     joined inside its capture), and it trains as the layers with one dispatch do. Top-8 of 16 experts."""
-    import torch
-
-    from tests.dist.launch import make_tiny_model
-
-    if torch.cuda.device_count() < 4:
-        pytest.skip("needs 4 GPUs")
-    tmp = make_tiny_model(tmp_path, num_experts=16, num_experts_per_tok=8)
-    layout = (
-        "parallel.expert_model_parallel_size=4",
-        "model.moe_token_dispatcher_type=allgather",
-        "trainer.global_batch_size=4",
-    )
+    tmp, layout = _ep4_top8_of_16(tmp_path)
     split = (*layout, "model.moe_dispatch_chunks=2")
     graphed, (replays, _, layers), out = _run(tmp, "split", True, gpus=4, extra=split)
     eager, _, _ = _run(tmp, "split_eager", True, replay=False, gpus=4, extra=split)
