@@ -40,6 +40,11 @@ from moe_sft.data.store import DocStore, MemoryDocs
 
 STATE_VERSION = 2
 _KEEP = 8  # recent steps / windows remembered (the trainer asks in order)
+# Epochs in a row that pack into fewer micro-batches than one step before the loader gives up: the
+# packing of an epoch depends on its shuffle, so one epoch of a small dataset may pack into one
+# micro-batch fewer than the epoch before and have no full step (its packs are all dropped, as
+# any epoch's incomplete last step is); a data plan where that keeps happening is an error.
+_MAX_EMPTY_EPOCHS = 8
 
 
 class DataPlanError(ValueError):
@@ -160,10 +165,11 @@ class PackedLoader:
         """The global batch starting at `cursor`, and the cursor after it (drop-last per epoch)."""
         epoch, window, pack = cursor.epoch, cursor.window, cursor.pack
         packs: list[Pack] = []
-        epoch_start = window == 0 and pack == 0
+        epoch_start, empty_epochs = window == 0 and pack == 0, 0
         while len(packs) < self.global_batch_size:
             if window >= self.num_windows:  # the epoch ended: its incomplete step is dropped
-                if epoch_start:
+                empty_epochs += epoch_start
+                if epoch_start and (epoch == 0 or empty_epochs >= _MAX_EMPTY_EPOCHS):
                     raise DataPlanError(
                         f"the {self.num_samples} samples of an epoch pack into fewer than global_batch_size="
                         f"{self.global_batch_size} micro-batches of pack_length={self.pack_length}: no full step; "

@@ -114,12 +114,15 @@ def kernels(monkeypatch):
 
 @pytest.fixture
 def world():
-    """A one-rank fake process group: learnable sinks read the TP group at construction."""
+    """A one-rank fake process group: learnable sinks read the TP group at construction. Whatever
+    world an earlier test in this worker left (pytest-xdist runs modules in one process) goes first."""
+    from tests.cpu.test_plan import _reset_world
+
+    _reset_world()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
     yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    _reset_world()
 
 
 def _qkv(total=TOTAL, hq=HQ, hkv=HKV, d=D, dv=D, dtype=torch.bfloat16, seed=0):

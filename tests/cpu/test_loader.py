@@ -319,3 +319,28 @@ def test_per_document_multiple_for_context_parallelism():
         doc_multiple_for(tp, cp, sp)
         for tp, cp, sp in ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 4, False))
     ] == [1, 1, 4, 8, 8]
+
+
+def test_an_epoch_with_no_full_step_is_dropped_and_the_next_one_trains():
+    """An epoch's packing follows its shuffle: here epoch 0 packs into 10 micro-batches (one step of
+    10) and epoch 1 into 9. Epoch 1 has no full step, so all of it is dropped (as any epoch's
+    incomplete last step is) and step 1 is epoch 2's first; before, the run stopped there with
+    "no full step" although the data plan had passed at the start."""
+    docs = make_docs(34, seed=2)
+    loader = PackedLoader(docs, pack_length=100, global_batch_size=10, seed=2, window=11)
+    assert [len(loader.epoch_packs(e)) for e in range(3)] == [10, 9, 10]
+    assert [loader.steps_in_epoch(e) for e in range(3)] == [1, 0, 1]
+    assert {p.epoch for p in loader.step_packs(0)} == {0}
+    assert {p.epoch for p in loader.step_packs(1)} == {2}
+    assert loader.step_packs(1) == loader.epoch_packs(2)
+
+
+def test_a_plan_whose_epochs_keep_packing_short_stops_with_the_fix(monkeypatch):
+    """Epoch 0 has its one step, but the loader gives up after `_MAX_EMPTY_EPOCHS` epochs in a row
+    with none (here 1, so epoch 1 is already too many)."""
+    from moe_sft.data import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_MAX_EMPTY_EPOCHS", 1)
+    loader = PackedLoader(make_docs(34, seed=2), pack_length=100, global_batch_size=10, seed=2, window=11)
+    with pytest.raises(DataPlanError, match="no full step; lower global_batch_size or pack_length"):
+        loader.step_packs(1)
