@@ -55,7 +55,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per budget")
     parser.add_argument("--profile-steps", type=int, default=2, help="profiled steps per budget (0: no phases)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (moe-sft arm; run under torchrun)")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (moe-sft and torchtitan arms; run under torchrun)"
+    )
     parser.add_argument(
         "--dispatcher",
         default="auto",
@@ -198,6 +200,7 @@ def _make_arm(name: str, args, device: str, layers: int, first):
         return TitanArm(
             hf_config(args.model, layers)[1],
             device=device,
+            ep=args.ep,
             seed=args.seed,
             max_seq_len=max(int(b) for b in args.budgets.split(",")),
         )

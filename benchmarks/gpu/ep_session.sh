@@ -25,6 +25,8 @@
 #   ep4_static                     the eager allgather with `--static-rows on` at every budget
 #   one                            1 GPU, eager, ONE_LAYERS layers: the per-layer reference of scaling
 #   one_graphs                     the same with CUDA graphs (arm moe-sft-graphs)
+#   titan_ep4                      torchtitan's own EP4 recipe on the same data (benchmarks/titan.py:
+#                                  its ExpertParallel + FSDP2; needs its wheels, docs/benchmarks.md#torchtitan)
 #   dsv3_ep4                       4 GPUs, EP 4, the reduced DeepSeek-V3 stack (MLA, 256 experts, a
 #                                  shared expert, MTP), DSV3_LAYERS layers, the auto dispatcher
 #   gpu_tests                      tests/gpu/test_gpu_dispatch.py and test_gpu_bounded_rows.py (the
@@ -84,6 +86,7 @@ for part in $parts; do
       run_part "$part" "${LIMIT:-300}" python3 benchmarks/benchmark.py train --arm "$arm" --model qwen3_30b \
         $common --layers "$one_layers" --tokens-per-step 32768 ;;
     dsv3_ep4) ep_run "$part" 4 "$dsv3_layers" auto dsv3_reduced ;;
+    titan_ep4) ARM=torchtitan ep_run "$part" 4 "$ep4_layers" auto ;;
     gpu_tests|graph_tests)
       start=$(date +%s)
       if [ $part = gpu_tests ]; then args=(tests/gpu/test_gpu_dispatch.py tests/gpu/test_gpu_bounded_rows.py); else args=(tests/gpu/test_gpu_cuda_graphs.py -k "${GRAPH_K:-at_ep or row_capacity}"); fi

@@ -1,11 +1,13 @@
 """Does a kernel change move how well the quickstart learns, or is it run-to-run spread?
 
-Trains the quickstart (recipes/quickstart.yaml, bf16 on one GPU) once per (variant, data seed),
-several runs side by side on the one GPU, each from the same tiny model, and reports per run the
+Trains the quickstart (recipes/quickstart.yaml, bf16 on one GPU, or `--nproc` GPUs with `--extra`'s
+parallel overrides) once per (variant, data seed), several runs side by side on the same GPUs,
+each from the same tiny model, and reports per run the
 train loss at steps 100/150/200, the eval loss at step 200 and the exported model's exact match
 on the demo eval (tools/eval_demo.py). A variant switches kernels off: `base` runs the code as it
 is, `off_all` every switch below, any other name one switch (ab_steps.py's names, plus
-`embedding` for the embedding's main-grad fusion). Spread across data seeds within a variant is
+`embedding` for the embedding's main-grad fusion), and a name with `=` a Hydra override (e.g.
+`model.moe_combine_dtype=bf16`). Spread across data seeds within a variant is
 the yardstick a variant's difference has to beat.
 
     python3 benchmarks/gpu/quickstart_spread.py --out DIR --variants base,off_all --seeds 1234,1,2
@@ -56,7 +58,7 @@ def child() -> None:
 
 
 def _off_list(variant: str) -> list[str]:
-    if variant == "base":
+    if variant == "base" or "=" in variant:
         return []
     if variant == "off_all":
         return [*KERNEL_SWITCHES, "embedding"]
@@ -66,18 +68,25 @@ def _off_list(variant: str) -> list[str]:
 def _parse(log: str) -> dict:
     train = {int(s): float(v) for s, v in re.findall(r"^step (\d+)/\d+ loss=(\S+)", log, re.M)}
     evals = [float(v) for v in re.findall(r"^eval \d+/\d+ loss=(\S+)", log, re.M)]
-    return {"loss": {s: train.get(s) for s in (50, 100, 150, 200)}, "eval_loss": evals[-1] if evals else None}
+    last = max(train, default=None)
+    return {
+        "loss": {s: train.get(s) for s in (50, 100, 150, 200)},
+        "last_step": last,
+        "last_loss": train.get(last),
+        "eval_loss": evals[-1] if evals else None,
+    }
 
 
-def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str]) -> dict:
-    run = work / f"{variant}_s{seed}"
+def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str], nproc: int = 1) -> dict:
+    run = work / f"{variant.replace('=', '-')}_s{seed}"
+    overrides = [variant] if "=" in variant else []  # a Hydra override, e.g. model.moe_combine_dtype=bf16
     run.mkdir(parents=True, exist_ok=True)
     # runs share the host's cores: two threads each keeps the Python side from thrashing
     env = {"OMP_NUM_THREADS": "2", **os.environ, "QS_OFF": ",".join(_off_list(variant))}
     cmd = [
         "torchrun",
         "--standalone",
-        "--nproc_per_node=1",
+        f"--nproc_per_node={nproc}",
         str(Path(__file__)),
         "--config-path",
         str(ROOT / "recipes"),
@@ -89,6 +98,7 @@ def one_run(work: Path, variant: str, seed: int, shared: Path, extra: list[str])
         f"data.cache_dir={run}/cache",
         f"data.seed={seed}",
         *extra,
+        *overrides,
     ]
     start, rc = time.time(), 0
     if (run / "out" / "hf").is_dir():  # trained by an earlier call that ran out of time in the evals
@@ -121,6 +131,7 @@ def main() -> int:
     p.add_argument("--seeds", default="1234,1,2")
     p.add_argument("--parallel", type=int, default=6)
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per run (with --extra's parallel overrides)")
     args = p.parse_args()
     work, shared = args.out / "runs", args.out / "shared"
     shared.mkdir(parents=True, exist_ok=True)
@@ -142,14 +153,15 @@ def main() -> int:
         )
     jobs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda j: one_run(work, j[0], j[1], shared, args.extra), jobs))
+        results = list(pool.map(lambda j: one_run(work, j[0], j[1], shared, args.extra, args.nproc), jobs))
     (args.out / "spread.json").write_text(json.dumps(results, indent=1))
-    print(f"{'variant':<28}{'seed':>6}{'loss@100':>10}{'loss@150':>10}{'loss@200':>10}{'eval':>9}  exact")
+    print(f"{'variant':<32}{'seed':>6}{'loss@100':>10}{'loss@200':>10}{'last':>12}{'eval':>9}  exact")
     for r in results:
         f = lambda x: f"{x:.4f}" if isinstance(x, float) else "-"  # noqa: E731
         print(
-            f"{r['variant']:<28}{r['seed']:>6}{f(r['loss'].get(100)):>10}{f(r['loss'].get(150)):>10}"
-            f"{f(r['loss'].get(200)):>10}{f(r['eval_loss']):>9}  {r.get('exact_match', 'rc=' + str(r['rc']))}"
+            f"{r['variant']:<32}{r['seed']:>6}{f(r['loss'].get(100)):>10}{f(r['loss'].get(200)):>10}"
+            f"{f(r['last_loss']):>7}@{r['last_step'] or '-':<4}{f(r['eval_loss']):>9}  "
+            f"{r.get('exact_match', 'rc=' + str(r['rc']))}"
         )
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
