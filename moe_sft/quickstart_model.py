@@ -49,10 +49,13 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, type=Path)
     parser.add_argument("--num-layers", type=int, default=2, help="decoder layers of the tiny model")
     parser.add_argument("--family", default="qwen3_moe", help="a moe_sft.models.registry family name")
+    parser.add_argument("--experts", type=int, help="routed experts (the family's tiny default if unset)")
+    parser.add_argument("--top-k", type=int, help="experts per token (the family's tiny default if unset)")
     args = parser.parse_args()
     if not (args.hf_path / "config.json").is_file():
         args.hf_path.parent.mkdir(parents=True, exist_ok=True)
-        create_tiny_hf(args.hf_path, args.tokenizer, family=args.family, num_hidden_layers=args.num_layers)
+        routing = {k: v for k, v in (("num_experts", args.experts), ("num_experts_per_tok", args.top_k)) if v}
+        create_tiny_hf(args.hf_path, args.tokenizer, family=args.family, num_hidden_layers=args.num_layers, **routing)
         print(f"created tiny {args.family} at {args.hf_path}")
     if not (args.mcore_path / "moe_sft_meta.json").is_file():
         from moe_sft.conversion.convert import convert

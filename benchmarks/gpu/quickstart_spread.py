@@ -23,6 +23,7 @@ import json
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 import time
@@ -132,6 +133,7 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=6)
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (with --extra's parallel overrides)")
+    p.add_argument("--tiny-args", default="", help='moe_sft.quickstart_model options, e.g. "--experts 16 --top-k 8"')
     args = p.parse_args()
     work, shared = args.out / "runs", args.out / "shared"
     shared.mkdir(parents=True, exist_ok=True)
@@ -147,6 +149,7 @@ def main() -> int:
                 f"{shared}/tiny_mcore",
                 "--tokenizer",
                 "recipes/demo/tokenizer",
+                *shlex.split(args.tiny_args),
             ],
             cwd=ROOT,
             check=True,
