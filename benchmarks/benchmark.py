@@ -72,7 +72,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--combine-dtype",
-        default="fp32",
+        default="bf16",
         choices=("fp32", "bf16"),
         help="moe-sft arms: model.moe_combine_dtype (the allgather combine's reduce-scatter)",
     )

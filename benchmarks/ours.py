@@ -49,7 +49,7 @@ def bench_config(
     cuda_graphs: bool = False,
     peft: PeftConfig | None = None,
     static_rows_capacity: float = 2.0,
-    combine_dtype: str = "fp32",
+    combine_dtype: str = "bf16",
     dispatch_chunks: int = 1,
     attention_kernel: str = "auto",
 ) -> TrainConfig:
@@ -133,7 +133,7 @@ class OursArm:
         cuda_graphs: bool = False,
         lora: bool = False,
         static_rows_capacity: float = 2.0,
-        combine_dtype: str = "fp32",
+        combine_dtype: str = "bf16",
         dispatch_chunks: int = 1,
         attention_kernel: str = "auto",
     ):

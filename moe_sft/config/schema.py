@@ -98,10 +98,11 @@ class ModelConfig:
         "EP4 on 4 x H200: 1.5 was 4% faster per step, but a re-run costs 2.4 steps: docs/benchmarks.md)",
     )
     moe_combine_dtype: str = _f(
-        "fp32",
-        "allgather dispatcher: dtype of the combine's reduce-scatter over the expert group; fp32 "
-        "(megatron's) | bf16 (half the bytes, as a TP layer's reduce-scatter; sums rounded per hop; "
-        "EP4 on 4 x H100: 1.05-1.07x per step, docs/benchmarks.md)",
+        "bf16",
+        "allgather dispatcher: dtype of the combine's reduce-scatter over the expert group; bf16 (the "
+        "expert outputs' own dtype: half megatron's bytes, as a TP layer's reduce-scatter, sums "
+        "rounded per hop; EP4: 1.05-1.19x per step, the quickstart learns the same, docs/benchmarks.md) "
+        "| fp32 (megatron's: the outputs cast to fp32 first)",
         ("fp32", "bf16"),
     )
     attention_kernel: str = _f(

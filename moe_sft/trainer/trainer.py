@@ -411,7 +411,10 @@ class Trainer:
         if static:
             log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
         if m.moe_combine_dtype != "fp32" and permute.set_combine_dtype(chunks, m.moe_combine_dtype):
-            log.info(f"the allgather's combine reduce-scatters in {m.moe_combine_dtype} (model.moe_combine_dtype)")
+            log.info(
+                f"the allgather's combine reduce-scatters in {m.moe_combine_dtype} "
+                "(model.moe_combine_dtype; fp32 gives megatron's)"
+            )
         if m.moe_dispatch_chunks > 1:
             split, reasons = split_dispatch.enable(chunks, m.moe_dispatch_chunks)
             log.info(

@@ -186,14 +186,14 @@ def _ep4_top8_of_16(tmp_path):
 
 
 def test_bf16_combine_at_ep4_trains_as_the_fp32_one(tmp_path):
-    """EP4 with graphs, the allgather combine's reduce-scatter in bf16 (`model.moe_combine_dtype`,
-    two more roundings of a token's partial sums at EP4, as a TP layer's reduce-scatter) against
+    """EP4 with graphs, the allgather combine's reduce-scatter in bf16 (`model.moe_combine_dtype`, the
+    default: two more roundings of a token's partial sums at EP4, as a TP layer's reduce-scatter) against
     megatron's fp32 one: the same losses and grad norms to bf16 precision over 12 steps. Top-8 of
     16 experts, so a token's rows lie on up to all 4 ranks (with the quickstart's top-2 at most two
     partial sums are nonzero, one addition either way, and the two runs are bit-equal)."""
     tmp, layout = _ep4_top8_of_16(tmp_path)
     bf16, _, out = _run(tmp, "bf16", True, gpus=4, extra=(*layout, "model.moe_combine_dtype=bf16"))
-    fp32, _, _ = _run(tmp, "fp32", True, gpus=4, extra=layout)
+    fp32, _, _ = _run(tmp, "fp32", True, gpus=4, extra=(*layout, "model.moe_combine_dtype=fp32"))
     assert "the allgather's combine reduce-scatters in bf16" in out
     worst = {k: max(_rel(bf16[k][s], fp32[k][s]) for s in range(1, STEPS + 1)) for k in ("loss", "grad_norm")}
     print(f"EP4 bf16 vs fp32 combine: step 1 loss {bf16['loss'][1]} vs {fp32['loss'][1]}; worst relative {worst}")
