@@ -2,9 +2,9 @@
 
 Trains the quickstart (recipes/quickstart.yaml, bf16 on one GPU, or `--nproc` GPUs with `--extra`'s
 parallel overrides) once per (variant, data seed), several runs side by side on the same GPUs,
-each from the same tiny model, and reports per run the
-train loss at steps 100/150/200, the eval loss at step 200 and the exported model's exact match
-on the demo eval (tools/eval_demo.py). A variant switches kernels off: `base` runs the code as it
+each from the same tiny model, and reports per run the train loss at steps 100 and 200 and at the
+last step, the last eval loss and the exported model's exact match on the demo eval
+(tools/eval_demo.py). A variant switches kernels off: `base` runs the code as it
 is, `off_all` every switch below, any other name one switch (ab_steps.py's names, plus
 `embedding` for the embedding's main-grad fusion), and a name with `=` a Hydra override (e.g.
 `model.moe_combine_dtype=bf16`). Spread across data seeds within a variant is
