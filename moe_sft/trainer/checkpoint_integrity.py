@@ -20,20 +20,26 @@ import json
 import os
 import re
 import time
-import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from moe_sft.conversion import mcore_io
+from moe_sft.conversion.checksums import (  # the pure file checks; CHUNK, file_crc32: the old import path
+    CHECKSUM_FILE,
+    CHUNK,  # noqa: F401
+    checksum_problems,
+    complete_steps,
+    file_crc32,  # noqa: F401
+    read_checksums,
+    storage_problems,
+)
+from moe_sft.conversion.checksums import hash_files as _hash_files
 from moe_sft.conversion.hf_reader import CheckpointError
 from moe_sft.runtime.logs import get_logger
 
-CHECKSUM_FILE = "checksums.json"
-CHUNK = 8 << 20
 _STEP_DIR = re.compile(r"step_(\d{7})$")  # = checkpoint.step_dir's names
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -138,24 +144,6 @@ def non_finite_message(step: int, bad: list[str], checked: int, root: Path, lr: 
 # ----------------------------------------------------------------------------- checksums
 
 
-def file_crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _hash_files(paths: list[Path]) -> dict[str, dict]:
-    def one(p: Path) -> tuple[str, dict]:
-        return p.name, {"size": p.stat().st_size, "crc32": file_crc32(p)}
-
-    if len(paths) <= 1:
-        return dict(map(one, paths))
-    with ThreadPoolExecutor(max_workers=min(4, len(paths))) as pool:  # zlib releases the GIL
-        return dict(pool.map(one, paths))
-
-
 def _data_files(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in Path(ckpt_dir).iterdir() if p.is_file() and p.name != CHECKSUM_FILE)
 
@@ -180,35 +168,6 @@ def write_checksums(ckpt_dir: Path) -> tuple[int, int, float]:
     return len(sums), sum(e["size"] for e in sums.values()), max(s for _, s in gathered)
 
 
-def read_checksums(ckpt_dir: Path) -> dict | None:
-    """{file: {size, crc32}}, or None when the checkpoint has none (written before checksums)."""
-    path = Path(ckpt_dir) / CHECKSUM_FILE
-    if not path.is_file():
-        return None
-    doc = json.loads(path.read_text())
-    if doc.get("algorithm") != "crc32" or not isinstance(doc.get("files"), dict):
-        raise ValueError(f"unknown layout (algorithm={doc.get('algorithm')!r})")
-    return doc["files"]
-
-
-def checksum_problems(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str, str]:
-    """{file: problem} for the files `names` against their recorded size and CRC-32."""
-    problems = {}
-    for name in names:
-        path, want = Path(ckpt_dir) / name, sums[name]
-        if not path.is_file():
-            problems[name] = "missing"
-        elif path.stat().st_size != want["size"]:
-            problems[name] = f"{path.stat().st_size} bytes, {want['size']} when saved"
-    rest = [n for n in names if n not in problems]
-    for name, entry in _hash_files([Path(ckpt_dir) / n for n in rest]).items():
-        if entry["crc32"] != sums[name]["crc32"]:
-            problems[name] = (
-                f"contents changed since the save (CRC-32 {entry['crc32']}, {sums[name]['crc32']} when saved)"
-            )
-    return problems
-
-
 def _share(sizes: dict[str, int], world: int) -> list[list[str]]:
     """Files per rank, largest first onto the least loaded rank (same answer on every rank)."""
     loads, shares = [0] * world, [[] for _ in range(world)]
@@ -220,57 +179,6 @@ def _share(sizes: dict[str, int], world: int) -> list[list[str]]:
 
 
 # ----------------------------------------------------------------------------- load: whole
-
-
-def storage_problems(ckpt_dir: Path) -> dict[str, str]:
-    """{file: problem} of a torch_dist checkpoint's megatron files, without torch.distributed:
-    metadata.json parses, common.pt exists, `.metadata` unpickles and every storage file it lists
-    exists and reaches the end of the last byte range `.metadata` puts in it."""
-    path = Path(ckpt_dir)
-    problems = {}
-    try:
-        backend = json.loads((path / "metadata.json").read_text()).get("sharded_backend")
-    except FileNotFoundError:
-        problems["metadata.json"], backend = "missing", None
-    except (OSError, ValueError, AttributeError) as err:
-        problems["metadata.json"], backend = f"unreadable ({type(err).__name__}: {err})", None
-    if not (path / "common.pt").is_file():
-        problems["common.pt"] = "missing"
-    if backend not in (None, "torch_dist"):
-        return problems  # another megatron backend: its own files
-    if not (path / ".metadata").is_file():
-        problems[".metadata"] = "missing"
-        return problems
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as err:  # a garbled pickle raises anything from EOFError to UnpicklingError
-        problems[".metadata"] = f"unreadable ({type(err).__name__}: {' '.join(str(err).split())[:120]})"
-        return problems
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(needed.items()):
-        if not (path / name).is_file():
-            problems[name] = "missing (listed in .metadata)"
-        elif (size := (path / name).stat().st_size) < end:
-            problems[name] = f"truncated: {size} bytes, .metadata needs {end}"
-    return problems
-
-
-def complete_steps(root: Path, before: int | None = None) -> list[int]:
-    """Steps under checkpoints/ that are committed and whose files are all there (no hashing)."""
-    if not Path(root).is_dir():
-        return []
-    steps = sorted(int(m.group(1)) for p in Path(root).iterdir() if (m := _STEP_DIR.match(p.name)))
-    return [
-        s
-        for s in steps
-        if (before is None or s < before)
-        and (Path(root) / f"step_{s:07d}" / mcore_io.META_FILE).is_file()
-        and not storage_problems(Path(root) / f"step_{s:07d}")
-    ]
 
 
 def latest_complete(root: Path) -> Path | None:
