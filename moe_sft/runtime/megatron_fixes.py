@@ -219,6 +219,74 @@ def fix_mtp_full_recompute_with_packed_sequences() -> str | None:
     return "MTP layer full recompute: packed-sequence params kept out of save_for_backward"
 
 
+_MTP_PADDING = "_moe_sft_padding_mask"  # the decoder's padding mask, handed to the GPTModel's MTP layers
+
+
+def record_padding_for_mtp(original_preprocess):
+    """`GPTModel._preprocess` that hands the padding mask it gives the decoder (sequence-parallel
+    share on the first stage, as the trainer cut it on later ones) to this model's MTP layers."""
+
+    @functools.wraps(original_preprocess)
+    def _preprocess(self, *args, **kwargs):
+        out = original_preprocess(self, *args, **kwargs)
+        for layer in self.mtp.layers if getattr(self, "mtp_process", False) else ():
+            setattr(layer, _MTP_PADDING, out[5])
+        return out
+
+    return _preprocess
+
+
+def mtp_layer_with_padding(original_forward, original_proj):
+    """`MultiTokenPredictionLayer.forward` whose transformer layer gets the recorded padding mask.
+    The mask is bound to this call's `_proj_and_transformer_layer`, which full recompute keeps and
+    re-runs in backward: the recomputed router sees the same mask, whatever ran in between."""
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        mask = self.__dict__.pop(_MTP_PADDING, None)
+        if mask is None:
+            return original_forward(self, *args, **kwargs)
+
+        def proj_and_layer(**layer_kwargs):
+            layer = self.transformer_layer
+            layer.forward = functools.partial(type(layer).forward, layer, padding_mask=mask)
+            try:
+                return original_proj(self, **layer_kwargs)
+            finally:
+                del layer.forward
+
+        self._proj_and_transformer_layer = proj_and_layer
+        try:
+            return original_forward(self, *args, **kwargs)
+        finally:
+            del self._proj_and_transformer_layer
+
+    return forward
+
+
+def fix_mtp_router_padding() -> str | None:
+    """megatron 0.16.1's GPTModel passes `padding_mask` to the decoder's layers, so their routers
+    leave padding out of the aux losses and the expert-bias token counts, but not to the MTP block
+    (`MultiTokenPredictionBlock.forward` has no such argument): the MTP layer's router counted every
+    padding row. Padding depends on the layout (the allgather dispatcher pads micro-batches to one
+    length, PP pads them, CP pads documents), so the MTP router's aux loss and bias counts did too:
+    GLM-4.5 at EP2, load-balancing loss 1.8e-4 from one rank's (tests/dist/test_upstream_bug_classes.py).
+    MTP row i joins the main model's state at token i with the embedding of token i + 1; it is a
+    padding row when token i is, so the layer gets the decoder's mask unshifted."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    _replace(GPTModel, "_preprocess", record_padding_for_mtp(GPTModel._preprocess))
+    _replace(
+        MultiTokenPredictionLayer,
+        "forward",
+        mtp_layer_with_padding(
+            MultiTokenPredictionLayer.forward, MultiTokenPredictionLayer._proj_and_transformer_layer
+        ),
+    )
+    return "MTP layers: the decoder's padding mask reaches their routers (aux losses, expert-bias counts)"
+
+
 def fix_output_discarding_checkpoint_without_te() -> str | None:
     """`CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None`, i.e. True, and its
     forward then asks TE's FP8GlobalStateManager, a NameError without TE: selective recompute of
@@ -320,6 +388,7 @@ FIXES: tuple[Fix, ...] = (
     Fix(fix_hybrid_optimizer_main_params, MCORE_0_16),
     Fix(fix_expert_bias_padding_mask, MCORE_0_16),
     Fix(fix_mtp_full_recompute_with_packed_sequences, MCORE_0_16),
+    Fix(fix_mtp_router_padding, MCORE_0_16),
     Fix(fix_output_discarding_checkpoint_without_te, MCORE_0_16),
     Fix(fix_mla_rope_key_grad_over_tp, MCORE_0_16),
 )

@@ -206,6 +206,45 @@ def test_mtp_full_recompute_with_packed_sequence_params():
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
 
 
+def _routed_rows_per_router(model, docs, padding_rows: int) -> dict[str, int]:
+    """Expert-bias token counts (rows x top-k) of every router after one training forward of
+    `docs` followed by a padding segment of `padding_rows` tokens flagged in the padding mask."""
+    from moe_sft.models.forward import packed_batch
+
+    tokens, positions, params = packed_batch([*docs, [0] * padding_rows])
+    padding = torch.zeros_like(tokens, dtype=torch.bool)
+    padding[:, tokens.shape[1] - padding_rows :] = True
+    routers = {n: m for n, m in model.named_modules() if getattr(m, "local_tokens_per_expert", None) is not None}
+    for router in routers.values():
+        router.local_tokens_per_expert.zero_()
+    model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params, padding_mask=padding)
+    return {n: int(r.local_tokens_per_expert.sum()) for n, r in routers.items()}
+
+
+def test_mtp_router_leaves_padding_out_like_the_decoder_routers(tmp_path, monkeypatch):
+    """Tiny DeepSeek-V3 with an MTP layer (expert bias on): 20 real tokens then 12 padding tokens.
+    Every router must count 20 rows x top-2; megatron's MTP layer counted the padding too."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    from moe_sft.conversion.export import load_model_from_checkpoint
+    from tests.deepseek_mtp import converted_tiny_deepseek_with_mtp
+
+    _, _, tmp = converted_tiny_deepseek_with_mtp(tmp_path, 300)
+    model = load_model_from_checkpoint(tmp / "mcore").train()
+    model.run_mtp = True
+    docs = [list(range(3, 14)), list(range(40, 49))]
+    with monkeypatch.context() as m:  # megatron's own MTP path
+        m.setattr(GPTModel, "_preprocess", original(GPTModel, "_preprocess"))
+        m.setattr(MultiTokenPredictionLayer, "forward", original(MultiTokenPredictionLayer, "forward"))
+        megatrons = _routed_rows_per_router(model, docs, padding_rows=12)
+    fixed = _routed_rows_per_router(model, docs, padding_rows=12)
+    mtp = [n for n in fixed if n.startswith("mtp.")]
+    assert len(mtp) == 1 and len(fixed) == 2, fixed
+    assert megatrons[mtp[0]] == 2 * 32  # padding rows routed and counted
+    assert set(fixed.values()) == {2 * 20}, fixed
+
+
 @needs_no_te
 def test_output_discarding_checkpoint_has_no_fp8_without_te():
     from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
