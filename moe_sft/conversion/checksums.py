@@ -34,11 +34,11 @@ def file_crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def hash_files(paths: list[Path]) -> dict[str, dict]:
-    """{file name: {size, crc32}}, up to 4 files hashed at once."""
+def hash_files(paths: list[Path], root: Path | None = None) -> dict[str, dict]:
+    """{file name (its path under `root`, e.g. hf/config.json): {size, crc32}}, up to 4 files hashed at once."""
 
     def one(p: Path) -> tuple[str, dict]:
-        return p.name, {"size": p.stat().st_size, "crc32": file_crc32(p)}
+        return str(p.relative_to(root)) if root else p.name, {"size": p.stat().st_size, "crc32": file_crc32(p)}
 
     if len(paths) <= 1:
         return dict(map(one, paths))
@@ -67,7 +67,7 @@ def checksum_problems(ckpt_dir: Path, sums: dict, names: list[str]) -> dict[str,
         elif path.stat().st_size != want["size"]:
             problems[name] = f"{path.stat().st_size} bytes, {want['size']} when saved"
     rest = [n for n in names if n not in problems]
-    for name, entry in hash_files([Path(ckpt_dir) / n for n in rest]).items():
+    for name, entry in hash_files([Path(ckpt_dir) / n for n in rest], root=Path(ckpt_dir)).items():
         if entry["crc32"] != sums[name]["crc32"]:
             problems[name] = (
                 f"contents changed since the save (CRC-32 {entry['crc32']}, {sums[name]['crc32']} when saved)"
