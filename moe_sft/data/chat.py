@@ -71,6 +71,7 @@ from moe_sft.data.turn_ends import (
     added_token_at,
     common_suffix,
     continued_turn_end,
+    continued_turn_start,
     end_at_role_tag,
     handover_tag,
     turn_end,
@@ -357,7 +358,7 @@ def spans_from_prefixes(
         if full.startswith(prefix) and len(prefix) >= cursor:
             start = len(prefix)
         else:
-            start = _start_after_rerendered_history(tokenizer, template, messages, tools, i, full, cursor, where)
+            start = _start_after_rerendered_history(tokenizer, template, messages, tools, i, full, cursor, ends, where)
         here = f"{where}: messages[{i}]"
         end = None if tagged else turn_end(full, start, ends, here, required=not role_tags)
         if end is not None and end < len(full) and (i + 1 == len(messages) or messages[i + 1]["role"] != "assistant"):
@@ -381,7 +382,7 @@ def spans_from_prefixes(
 
 
 def _start_after_rerendered_history(
-    tokenizer, template: str, messages: list[dict], tools, i: int, full: str, cursor: int, where: str
+    tokenizer, template: str, messages: list[dict], tools, i: int, full: str, cursor: int, ends: list[str], where: str
 ) -> int:
     """Where assistant turn `i` starts in `full` when the prefix render is not a prefix of it."""
     bare = _render(tokenizer, template, messages[:i], tools)
@@ -393,25 +394,50 @@ def _start_after_rerendered_history(
     if header and limit < len(full):
         pos = full.rfind(header, cursor, limit)
         if pos >= 0:
+            if messages[i - 1]["role"] != "assistant":  # else the segments before are the previous turn's
+                pos = continued_turn_start(full, pos, ends, header, cursor)
             return pos + len(header)
-        # A generation prompt that also opens a block the history does not show (DeepSeek-R1's
-        # "<think>\n", MiniMax-M2's "]~b]ai\n<think>\n" before a turn without reasoning): a prefix of
-        # it, at least half or cut where an added token starts, directly followed by the turn's text.
-        for cut in range(len(header) - 1, 0, -1):
-            whole = 2 * cut >= len(header) or added_token_at(tokenizer, header, cut) is not None
-            if whole and limit - cut >= cursor and full.startswith(header[:cut], limit - cut):
-                return limit
+        start = _start_after_partial_header(tokenizer, full, header, cursor, limit, ends)
+        if start is not None:
+            return start
     start = _start_after_aligned_history(full, bare, header, cursor, limit, messages[i - 1])
     if start is not None:
         return start
     raise RowError(
         TEMPLATE_ERROR,
-        f"{where}: the chat template renders messages[:{i}] + generation prompt "
-        "differently from the start of the full conversation, and the turn's header "
-        "could not be found in the full text, so assistant tokens cannot be located; "
-        "use a template with {% generation %}...{% endgeneration %} around assistant "
-        "content",
+        f"{where}: the chat template renders messages[:{i}] + generation prompt ({header!r}) differently "
+        "from the full conversation (it rewrites earlier turns or opens the turn differently), and neither "
+        "that prompt, a prefix of it, nor the end of the previous message could be found before the "
+        "turn's text, so its tokens cannot be located; name a copy of the template with "
+        "{% generation %}...{% endgeneration %} around the assistant output in data.chat_template",
     )
+
+
+def _start_after_partial_header(
+    tokenizer, full: str, header: str, cursor: int, limit: int, ends: list[str]
+) -> int | None:
+    """Turn start when the full text shows only a prefix of the generation prompt.
+
+    A generation prompt that also opens a block the history shows otherwise or not at all
+    (DeepSeek-R1's "<think>\n", MiniMax-M2's "]~b]ai\n<think>\n" before a turn without reasoning,
+    Nemotron-3's "<|im_start|>assistant\n<think>\n" before the "<think></think>" it writes into a turn
+    without reasoning): the longest prefix of it (at least half of it, or cut where an added token
+    starts) whose last occurrence before the turn's text (`limit`) is followed by that text or by an
+    added token, with no end-of-turn string in between. The turn starts after that prefix: what the
+    template writes there beyond it (the `</think>` of "<think></think>") is the turn's, what the
+    prompt would write is not.
+    """
+    for cut in range(len(header) - 1, 0, -1):
+        if 2 * cut < len(header) and added_token_at(tokenizer, header, cut) is None:
+            continue
+        pos = full.rfind(header[:cut], cursor, limit)
+        if pos < 0 or turn_end(full, pos + cut, ends, "", required=False, stop=limit) is not None:
+            continue
+        # Directly the turn's text, or a block the template opens with an added token (`</think>`);
+        # plain text there would be a header the template writes differently, which is not trained.
+        if pos + cut == limit or added_token_at(tokenizer, full, pos + cut) is not None:
+            return pos + cut
+    return None
 
 
 def _start_after_aligned_history(

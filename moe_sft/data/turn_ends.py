@@ -66,6 +66,22 @@ def continued_turn_end(text: str, end: int, ends: list[str], header: str, where:
     return end
 
 
+def continued_turn_start(text: str, header_pos: int, ends: list[str], header: str, floor: int) -> int:
+    """Where the header of an assistant turn's first segment starts, given the header of one of its
+    segments at `header_pos`: `continued_turn_end` backwards. A harmony turn found by its answer's
+    header (`<|start|>assistant<|channel|>final...`) begins with the segments before it that the model
+    also wrote (its reasoning, `<|start|>assistant<|channel|>analysis<|message|>...<|end|>`): each is
+    the generation prompt's header followed by text that one end string closes right where the next
+    segment's header starts. Segments are not searched before `floor` (the end of the previous
+    assistant turn); the caller asks this only when the previous message is not an assistant message."""
+    while header:
+        before = text.rfind(header, floor, header_pos)
+        if before < 0 or turn_end(text, before + len(header), ends, "", required=False, stop=header_pos) != header_pos:
+            break
+        header_pos = before
+    return header_pos
+
+
 def writes_end_of_turn(template: str, ends: list[str]) -> bool:
     """Whether the template source can write an end-of-turn string (literally or as `eos_token`)."""
     return "eos_token" in template or any(end in template for end in ends)

@@ -297,6 +297,19 @@ HARMONY_CHAT = [
 FINAL = "<|channel|>final<|message|>{}"
 ANALYSIS = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant"
 
+# An answer right after a tool result (issue 42): the last turn renders its reasoning and its answer as
+# two segments, while the earlier call's reasoning is dropped once that final answer exists, so the
+# prefix render (which keeps it) is not a prefix of the full text.
+HARMONY_TOOL_ANSWER = [
+    HARMONY_CHAT[0],
+    HARMONY_CHAT[1],
+    HARMONY_CHAT[2],
+    AGENT[1],
+    {"role": "assistant", "content": "", "thinking": "I should call the tool.", "tool_calls": [CALL]},
+    AGENT[3],
+    {"role": "assistant", "content": "It is sunny in Paris.", "thinking": "The tool says sunny."},
+]
+
 R_CHAT = [
     {"role": "system", "content": "Think step by step."},
     {"role": "user", "content": "2+2?"},
@@ -314,6 +327,48 @@ DS_TOOL_CHAT = [
     {"role": "assistant", "content": "It is sunny in Paris."},
     AGENT[5],
     {"role": "assistant", "content": "<think>No forecast tool.</think>I cannot forecast."},
+]
+
+# Nemotron-3-Nano style (issue 42): ChatML turns; a turn without reasoning, and every turn before the last
+# user message (its reasoning truncated), is written with an empty `<think></think>`, while the generation
+# prompt opens `<think>\n` (thinking on by default): the render of messages[:i] + generation prompt is not
+# the start of the full text even for a single turn, and the full prompt never appears before a turn
+# without reasoning. Tool calls as `<tool_call>\n<function=NAME>` with `<parameter=K>` blocks; tool results
+# in a user turn.
+NEMOTRON3_TEMPLATE = (
+    "{%- set enable_thinking = enable_thinking if enable_thinking is defined else true -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{ '<|im_start|>system\\n' + m.content }}"
+    "{%- if tools -%}{{ '\\n\\n# Tools\\n<tools>' }}{%- for t in tools -%}{{ '\\n' + (t.function | tojson) }}"
+    "{%- endfor -%}{{ '\\n</tools>' }}{%- endif -%}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- if m.reasoning_content and loop.index0 > ns.last_user -%}"
+    "{%- set think = '<think>\\n' + m.reasoning_content + '</think>' -%}"
+    "{%- else -%}{%- set think = '<think></think>' -%}{%- endif -%}"
+    "{{ '<|im_start|>assistant\\n' + think + m.content }}"
+    "{%- for tc in m.tool_calls or [] -%}{{ '<tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
+    "{%- for k, v in tc.function.arguments.items() -%}{{ '<parameter=' + k + '>\\n' + v + '\\n</parameter>\\n' }}"
+    "{%- endfor -%}{{ '</function>\\n</tool_call>\\n' }}{%- endfor -%}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{%- if enable_thinking -%}{{ '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>assistant\\n<think></think>' }}{%- endif -%}{%- endif -%}"
+)
+NEMOTRON_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+NEMOTRON_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
+)
+NEMOTRON_CHAT = [
+    HARMONY_CHAT[0],
+    HARMONY_CHAT[1],
+    {"role": "assistant", "content": "4", "reasoning_content": "add"},
+    *HARMONY_CHAT[3:6],
+    {"role": "assistant", "content": "8", "reasoning_content": "once more"},
 ]
 
 # name: (added tokens, template, eos, bos, messages, tools, the trained text of each assistant turn).
@@ -436,6 +491,20 @@ FAMILIES = {
             ANALYSIS.format("And Nice.") + HARMONY_CALL.format("get_weather", "Nice"),
         ],
     ),
+    "gpt_oss_tool_answer": (
+        HARMONY_TOKENS,
+        HARMONY_TEMPLATE,
+        "<|return|>",
+        None,
+        HARMONY_TOOL_ANSWER,
+        [WEATHER_TOOL],
+        [
+            FINAL.format("4<|end|>"),
+            HARMONY_CALL.format("get_weather", "Paris"),
+            # Every segment the model writes after the tool result: its reasoning and its answer.
+            ANALYSIS.format("The tool says sunny.") + FINAL.format("It is sunny in Paris.<|return|>"),
+        ],
+    ),
     "gpt_oss_chat": (
         HARMONY_TOKENS,
         HARMONY_TEMPLATE,
@@ -448,6 +517,29 @@ FAMILIES = {
             FINAL.format("6<|end|>"),
             ANALYSIS.format("once more") + FINAL.format("8<|return|>"),
         ],
+    ),
+    # The prompt's `<think>` is the header; a turn without reasoning (or truncated) is trained from `</think>`.
+    "nemotron3_agent": (
+        NEMOTRON_TOKENS,
+        NEMOTRON3_TEMPLATE,
+        "<|im_end|>",
+        None,
+        AGENT,
+        [WEATHER_TOOL],
+        [
+            f"</think>{NEMOTRON_CALL}<|im_end|>",
+            "</think>It is sunny in Paris.<|im_end|>",
+            "No forecast tool.</think>I cannot forecast.<|im_end|>",
+        ],
+    ),
+    "nemotron3_chat": (
+        NEMOTRON_TOKENS,
+        NEMOTRON3_TEMPLATE,
+        "<|im_end|>",
+        None,
+        NEMOTRON_CHAT,
+        None,
+        ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more</think>8<|im_end|>"],
     ),
 }
 # Families whose template leaves the last turn open: the stop token appended after it (close_last_turn).
@@ -527,6 +619,65 @@ def test_family_templates_train_exactly_the_assistant_turns(name, mode):
         if m["role"] != "assistant" and m.get("content"):
             assert m["content"] not in trained_text, m
     assert "Weather of a city" not in trained_text
+
+
+def test_gpt_oss_reasoning_of_an_answer_after_a_tool_result_is_trained():
+    """The conversation of issue 42: system, user, assistant (reasoning + tool call), tool, assistant
+    (reasoning + answer). The last turn is rendered as an analysis segment and a final segment; both
+    are the model's output and both are trained, with the turn's weight."""
+    tok = _tokenizer("gpt_oss_agent")
+    messages = HARMONY_AGENT[:5]
+    last = ANALYSIS.format("The tool says sunny.") + FINAL.format("It is sunny in Paris.<|return|>")
+    call = HARMONY_CALL.format("get_weather", "Paris")
+    for weights in ([1.0, 1.0], [0.5, 2.0], [0.0, 3.0]):
+        rows = [dict(m) for m in messages]
+        rows[2]["weight"], rows[4]["weight"] = weights
+        doc = tokenize_conversation(tok, rows, 4096, tools=[WEATHER_TOOL])
+        ids = tok.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=True, return_dict=False)
+        text = tok.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False)
+        assert text.endswith(last) and "I should call the tool." not in text  # the call's reasoning is dropped
+        assert list(doc.input_ids) == list(ids)
+        assert list(doc.loss_weights) == _expected_weights(tok, text, messages, [call, last], weights)
+        assert masked_runs(tok, doc) == [(t, w) for t, w in zip([call, last], weights) if w > 0]
+    # With a user turn after it, the answer renders without its reasoning, and the new last turn with it.
+    more = [
+        *messages,
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "Welcome.", "thinking": "Polite."},
+    ]
+    doc = tokenize_conversation(tok, more, 4096, tools=[WEATHER_TOOL])
+    assert [t for t, _ in masked_runs(tok, doc)] == [
+        call,
+        FINAL.format("It is sunny in Paris.<|end|>"),
+        ANALYSIS.format("Polite.") + FINAL.format("Welcome.<|return|>"),
+    ]
+
+
+def test_templates_that_open_the_turn_differently_from_the_prompt():
+    """Nemotron-3 style: the generation prompt `<|im_start|>assistant\n<think>\n` is never a prefix of the
+    full text before a turn without reasoning (`<think></think>` there), for one turn as for many."""
+    tok = _tokenizer("nemotron3_chat")
+    single = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    prompt = tok.apply_chat_template(single[:1], tokenize=False, add_generation_prompt=True)
+    assert not tok.apply_chat_template(single, tokenize=False).startswith(prompt)
+    for rows, trained in (
+        (single, ["</think>4<|im_end|>"]),
+        ([single[0], {**single[1], "reasoning_content": "add"}], ["add</think>4<|im_end|>"]),
+    ):
+        doc = tokenize_conversation(tok, rows, 4096)
+        assert list(doc.input_ids) == list(tok.apply_chat_template(rows, tokenize=True, return_dict=False))
+        assert masked_runs(tok, doc) == [(t, 1.0) for t in trained]
+    # A template that writes the turn's header as plain text the prompt does not have (here the message
+    # count) is refused, naming the way out.
+    odd = _tokenizer("nemotron3_chat")
+    odd.chat_template = NEMOTRON3_TEMPLATE.replace(
+        "'<|im_start|>assistant\\n' + think", "'<|im_start|>assistant ' + (messages | length | string) + '\\n' + think"
+    )
+    assert "assistant 2\n" in odd.apply_chat_template(single, tokenize=False)
+    with pytest.raises(
+        RowError, match=r"^n\.jsonl:3: .*renders messages\[:1\] \+ generation prompt .*data\.chat_template"
+    ):
+        tokenize_conversation(odd, single, 4096, source="n.jsonl:3")
 
 
 def test_glm_turns_end_at_the_next_role_tag():
