@@ -10,6 +10,7 @@ repeated here so they fail in seconds with a fix instead of minutes later with a
 """
 
 import dataclasses
+import importlib.util
 import math
 import os
 from collections.abc import Callable
@@ -571,6 +572,24 @@ def _recompute_errors(cfg: TrainConfig) -> list[str]:
 
 
 def check_model_paths(cfg: TrainConfig, world_size: int) -> list[str]:
+    """What the machine that runs the job must hold: the checkpoint, and Transformer Engine for
+    model.backend=te (planning elsewhere makes these warnings: plan/preflight.py)."""
+    return _model_path_errors(cfg) + _backend_install_errors(cfg)
+
+
+def _backend_install_errors(cfg: TrainConfig) -> list[str]:
+    if cfg.model.backend != "te" or cfg.trainer.device == "cpu":  # te on CPU: check_model says so
+        return []
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return []
+    return [
+        "model.backend='te' but transformer_engine is not installed in this Python environment; install "
+        "Transformer Engine for your CUDA and torch (pip install transformer_engine[pytorch]) or use "
+        "model.backend=torch (the default, tested path)"
+    ]
+
+
+def _model_path_errors(cfg: TrainConfig) -> list[str]:
     m = cfg.model
     if m.create_tiny_if_missing:
         missing = [n for n in ("hf_path", "mcore_path") if getattr(m, n) is None]

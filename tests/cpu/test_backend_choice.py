@@ -62,3 +62,30 @@ def test_te_without_cuda_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, on any machine
     with pytest.raises(RuntimeError, match="model.backend=te"):
         choose_runtime(backend="te")
+
+
+def test_te_not_installed_is_a_preflight_error_naming_the_field_and_the_fix(monkeypatch):
+    """Before the model or a process group: the config validation, not a traceback at startup."""
+    import importlib.util
+
+    from moe_sft.config import ConfigError
+    from moe_sft.config.load import load_recipe
+    from moe_sft.config.validate import validate_config
+
+    cfg = load_recipe(str(REPO / "recipes" / "quickstart.yaml"))
+    cfg.model.backend, cfg.trainer.device = "te", "auto"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformer_engine" else real(n, *a))
+    with pytest.raises(
+        ConfigError, match=r"model\.backend='te' but transformer_engine is not installed.*model\.backend=torch"
+    ):
+        validate_config(cfg, 1)
+
+
+def test_te_installed_passes_the_preflight(fake_te):
+    from moe_sft.config.load import load_recipe
+    from moe_sft.config.validate import check_model_paths
+
+    cfg = load_recipe(str(REPO / "recipes" / "quickstart.yaml"))
+    cfg.model.backend, cfg.trainer.device = "te", "auto"
+    assert not any("transformer_engine" in e for e in check_model_paths(cfg, 1))
