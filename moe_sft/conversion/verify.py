@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,9 @@ from moe_sft.conversion.export import load_model_from_checkpoint
 from moe_sft.conversion.hf_source import fp8_block, load_hf_config
 from moe_sft.conversion.meta_model import meta_model
 from moe_sft.conversion.streaming_reader import StreamingHFReader
+from moe_sft.runtime.logs import get_logger
+
+log = get_logger(__name__)
 
 # Packed documents long enough that positions matter: a wrong RoPE base gave 3.7e-4 at lengths
 # 17/33/9 with a 4-dim rope head, passing the old 1e-3 tolerance (docs/parity.md).
@@ -58,12 +63,50 @@ def verify(
         g = torch.Generator().manual_seed(0)
         sequences = [torch.randint(0, hf_cfg.vocab_size, (n,), generator=g).tolist() for n in VERIFY_LENGTHS]
     with cpu_compat.suspended(), torch.no_grad():
-        hf_model = family.hf_model_class.from_pretrained(str(hf_path), dtype=torch.float32).eval()
+        hf_model = reference_model(family, hf_cfg, hf_path)
         refs = [hf_model(torch.tensor([seq])).logits[0].float() for seq in sequences]
     del hf_model
     model = load_model_from_checkpoint(mcore_path, precision="fp32").eval()
     ours = packed_logits(model, sequences, hf_cfg.vocab_size)
     return max((ref - mine).abs().max().item() for ref, mine in zip(refs, ours))
+
+
+def reference_model(family, hf_cfg, hf_path: str | Path):
+    """transformers' whole model of the source, in fp32.
+
+    A quantised source (FP8 blocks, MXFP4) is loaded from a dequantised copy: each weight
+    dequantised in fp32 by the converter's reader and rounded once to bf16, the values the
+    converted checkpoint stores (conversion/fp8.py, DeepSeek-V3's `weight_dequant`). transformers'
+    own CPU path is no reference for it: it derives the block size from the scale grid (rows //
+    scale rows), which misplaces the scales of a weight whose rows are not a multiple of 128 (192
+    rows, 2 scale rows: 96-row blocks), and at fp32 it keeps the unrounded weights; on the tests'
+    tiny FP8 DeepSeek-V3 that reference was 2.6e-3 away from a correct conversion (docs/families.md).
+    """
+    if not getattr(hf_cfg, "quantization_config", None):
+        return family.hf_model_class.from_pretrained(str(hf_path), dtype=torch.float32).eval()
+    log.info(
+        "verify: %s is quantised; the reference is transformers' model of its weights dequantised in "
+        "fp32 and rounded to bf16 (as the converted checkpoint stores them), run in fp32",
+        hf_path,
+    )
+    with tempfile.TemporaryDirectory(prefix="moe_sft_verify_") as copy_dir:
+        _write_dequantised_copy(Path(hf_path), hf_cfg, Path(copy_dir))
+        return family.hf_model_class.from_pretrained(copy_dir, dtype=torch.float32).eval()
+
+
+def _write_dequantised_copy(hf_path: Path, hf_cfg, out: Path) -> None:
+    """`hf_path` as a plain checkpoint in `out`: dequantised weights, no quantization_config."""
+    from safetensors.torch import save_file
+
+    reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
+    try:
+        tensors = {name: reader.get(name).contiguous() for name in reader.names()}
+    finally:
+        reader.close()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf_path / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
 
 
 # ------------------------------------------------------------------------------------------------

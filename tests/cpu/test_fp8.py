@@ -100,3 +100,63 @@ def test_missing_scale_names_file_and_tensor(fp8_checkpoint, tmp_path):
         convert(tmp_path, tmp_path / "mcore")
     assert "model.safetensors" in str(err.value) and victim in str(err.value)
     assert "_scale_inv" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# --verify of an FP8 DeepSeek-V3: the reference holds the weights a correct conversion stores
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 whose projections are FP8 128x128 blocks (q_b_proj's 192 rows end in a
+    partial block), converted; (dir, the FP8 tensors)."""
+    from moe_sft.models import deepseek_v3
+
+    tmp = tmp_path_factory.mktemp("fp8_ds")
+    cfg = deepseek_v3.tiny_hf_config(vocab_size=300)
+    with cpu_compat.suspended():
+        torch.manual_seed(0)
+        deepseek_v3.FAMILY.hf_model_class(cfg).to(torch.bfloat16).save_pretrained(str(tmp / "bf16"))
+    quantised = {}
+    for name, t in load_file(str(tmp / "bf16" / "model.safetensors")).items():
+        if t.dim() == 2 and "proj" in name:  # attention, dense and expert projections, as released
+            quantised[name], quantised[fp8.scale_name(name)] = fp8.quantize_blocks(t)
+        else:
+            quantised[name] = t
+    _write_fp8(tmp / "fp8", quantised, tmp / "bf16" / "config.json")
+    convert(tmp / "fp8", tmp / "mcore")
+    return tmp, quantised
+
+
+def _write_fp8(out, tensors, config_file):
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_verify_passes_a_correct_fp8_conversion(fp8_deepseek):
+    """transformers' own CPU load of the FP8 checkpoint was the reference before: 2.6e-3 away."""
+    from moe_sft.conversion.verify import LOGIT_TOLERANCE, verify
+
+    tmp, _ = fp8_deepseek
+    assert verify(tmp / "fp8", tmp / "mcore") <= LOGIT_TOLERANCE
+
+
+def test_verify_still_fails_a_wrong_fp8_conversion(fp8_deepseek):
+    """The shared expert's FP8 block scale 5% off in the source the checkpoint is compared with: the
+    conversion no longer holds that source's weights, and verify says so."""
+    from moe_sft.conversion.verify import LOGIT_TOLERANCE, verify
+
+    tmp, quantised = fp8_deepseek
+    victim = fp8.scale_name("model.layers.1.mlp.shared_experts.down_proj.weight")
+    perturbed = dict(quantised, **{victim: quantised[victim] * 1.05})
+    _write_fp8(tmp / "perturbed", perturbed, tmp / "bf16" / "config.json")
+    assert verify(tmp / "perturbed", tmp / "mcore") > 100 * LOGIT_TOLERANCE
