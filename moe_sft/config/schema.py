@@ -189,6 +189,13 @@ class DataConfig:
         "over (<|user|>) after a trained last assistant turn, trained as its stop token, which the template "
         "does not write there; false = no stop token for that turn, ids exactly apply_chat_template's",
     )
+    empty_think: str = _f(
+        "train",
+        "the empty <think></think> (<think>\\n\\n</think>) templates write into turns without reasoning: "
+        "train (the template's text as rendered; ms-swift's and NeMo Automodel's default) | mask (not trained, "
+        "so answers without reasoning do not teach a hybrid-reasoning model to skip thinking)",
+        ("train", "mask"),
+    )
     max_seq_len: int = _f(2048, "max tokens per conversation (after the chat template)")
     pack_length: int = _f(4096, "tokens per packed micro-batch (sequences are packed THD with cu_seqlens)")
     pad_documents_to: int | None = _f(

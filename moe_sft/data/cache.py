@@ -41,7 +41,7 @@ from moe_sft.data.chat import ChatOptions, RowTokenizer, TokenizedDoc
 from moe_sft.data.formats import DataFormatError, RowError, RowFormat, iter_records
 from moe_sft.data.stats import DataStats
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: meta.json records the id range; masks of harmony and Nemotron-3-style templates fixed
 CHUNK_ROWS = 256  # rows per worker task
 SMALL_FILE_BYTES = 4 << 20  # below this, tokenizing in-process beats starting worker processes
 _SAMPLE_BLOCKS, _BLOCK = 16, 1 << 20
@@ -100,18 +100,71 @@ def cache_dir_for(path: str | Path, spec: CacheSpec, root: str | Path, spec_dige
 
 class FileCache:
     """One file's documents, memory-mapped (see the module doc). Document i of the file is the
-    i-th kept row; `lines[i]` is its line (row) in the source file."""
+    i-th kept row; `lines[i]` is its line (row) in the source file.
 
-    def __init__(self, directory: str | Path):
+    Opening checks what a damaged cache would otherwise turn into an unlocated error or silently
+    wrong training: meta.json readable, every array as long as the statistics say (a truncated or
+    partly copied cache), and every token id below the vocabulary size, the tokenizer's that built
+    it and `vocab_size` (the model's) when given: the ids' maximum recorded at build time, and each
+    document's ids as it is read (a corrupted tokens file). Each error names the cache and the fix."""
+
+    def __init__(self, directory: str | Path, vocab_size: int | None = None):
         self.dir = Path(directory)
-        meta = json.loads((self.dir / "meta.json").read_text())
-        if meta.get("version") != CACHE_VERSION:
-            raise DataFormatError(f"{self.dir}: cache version {meta.get('version')} is not {CACHE_VERSION}; delete it")
+        meta = self._meta()
         self.meta, self.source = meta, meta["source"]
         self.stats = DataStats.from_dict(meta["stats"])
-        for name, dtype in _ARRAYS.items():
-            setattr(self, name, _memmap(self.dir / f"{name}.{_SUFFIX[dtype]}", dtype))
+        n, t = self.stats.samples, self.stats.tokens
+        for name, count in (("tokens", t), ("weights", t), ("offsets", n + 1), ("lines", n), ("loss", n)):
+            setattr(self, name, self._array(name, count))
         self.n = len(self.lines)
+        if self.offsets[0] != 0 or self.offsets[-1] != t:
+            self._damaged("offsets.i64 does not split the tokens into the documents meta.json counts")
+        self.tokenizer_vocab = int(meta["vocab_size"])
+        self.model_vocab = vocab_size
+        self.vocab = min(self.tokenizer_vocab, vocab_size or self.tokenizer_vocab)
+        if meta["max_id"] >= self.vocab:
+            raise DataFormatError(self._id_error(meta["max_id"], "a document"))
+
+    def _meta(self) -> dict:
+        try:
+            meta = json.loads((self.dir / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            self._damaged(f"meta.json cannot be read ({e})")
+        if meta.get("version") != CACHE_VERSION:
+            raise DataFormatError(
+                f"data cache {self.dir}: version {meta.get('version')} is not {CACHE_VERSION}; delete it "
+                "(it is rebuilt at the next start)"
+            )
+        return meta
+
+    def _array(self, name: str, count: int) -> np.ndarray:
+        dtype = _ARRAYS[name]
+        path = self.dir / f"{name}.{_SUFFIX[dtype]}"
+        size = path.stat().st_size if path.is_file() else -1
+        if size != count * np.dtype(dtype).itemsize:
+            found = "is missing" if size < 0 else f"holds {size:,} bytes"
+            self._damaged(f"{path.name} {found}, {count:,} entries of {np.dtype(dtype).itemsize} bytes expected")
+        return _memmap(path, dtype)
+
+    def _damaged(self, what: str):
+        raise DataFormatError(
+            f"data cache {self.dir} is damaged: {what} (truncated or partly copied?); delete that directory "
+            "and it is rebuilt from the data file at the next start"
+        )
+
+    def _id_error(self, token_id: int, where: str) -> str:
+        if token_id >= self.tokenizer_vocab:  # no tokenizer of this cache writes it: the file is corrupt
+            return (
+                f"data cache {self.dir}: tokens.u32 holds token id {token_id} in {where}, outside the vocabulary "
+                f"of the tokenizer that built it ({self.tokenizer_vocab} ids): the cache is corrupt; delete that "
+                "directory and it is rebuilt from the data file at the next start"
+            )
+        return (
+            f"data cache {self.dir}: token id {token_id} in {where} is outside the model's vocabulary "
+            f"({self.model_vocab} ids, config.json vocab_size): the tokenizer "
+            f"({self.meta['settings']['tokenizer_path']}, {self.tokenizer_vocab} ids) is not the model's; set "
+            "data.tokenizer_path to the model's tokenizer"
+        )
 
     def __len__(self) -> int:
         return self.n
@@ -125,9 +178,11 @@ class FileCache:
 
     def doc(self, i: int) -> TokenizedDoc:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return TokenizedDoc(
-            np.array(self.tokens[a:b]), np.array(self.weights[a:b]), f"{self.source}:{self.lines[i]}", truncated=False
-        )
+        ids = np.array(self.tokens[a:b])
+        where = f"{self.source}:{self.lines[i]}"
+        if len(ids) and int(ids.max()) >= self.vocab:
+            raise DataFormatError(self._id_error(int(ids.max()), f"the document of {where}"))
+        return TokenizedDoc(ids, np.array(self.weights[a:b]), where, truncated=False)
 
 
 def _memmap(path: Path, dtype) -> np.ndarray:
@@ -149,6 +204,7 @@ def open_or_build(
     log: Callable[[str], None] = print,
     stale_after: float = 600.0,
     spec_digest: str | None = None,
+    vocab_size: int | None = None,
 ) -> FileCache:
     """The cache of `path`, built here if no other process is building it (see the module doc)."""
     final = cache_dir_for(path, spec, root, spec_digest)
@@ -168,7 +224,7 @@ def open_or_build(
             raise
         finally:
             lock.unlink(missing_ok=True)
-    cache = FileCache(final)
+    cache = FileCache(final, vocab_size)
     if on_error == "fail" and cache.stats.n_errors:
         first = next(m for c in cache.stats.examples for m in cache.stats.examples[c])
         raise DataFormatError(
@@ -241,6 +297,7 @@ def _build(
     tmp.mkdir()
     started = time.monotonic()
     workers = num_workers if _data_bytes(path) > SMALL_FILE_BYTES else 0
+    _init_worker(spec)  # here first: a tokenizer that cannot render rows fails once, in this process
     log(f"data cache: tokenizing {path} -> {final} ({workers or 'no'} worker processes)")
     try:
         with _Writer(tmp, spec.options.max_seq_len) as writer:
@@ -252,6 +309,8 @@ def _build(
             "version": CACHE_VERSION,
             "source": str(path),
             "stats": stats.as_dict(),
+            "vocab_size": len(_ROWS.tokenizer),  # ids are below it; FileCache checks
+            "max_id": writer.max_id,
             "settings": {
                 "tokenizer_path": spec.tokenizer_path,
                 **dataclasses.asdict(spec.options),
@@ -278,7 +337,7 @@ class _Writer:
     """Appends chunk results to the cache files in order and keeps the statistics."""
 
     def __init__(self, directory: Path, max_seq_len: int):
-        self.dir, self.stats, self.n_tokens = directory, DataStats.empty(max_seq_len), 0
+        self.dir, self.stats, self.n_tokens, self.max_id = directory, DataStats.empty(max_seq_len), 0, -1
 
     def __enter__(self) -> _Writer:
         self.files = {name: (self.dir / f"{name}.{_SUFFIX[dtype]}").open("wb") for name, dtype in _ARRAYS.items()}
@@ -302,6 +361,8 @@ class _Writer:
                 json.dumps({"where": f"{path}:{line}", "kind": kind, "message": message}, ensure_ascii=False) + "\n"
             )
         lengths = chunk["lengths"]
+        if len(chunk["ids"]):
+            self.max_id = max(self.max_id, int(chunk["ids"].max()))
         ends = self.n_tokens + np.cumsum(lengths, dtype=np.int64)
         self.n_tokens = int(ends[-1]) if len(ends) else self.n_tokens
         for name, values in (
@@ -361,14 +422,20 @@ def _tokenized_chunks(path: Path, spec: CacheSpec, workers: int) -> Iterator[dic
 
 
 _ROWS: RowTokenizer | None = None
+_ROWS_SPEC: CacheSpec | None = None
 
 
 def _init_worker(spec: CacheSpec) -> None:
-    global _ROWS
+    """The row tokenizer of `spec` in this process (loaded once per spec)."""
+    global _ROWS, _ROWS_SPEC
+    if _ROWS is not None and _ROWS_SPEC == spec:
+        return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
     from transformers import AutoTokenizer
 
+    _ROWS, _ROWS_SPEC = None, None
     _ROWS = RowTokenizer(AutoTokenizer.from_pretrained(spec.tokenizer_path), spec.options, spec.fmt)
+    _ROWS_SPEC = spec
 
 
 def _run_chunk(chunk: tuple[str, list]) -> dict:

@@ -83,6 +83,10 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|call|>")
 _SENTINEL = "\u2063moe-sft-sentinel\u2063"  # content no real row has (U+2063: invisible separator)
 LOSS_ON = ("all_assistant", "last_assistant")
+EMPTY_THINK = ("train", "mask")
+# An empty reasoning block and the whitespace after it, as templates write it into turns without
+# reasoning: Qwen3 `<think>\n\n</think>\n\n`, GLM-4.5 `<think></think>\n`, Nemotron-3 `<think></think>`.
+_EMPTY_THINK_BLOCK = re.compile(r"<think>\s*</think>\s*")
 
 Overlong = Literal["truncate", "drop"]
 
@@ -127,16 +131,31 @@ class ChatOptions:
     end_of_turn: str | None = None  # string closing every assistant turn; None = eos, a known one or a role tag
     chat_template: str | None = None  # template text; None = the tokenizer's
     close_last_turn: bool = True  # append the stop token (role tag) after a last turn the template leaves open
+    empty_think: str = "train"  # train | mask the empty <think></think> blocks of trained turns
 
     def check(self) -> None:
         if self.overlong not in ("truncate", "drop"):
             raise ValueError(f"overlong={self.overlong!r} is not supported; use 'truncate' or 'drop'")
+        if self.empty_think not in EMPTY_THINK:
+            raise ValueError(f"empty_think={self.empty_think!r} is not supported; use one of {', '.join(EMPTY_THINK)}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on={self.loss_on!r} is not supported; use one of {', '.join(LOSS_ON)}")
         if self.max_seq_len < 2:
             raise ValueError(
                 f"max_seq_len={self.max_seq_len} leaves nothing to learn; use at least 2 (typically 2048 or more)"
             )
+
+
+def chat_template_of(tokenizer, options: ChatOptions) -> str:
+    """The template text to render with: data.chat_template's, else the tokenizer's; DataFormatError if neither."""
+    template = options.chat_template or tokenizer.chat_template
+    if not template:
+        raise DataFormatError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} has no chat template (no "
+            "chat_template.jinja, no chat_template in tokenizer_config.json: a base model's tokenizer?); set "
+            "data.tokenizer_path to an instruct model's tokenizer dir or data.chat_template to a .jinja template file"
+        )
+    return template
 
 
 def has_generation_markers(chat_template: str | None) -> bool:
@@ -165,6 +184,7 @@ def tokenize_conversation(
     tools: list | None = None,
     chat_template: str | None = None,
     close_last_turn: bool = True,
+    empty_think: str = "train",
 ) -> TokenizedDoc | None:
     """Tokenize one conversation; None when it is dropped (overlong).
 
@@ -173,7 +193,7 @@ def tokenize_conversation(
     every conversation longer than `max_seq_len`. Raises RowError (a DataFormatError) for a row
     the template cannot render or that has nothing to train on.
     """
-    options = ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, chat_template, close_last_turn)
+    options = ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, chat_template, close_last_turn, empty_think)
     options.check()
     return _tokenize(tokenizer, options, messages, tools, source)
 
@@ -200,12 +220,7 @@ class Rendered:
 def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], tools, source: str) -> Rendered:
     """The rendered text and the character span of each assistant turn with its loss weight."""
     where = source or "conversation"
-    template = options.chat_template or tokenizer.chat_template
-    if not template:
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an "
-            "instruct model's tokenizer (data.tokenizer_path) or name a template file (data.chat_template)"
-        )
+    template = chat_template_of(tokenizer, options)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as apply_chat_template does
     weights = message_weights(messages, options.loss_on)
     plain = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
@@ -228,7 +243,36 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
             "assistant messages (and, if it uses {% generation %}, that the block wraps "
             "their content)",
         )
-    return Rendered(text, [(s, e, weights[i]) for s, e, i in spans], source, appended, weights[-1] if appended else 0.0)
+    weighted = [(s, e, weights[i]) for s, e, i in spans]
+    if options.empty_think == "mask":
+        weighted = without_empty_think(text, weighted)
+    return Rendered(text, weighted, source, appended, weights[-1] if appended else 0.0)
+
+
+def without_empty_think(text: str, spans: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    """The trained spans less every empty `<think></think>` block (and the whitespace after it) that
+    overlaps them (data.empty_think=mask).
+
+    Templates write such a block into turns that have no reasoning (and into history turns whose
+    reasoning they drop); trained, it teaches the model to close its reasoning at once, so a
+    hybrid-reasoning model fine-tuned on answers without reasoning stops thinking when asked to
+    think. Masked, the model still reads the block but is never taught to write it. A block that
+    begins in the turn's header (Nemotron-3's generation prompt opens `<think>`) is cut from where
+    the span starts."""
+    holes = [(m.start(), m.end()) for m in _EMPTY_THINK_BLOCK.finditer(text)]
+    if not holes:
+        return spans
+    out = []
+    for start, end, weight in spans:
+        for a, b in holes:
+            if b <= start or a >= end:
+                continue
+            if a > start:
+                out.append((start, a, weight))
+            start = max(start, b)
+        if start < end:
+            out.append((start, end, weight))
+    return out
 
 
 def _last_turn_stop_ids(
@@ -490,6 +534,7 @@ class RowTokenizer:
 
     def __init__(self, tokenizer, options: ChatOptions, fmt: RowFormat | None = None):
         options.check()
+        chat_template_of(tokenizer, options)  # once, before any row: every row would fail the same way
         self.tokenizer, self.options, self.fmt = tokenizer, options, fmt or RowFormat()
 
     def render(self, payload: object, where: str) -> Rendered:
@@ -532,14 +577,16 @@ def tokenize_files(
     loss_on: str = "all_assistant",
     fmt: RowFormat | None = None,
     close_last_turn: bool = True,
+    empty_think: str = "train",
 ) -> tuple[list[TokenizedDoc], DataStats]:
     """Every row of `paths` tokenized in memory, fail-fast (small data and tests; training uses
     the on-disk cache of moe_sft.data.cache). Returns the kept documents and their statistics."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    rows = RowTokenizer(
-        tokenizer, ChatOptions(max_seq_len, overlong, loss_on, end_of_turn, close_last_turn=close_last_turn), fmt
+    options = ChatOptions(
+        max_seq_len, overlong, loss_on, end_of_turn, close_last_turn=close_last_turn, empty_think=empty_think
     )
+    rows = RowTokenizer(tokenizer, options, fmt)
     docs, stats = [], DataStats.empty(max_seq_len)
     for path in paths:
         for line, payload in iter_records(path):

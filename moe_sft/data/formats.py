@@ -259,11 +259,41 @@ def _hf_records(path: Path) -> Iterator[tuple[int, object]]:
 
 
 def decode_payload(payload: object, where: str) -> object:
-    """The row object of a record: bytes are decoded (UTF-8) and parsed (JSON)."""
+    """The row object of a record: bytes are decoded (UTF-8) and parsed (JSON); its strings must be text."""
     if isinstance(payload, RowError):
         raise payload
     if not isinstance(payload, (bytes, bytearray)):
+        check_text(payload, where)
         return payload
+    row = _parse(payload, where)
+    if b"\\ud" in payload or b"\\uD" in payload:  # only a \uD800-\uDFFF escape can leave a lone surrogate
+        check_text(row, where)
+    return row
+
+
+def check_text(value: object, where: str, path: str = "the row") -> None:
+    """RowError (non_utf8) naming the field of `value` whose string holds a lone UTF-16 surrogate.
+
+    JSON allows `"\\ud800"` (half of a surrogate pair) and Python decodes it to a string that is no
+    Unicode text: no tokenizer can encode it, and it would stop the build whatever data.on_error says."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RowError(
+                NON_UTF8,
+                f"{where}: {path} holds a lone surrogate U+{ord(value[e.start]):04X} at character {e.start} "
+                "(a JSON escape like \\ud800 without its pair), which is not text; fix or remove it",
+            ) from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            check_text(item, where, f"{path}.{key}" if path != "the row" else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_text(item, where, f"{path}[{i}]")
+
+
+def _parse(payload: bytes | bytearray, where: str) -> object:
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -41,6 +41,7 @@ def cache_spec(data, tokenizer_path: str) -> CacheSpec:
         data.end_of_turn,
         read_chat_template(data.chat_template),
         data.close_last_turn,
+        data.empty_think,
     )
     return CacheSpec(str(tokenizer_path), options, RowFormat.make(data.format, dict(data.fields)))
 
@@ -54,8 +55,11 @@ def build_pipeline(
     doc_multiple: int = 1,
     pad_token_id: int = 0,
     log=None,
+    vocab_size: int | None = None,
 ) -> DataPipeline:
-    """Open (or build) the caches of every file of `data` (a DataConfig) and make the loaders."""
+    """Open (or build) the caches of every file of `data` (a DataConfig) and make the loaders.
+
+    `vocab_size`: the model's; a cache holding an id at or above it is refused (see FileCache)."""
     log = log or _rank_log
     spec = cache_spec(data, tokenizer_path)
     digest, root = spec.digest(), Path(data.cache_dir) if data.cache_dir else default_cache_dir()
@@ -63,7 +67,14 @@ def build_pipeline(
     def caches(paths):
         return [
             open_or_build(
-                p, spec, root, num_workers=data.num_workers, on_error=data.on_error, log=log, spec_digest=digest
+                p,
+                spec,
+                root,
+                num_workers=data.num_workers,
+                on_error=data.on_error,
+                log=log,
+                spec_digest=digest,
+                vocab_size=vocab_size,
             )
             for p in paths
         ]

@@ -448,6 +448,24 @@ def test_qwen3_template_that_strips_earlier_reasoning():
     assert masked_runs(tokenizer, tokenize_conversation(tokenizer, inline, 4096)) == masked_runs(tokenizer, doc)
 
 
+def test_qwen3_empty_think_block_is_trained_or_masked():
+    """Qwen3 writes `<think>\n\n</think>\n\n` into a last turn without reasoning: trained by default
+    (data.empty_think=train), not trained with empty_think=mask; the ids are the same either way."""
+    tokenizer = _load(QWEN3_TEMPLATE)
+    train = tokenize_conversation(tokenizer, PLAIN_AGENT, 4096)
+    mask = tokenize_conversation(tokenizer, PLAIN_AGENT, 4096, empty_think="mask")
+    assert list(mask.input_ids) == list(train.input_ids)
+    history = [f"<tool_call>\n{CALL_JSON}\n</tool_call><|im_end|>", "It is sunny in Paris.<|im_end|>"]
+    assert masked_runs(tokenizer, train) == [*history, "<think>\n\n</think>\n\nI cannot forecast.<|im_end|>"]
+    assert masked_runs(tokenizer, mask) == [*history, "I cannot forecast.<|im_end|>"]
+    # Reasoning that is there is trained in both modes.
+    with_reasoning = tokenize_conversation(tokenizer, AGENT, 4096, empty_think="mask")
+    assert (
+        masked_runs(tokenizer, with_reasoning)[-1]
+        == "<think>\nNo forecast tool.\n</think>\n\nI cannot forecast.<|im_end|>"
+    )
+
+
 def test_deepseek_r1_template_whose_prompt_opens_a_think_block():
     tokenizer = _with_tokens(
         ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],

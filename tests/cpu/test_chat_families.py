@@ -680,6 +680,52 @@ def test_templates_that_open_the_turn_differently_from_the_prompt():
         tokenize_conversation(odd, single, 4096, source="n.jsonl:3")
 
 
+# Turns without reasoning: (family, messages, trained text per turn with empty_think=train, with =mask).
+EMPTY_THINK_CASES = {
+    # GLM writes `\n<think></think>\n` into every turn without reasoning and every history turn.
+    "glm45_chat": (
+        R_CHAT,
+        ["\n<think></think>\n4<|user|>", "\n<think></think>\n6<|user|>", "\n<think>once more</think>\n8<|user|>"],
+        ["\n", "4<|user|>", "\n", "6<|user|>", "\n<think>once more</think>\n8<|user|>"],
+    ),
+    # DeepSeek-V3.1's non-thinking turns carry only `</think>`, which is the generation prompt's: never
+    # trained, so nothing changes; a reasoning block that is not empty is trained in both modes.
+    "deepseek_v31_chat": (
+        R_CHAT,
+        [f"4{EOS_DS}", f"6{EOS_DS}", f"<think>once more</think>8{EOS_DS}"],
+        [f"4{EOS_DS}", f"6{EOS_DS}", f"<think>once more</think>8{EOS_DS}"],
+    ),
+    # Nemotron-3: the block opens in the header (the prompt's `<think>`); its `</think>` is the turn's.
+    "nemotron3_chat": (
+        NEMOTRON_CHAT,
+        ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more</think>8<|im_end|>"],
+        ["4<|im_end|>", "6<|im_end|>", "once more</think>8<|im_end|>"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_THINK_CASES))
+def test_empty_think_blocks_are_trained_or_masked(name):
+    messages, trained, masked = EMPTY_THINK_CASES[name]
+    tok = _tokenizer(name)
+    default = tokenize_conversation(tok, messages, 4096)
+    train = tokenize_conversation(tok, messages, 4096, empty_think="train")
+    mask = tokenize_conversation(tok, messages, 4096, empty_think="mask")
+    assert [t for t, _ in masked_runs(tok, default)] == trained
+    assert (list(train.input_ids), list(train.loss_weights)) == (list(default.input_ids), list(default.loss_weights))
+    # Masking changes weights only: the model still reads the block.
+    assert list(mask.input_ids) == list(default.input_ids)
+    assert [t for t, _ in masked_runs(tok, mask)] == masked
+    # Per-message weights stay with their turn.
+    weighted = [dict(m) for m in messages]
+    for m, w in zip([m for m in weighted if m["role"] == "assistant"], (0.5, 0.0, 2.0)):
+        m["weight"] = w
+    runs = masked_runs(tok, tokenize_conversation(tok, weighted, 4096, empty_think="mask"))
+    assert {w for _, w in runs} <= {0.5, 2.0} and runs[-1] == (masked[-1], 2.0)
+    with pytest.raises(ValueError, match=r"empty_think='skip' is not supported; use one of train, mask"):
+        tokenize_conversation(tok, messages, 4096, empty_think="skip")
+
+
 def test_glm_turns_end_at_the_next_role_tag():
     tok = _tokenizer("glm45_agent")
     text = tok.apply_chat_template(AGENT, tools=[WEATHER_TOOL], tokenize=False)

@@ -81,8 +81,9 @@ def test_key_changes_with_tokenizer_template_settings_and_data(rows, tmp_path):
         "tokenizer files": cache_dir_for(rows, spec(tokenizer=str(tok2)), tmp_path),
         "loss_on": cache_dir_for(rows, CacheSpec(TOKENIZER, ChatOptions(64, loss_on="last_assistant")), tmp_path),
         "close_last_turn": cache_dir_for(rows, CacheSpec(TOKENIZER, ChatOptions(64, close_last_turn=False)), tmp_path),
+        "empty_think": cache_dir_for(rows, CacheSpec(TOKENIZER, ChatOptions(64, empty_think="mask")), tmp_path),
     }
-    assert len({base, *changed.values()}) == 6, changed
+    assert len({base, *changed.values()}) == 7, changed
     data = tmp_path / "data.jsonl"
     shutil.copy(rows, data)
     before = cache_dir_for(data, spec(), tmp_path)
