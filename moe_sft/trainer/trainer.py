@@ -348,6 +348,7 @@ class Trainer:
     def _data(self, shape: BatchShape):
         from transformers import AutoTokenizer
 
+        from moe_sft.conversion.hf_source import load_hf_config
         from moe_sft.data.pipeline import build_pipeline
 
         d, p = self.cfg.data, self.cfg.parallel
@@ -363,6 +364,7 @@ class Trainer:
             pad_token_id=tokenizer.pad_token_id or 0,
             doc_multiple=d.pad_documents_to
             or doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel),
+            vocab_size=load_hf_config(self.source.hf_side)[1].vocab_size,  # ids past it would train silently
         )
         for line in data.summary:
             log.info(line)
