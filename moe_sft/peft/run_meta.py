@@ -12,6 +12,9 @@ from moe_sft.conversion import mcore_io
 
 # The fields that define the adapters' shapes and placement: resuming with others cannot load.
 SHAPE_FIELDS = ("method", "rank", "target_modules", "share_expert_factor", "train_router", "train_embeddings")
+# The adapters' scale (alpha / rank): the checkpoint's B was trained under it, so another alpha
+# would change the model's output at the resume step (refused, not rescaled).
+RESUME_FIELDS = (*SHAPE_FIELDS, "alpha")
 
 
 def base_identity(mcore_path: Path) -> str:
@@ -46,8 +49,9 @@ def check_resume(run_meta: dict, cfg: PeftConfig, mcore_path: Path, resume_path:
         )
     differ = [
         f"peft.{f}={getattr(cfg, f)!r} (checkpoint: {saved.get(f)!r})"
-        for f in SHAPE_FIELDS
-        if (list(getattr(cfg, f)) if f == "target_modules" else getattr(cfg, f)) != saved.get(f)
+        for f in RESUME_FIELDS
+        if (f in SHAPE_FIELDS or f in saved)
+        and (list(getattr(cfg, f)) if f == "target_modules" else getattr(cfg, f)) != saved.get(f)
     ]
     if differ:
         raise ConfigError(

@@ -160,6 +160,89 @@ def _restructure_optimizer_state(loaded: dict, optimizer, step: int):
     return rebuilt[0] if len(parts) == 1 else dict(enumerate(rebuilt))
 
 
+# What a param group holds besides its hyper-parameters: the parameters and Adam's step count.
+_GROUP_STATE = ("params", "step")
+# The scheduler's saved fields that the recipe sets (num_steps is the run's position: it is loaded).
+_SCHEDULE_FIELDS = {
+    "max_lr": "lr",
+    "min_lr": "min_lr",
+    "lr_warmup_steps": "lr_warmup_steps",
+    "lr_decay_steps": "lr_decay_steps",
+    "lr_decay_style": "lr_decay_style",
+    "start_wd": "weight_decay",
+}
+# Param-group keys by the recipe field they come from (the same names as _SCHEDULE_FIELDS').
+_GROUP_FIELDS = {
+    "max_lr": "lr",
+    "min_lr": "min_lr",
+    "betas": "adam betas",
+    "eps": "adam_eps",
+    "lr": "current lr",
+    "weight_decay": "current weight_decay",
+}
+
+
+def _hyperparameters(optimizer) -> list[list[dict]]:
+    """Each sub-optimizer's param groups without their parameters and step: the recipe's values
+    (max_lr / min_lr from optimizer.lr or peft.lr, betas, eps, weight-decay multipliers)."""
+    return [
+        [{k: v for k, v in group.items() if k not in _GROUP_STATE} for group in part.optimizer.param_groups]
+        for part in _optimizer_parts(optimizer)
+    ]
+
+
+def _restore_hyperparameters(optimizer, recipe: list[list[dict]]) -> dict[str, tuple]:
+    """Puts the recipe's hyper-parameters back into the param groups a checkpoint just loaded.
+
+    torch's `load_state_dict` replaces every group entry with the saved one, and megatron's
+    scheduler reads each group's `max_lr` / `min_lr` before its own: without this, a resume with
+    another optimizer.lr trains on the checkpoint's peak while config.yaml records the new one.
+    Returns {name: (checkpoint's value, recipe's value)} of what differed (first group that differs).
+    """
+    changed: dict[str, tuple] = {}
+    for part, groups in zip(_optimizer_parts(optimizer), recipe):
+        for group, wanted in zip(part.optimizer.param_groups, groups):
+            for key, value in wanted.items():
+                name = _GROUP_FIELDS.get(key, key)
+                if key in group and group[key] != value and name not in changed:
+                    changed[name] = (group[key], value)
+            group.update(wanted)
+    # the scheduler sets each group's current lr and weight decay every step (from the fields above)
+    return {k: v for k, v in changed.items() if k not in ("current lr", "current weight_decay")}
+
+
+def _schedule_changes(saved: dict, scheduler) -> dict[str, tuple]:
+    """{recipe field: (checkpoint's, recipe's)} of the LR / WD schedule (megatron's scheduler
+    takes the recipe's with override_opt_param_scheduler=True)."""
+    return {
+        name: (saved[key], getattr(scheduler, key))
+        for key, name in _SCHEDULE_FIELDS.items()
+        if key in saved and saved[key] != getattr(scheduler, key)
+    }
+
+
+def _is_number(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _load_optimizer_keeping_the_recipe(optimizer, scheduler, state: dict) -> None:
+    """The checkpoint's optimizer state (moments, main params, Adam step) and schedule position,
+    with the recipe's hyper-parameters and LR schedule: a resume may change optimizer.lr,
+    optimizer.min_lr, peft.lr, the warmup or the decay, and the change is logged in one line."""
+    recipe_groups = _hyperparameters(optimizer)
+    optimizer.load_state_dict(state["optimizer"])
+    changed = _restore_hyperparameters(optimizer, recipe_groups)
+    changed.update(_schedule_changes(state["scheduler"], scheduler))
+    scheduler.load_state_dict(state["scheduler"])  # after the groups: it sets each group's lr from them
+    if changed:
+        log.info(
+            "resume: the recipe's optimizer settings win over the checkpoint's: "
+            + ", ".join(
+                f"{k} {a:g} -> {b:g}" if _is_number(a, b) else f"{k} {a} -> {b}" for k, (a, b) in changed.items()
+            )
+        )
+
+
 def full_sharded_state(model_chunks, optimizer, scheduler, extra: dict, is_loading=False) -> dict:
     if is_loading:
         _materialise_optimizer_state(optimizer)
@@ -283,6 +366,9 @@ class Saver:
 
     def _commit(self, step: int, tmp: Path, final: Path, meta: dict, seconds: float) -> None:
         self.hooks.before_commit(step)
+        if dist.get_rank() == 0:  # before the checksums: they cover the meta and hf/config.json too
+            mcore_io.copy_hf_side_files(self.hf_side_dir, tmp / mcore_io.HF_SUBDIR)
+            mcore_io.write_meta(tmp, dict(meta, step=step))
         # every rank hashes the shards it wrote; rank 0 writes checksums.json (verified on load)
         files, hashed, hash_s = checkpoint_integrity.write_checksums(tmp)
         if dist.get_rank() == 0:
@@ -293,8 +379,6 @@ class Saver:
                 f"{', in the background' if self.queue is not None else ''}); CRC-32 of {files} files "
                 f"({hashed / 1e9:.3f} GB) in {hash_s:.2f}s"
             )
-            mcore_io.copy_hf_side_files(self.hf_side_dir, tmp / mcore_io.HF_SUBDIR)
-            mcore_io.write_meta(tmp, dict(meta, step=step))
             mcore_io.commit_dir(tmp, final)
             pointer_tmp = self.root / "latest.tmp"
             pointer_tmp.write_text(str(step))
@@ -311,6 +395,32 @@ class Saver:
         """Block until a background save is written and committed."""
         if self.queue is not None and self.queue.get_num_unfinalized_calls():
             self.queue.maybe_finalize_async_calls(blocking=True)
+
+
+EARLIER_RUN_PREFIX = "earlier_run_"
+
+
+def set_aside_earlier_run(root: Path) -> tuple[Path, list[int]] | None:
+    """checkpoint.resume=never where an earlier run left checkpoints: they move, with `latest` and
+    `hf_side`, into `checkpoints/earlier_run_<time>/`; returns (that dir, its steps), or None.
+
+    Left in place, keep_last would count them and prune this run's own steps right after they are
+    saved (an earlier run's steps 30 and 40 outrank a new run's 10), and `latest` would name a
+    pruned step. Nothing is deleted. Rank 0, under the run lock, before anything is saved."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    others = [root / n for n in ("latest", HF_SIDE_COPY) if (root / n).exists()]
+    if not steps and not others:
+        return None
+    dest = root / f"{EARLIER_RUN_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}"
+    while dest.exists():
+        dest = dest.with_name(dest.name + "_")
+    dest.mkdir()
+    for path in [step_dir(root, s) for s in steps] + others:
+        os.replace(path, dest / path.name)
+    return dest, steps
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -363,8 +473,7 @@ def load_full(
             state["optimizer"] = _restructure_optimizer_state(
                 state["optimizer"], optimizer, _saved_adam_step(common["optimizer"])
             )
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        _load_optimizer_keeping_the_recipe(optimizer, scheduler, state)
     if state.get("world_size") == dist.get_world_size():
         rng = state["rng_state"]
         torch.set_rng_state(rng["cpu"])

@@ -145,12 +145,17 @@ def non_finite_message(step: int, bad: list[str], checked: int, root: Path, lr: 
 
 
 def _data_files(ckpt_dir: Path) -> list[Path]:
-    return sorted(p for p in Path(ckpt_dir).iterdir() if p.is_file() and p.name != CHECKSUM_FILE)
+    """megatron's files, moe_sft_meta.json and the hf side files (hf/config.json is the model a
+    resume builds: an edited rope_theta there would train silently on another model)."""
+    top = [p for p in Path(ckpt_dir).iterdir() if p.is_file() and p.name != CHECKSUM_FILE]
+    side = [p for p in (Path(ckpt_dir) / mcore_io.HF_SUBDIR).rglob("*") if p.is_file()]
+    return sorted(top + side)
 
 
 def write_checksums(ckpt_dir: Path) -> tuple[int, int, float]:
-    """Collective, once every rank's files are written: `checksums.json` with each file's size and
-    CRC-32. Rank r hashes `__r_*` (the shards it wrote), rank 0 every other file. Returns
+    """Collective, once every rank's files are written (rank 0's meta and hf side files too):
+    `checksums.json` with each file's size and CRC-32. Rank r hashes `__r_*` (the shards it
+    wrote), rank 0 every other file. Returns
     (files, bytes, seconds of the slowest rank)."""
     rank, world = _rank_world()
     started = time.perf_counter()
@@ -159,7 +164,7 @@ def write_checksums(ckpt_dir: Path) -> tuple[int, int, float]:
     claimed = tuple(f"__{r}_" for r in range(world))
     if rank == 0:
         owned += [p for p in files if not p.name.startswith(claimed)]
-    gathered = _gather((_hash_files(owned), time.perf_counter() - started))
+    gathered = _gather((_hash_files(owned, root=Path(ckpt_dir)), time.perf_counter() - started))
     sums = {name: entry for part, _ in gathered for name, entry in part.items()}
     if rank == 0:  # then renames the directory: nothing below may read it
         tmp = Path(ckpt_dir) / (CHECKSUM_FILE + ".tmp")
@@ -190,9 +195,17 @@ def latest_complete(root: Path) -> Path | None:
     return None
 
 
-def _damage_message(path: Path, field: str, problems: dict[str, str], root: Path | None) -> str:
+def _damage_message(path: Path, field: str, problems: dict[str, str], root: Path | None, edits: bool = True) -> str:
     listed = "; ".join(f"{name}: {why}" for name, why in sorted(problems.items()))
     head = f"{field} {path} is damaged ({listed})"
+    edited = [n for n in sorted(problems) if n == mcore_io.META_FILE or n.startswith(f"{mcore_io.HF_SUBDIR}/")]
+    if edits and edited and len(edited) == len(problems) and root is not None:
+        head = (
+            f"{field} {path}: {', '.join(edited)} changed after the save ({listed}); the weights were "
+            f"trained with the saved {'files' if len(edited) > 1 else 'file'}, so the run does not resume on "
+            f"an edited model. Restore {'them' if len(edited) > 1 else 'it'} (an earlier step's copy is "
+            f"the same unless the run changed it), or resume from the previous step"
+        )
     if root is None:
         return f"{head}; reconvert it with tools/convert_hf_to_mcore.py or point model.mcore_path at an intact copy"
     match = _STEP_DIR.match(path.name)
@@ -208,6 +221,21 @@ def _damage_message(path: Path, field: str, problems: dict[str, str], root: Path
         f"{', '.join(map(str, earlier))}): to resume from it, move {path.name} away and write {step} into "
         f"{root / 'latest'}; or set checkpoint.resume=never to start from model.mcore_path"
     )
+
+
+def check_resume_meta(root: Path) -> None:
+    """The meta of the step `latest` names parses (it is read before anything else): a garbled one
+    names the file and the previous complete step (a training checkpoint is not reconverted)."""
+    path = latest_complete(root)
+    if path is None:
+        return
+    try:
+        json.loads((path / mcore_io.META_FILE).read_text())
+    except (OSError, ValueError) as err:
+        why = f"not valid JSON ({' '.join(str(err).split())[:80]})"
+        raise CheckpointIntegrityError(
+            _damage_message(path, "resume checkpoint", {mcore_io.META_FILE: why}, root, edits=False)
+        ) from None
 
 
 def verify_loadable(path: Path, field: str, root: Path | None = None, say: Callable[[str], None] | None = None) -> None:
@@ -271,7 +299,8 @@ def check_same_model(run_ckpt: Path, mcore_path: Path) -> str | None:
             f"resume checkpoint {run_ckpt} holds another model than model.mcore_path={str(mcore_path)!r} "
             f"({', '.join(diffs[:6])}; run checkpoint vs model.mcore_path). The run was trained from "
             f"{base_of_run} (HF source {run_meta.get('source', '?')}). To train the new model, use a new "
-            f"trainer.output_dir (or checkpoint.resume=never); to resume this run, point model.mcore_path back "
+            f"trainer.output_dir (or checkpoint.resume=never: it moves this run's checkpoints into "
+            f"{run_ckpt.parent / 'earlier_run_<time>'}); to resume this run, point model.mcore_path back "
             f"at {base_of_run}"
         )
     if run_meta.get("source") == base_meta.get("source"):

@@ -1,7 +1,7 @@
 """Steps with a non-finite loss or gradient norm are skipped, counted, and end the run when they
 repeat; a gradient norm of exactly 0 several steps in a row (a collapsed model) is warned about;
-SIGTERM / SIGUSR1 (slurm pre-emption, `sbatch --signal`) or a STOP file in the output directory
-end it after a checkpoint, and the helper processes the trainer starts leave those signals to it.
+SIGTERM / SIGUSR1 (slurm pre-emption, `sbatch --signal`), SIGINT (Ctrl-C) or a STOP file in the
+output directory end it after a checkpoint, and the helper processes the trainer starts leave those signals to it.
 
 Skipping happens inside megatron's own `optimizer.step()`: its gradient norm is an all-reduce, so
 every rank sees the same value and skips together, after gradients are prepared and before any
@@ -11,9 +11,11 @@ data position does (the batch is consumed, not retried).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -113,20 +115,29 @@ class ZeroGradStreak:
 
 
 class StopRequest:
-    """A stop asked for by SIGTERM/SIGUSR1 on any rank, or by a file `stop_file` (what a batch
-    script can create from its own signal trap without knowing the worker PIDs: torchrun itself
-    dies of SIGUSR1). `agreed()` makes every rank stop after the same step."""
+    """A stop asked for by SIGTERM/SIGUSR1/SIGINT on any rank, or by a file `stop_file` (what a
+    batch script can create from its own signal trap without knowing the worker PIDs: torchrun
+    itself dies of SIGUSR1). `agreed()` makes every rank stop after the same step.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    Ctrl-C (SIGINT, which torchrun forwards to the workers) saves a stop checkpoint like SIGTERM;
+    a third SIGINT gives up on it and raises KeyboardInterrupt (a run hung in a collective)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGINTS_TO_ABORT = 3
 
     def __init__(self, stop_file: Path):
         self.received: str | None = None
+        self.sigints = 0
         self.stop_file = Path(stop_file)
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.sigints += 1
+            if self.sigints >= self.SIGINTS_TO_ABORT:
+                raise KeyboardInterrupt
+        self.received = self.received or signal.Signals(signum).name
 
     def agreed(self, device: str) -> bool:
         if self.received is None and dist.get_rank() == 0 and self.stop_file.exists():
@@ -162,3 +173,35 @@ def shield_helper_process(parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=exit_with_parent, name="moe-sft-parent-watch", daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_forked_from: dict = {}
+
+
+def _note_forking_thread() -> None:
+    _forked_from.update(pid=os.getpid(), main=threading.current_thread() is threading.main_thread())
+
+
+def _die_with_parent() -> None:
+    """In a forked child: SIGKILL when the parent dies. Linux sends it when the forking *thread*
+    ends, so only children forked by the main thread (it lives as long as the process) get it."""
+    if not _forked_from.get("main"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if os.getppid() != _forked_from["pid"]:  # the parent died before prctl
+        os._exit(1)
+
+
+def forked_helpers_die_with_this_process() -> None:
+    """Every child this process forks from now on (megatron's checkpoint writers: one forked per
+    save, and per bucket inside it) is killed when this process dies: killed with SIGKILL (the OOM
+    killer) mid-save, the trainer would otherwise leave them writing, then blocked on a queue whose
+    reader is gone, for ever. Linux only (prctl PR_SET_PDEATHSIG); elsewhere nothing is set. Spawned
+    helpers (the results manager) watch their parent themselves (`shield_helper_process`)."""
+    if sys.platform != "linux" or _forked_from.get("installed"):
+        return
+    _forked_from["installed"] = True
+    os.register_at_fork(before=_note_forking_thread, after_in_child=_die_with_parent)

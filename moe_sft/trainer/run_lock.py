@@ -101,6 +101,40 @@ def holder_alive(holder: dict) -> bool:
         return False
 
 
+def _processes_with_open(path: Path) -> list:
+    """The processes of this host that have `path` open (those visible to this user)."""
+    import psutil
+
+    target, found = os.path.realpath(path), []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if any(os.path.realpath(f.path) == target for f in proc.open_files()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _held_message(holder: dict, path: Path) -> str:
+    """Why the flock on `path` is held: the run its body names, or, when that run is gone, the
+    leftover processes that still hold it (forked by it before it was killed)."""
+    if holder.get("host") == socket.gethostname() and not holder_alive(holder):
+        pids = [p.pid for p in _processes_with_open(path) if p.pid != os.getpid()]
+        leftover = ", ".join(f"pid {p}" for p in pids) or "a process this user cannot see"
+        return (
+            f"{path.parent}: the run that locked it ({describe(holder)}) is gone, but its lock {path} is still "
+            f"held by {leftover}, left over from that run (a helper it forked, e.g. a checkpoint writer, that "
+            f"outlived it). Kill {'it' if len(pids) <= 1 else 'them'}"
+            + (f" (kill {' '.join(map(str, pids))})" if pids else "")
+            + " and run the same command again, or set trainer.output_dir to another directory"
+        )
+    return (
+        f"{path.parent} is in use by another run: {describe(holder)}, command: "
+        f"{holder.get('command', '?')}. Stop that run, or set trainer.output_dir to another "
+        f"directory (the lock is {path})"
+    )
+
+
 class RunLock:
     """`RunLock.acquire(output_dir)` on rank 0; `release()` at the end (or the process dies)."""
 
@@ -113,6 +147,11 @@ class RunLock:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         path = out / LOCK_NAME
+        if path.is_dir():
+            raise RunLockError(
+                f"{path} is a directory, but moe-sft keeps its run lock in a file of that name: remove "
+                f"it (rmdir {path}) or set trainer.output_dir to another directory"
+            )
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             note = cls._take(fd, path)
@@ -120,7 +159,17 @@ class RunLock:
             os.close(fd)
             raise
         _write(fd, _body())
-        return cls(path, fd, note)
+        lock = cls(path, fd, note)
+        os.register_at_fork(after_in_child=lock._drop_in_child)
+        return lock
+
+    def _drop_in_child(self) -> None:
+        """A forked child (megatron's checkpoint writers are forked per save) shares the lock's open
+        file and with it the flock: killed with its parent, it would hold the run's lock until it
+        ended. The child closes its copy; the parent's lock is untouched."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     @staticmethod
     def _take(fd: int, path: Path) -> str | None:
@@ -128,12 +177,7 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             flock = True
         except BlockingIOError:
-            holder = _read(fd) or {}
-            raise RunLockError(
-                f"{path.parent} is in use by another run: {describe(holder)}, command: "
-                f"{holder.get('command', '?')}. Stop that run, or set trainer.output_dir to another "
-                f"directory (the lock is {path})"
-            ) from None
+            raise RunLockError(_held_message(_read(fd) or {}, path)) from None
         except OSError as err:
             if err.errno not in _NO_FLOCK:
                 raise
@@ -220,7 +264,25 @@ def disk_full_message(err: BaseException, out: Path, remove_partial: bool) -> st
             if latest and latest.isdigit()
             else "no checkpoint was completed"
         )
-        + "; free space (or lower checkpoint.keep_last) and run the same command again"
+        + _room_advice(root, latest, usage.free)
+    )
+
+
+def _room_advice(root: Path, latest: str | None, free: int) -> str:
+    """What a save needs: it writes the next checkpoint beside the kept ones and prunes only after
+    the commit (a failed save must not take the last good one with it), so the disk needs room for
+    checkpoint.keep_last + 1 checkpoints; lowering keep_last alone frees nothing now."""
+    committed = sorted(p for p in root.glob("step_???????") if p.is_dir()) if root.is_dir() else []
+    newest = root / f"step_{int(latest):07d}" if latest and latest.isdigit() else None
+    size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest and newest.is_dir() else 0
+    older = [p.name for p in committed if p != newest]
+    need = f" (about {_size(size)} each)" if size else ""
+    return (
+        f"; a save writes the next checkpoint{need} before it prunes to checkpoint.keep_last, so the disk "
+        "needs room for keep_last + 1 checkpoints (2 with keep_last=1)"
+        + (f": free at least {_size(size - free)}" if size > free else ": free space")
+        + (f" (older checkpoints here: {', '.join(older)})" if older else "")
+        + " and run the same command again"
     )
 
 

@@ -142,6 +142,7 @@ class Trainer:
     # ---------------------------------------------------------------- phases
     def setup(self) -> Trainer:
         run_lock.check_output_dir(self.out)  # a file there: say so before anything
+        guard.forked_helpers_die_with_this_process()  # checkpoint writers must not outlive a killed rank
         self.rt = self._runtime()
         dp_rank, dp_size = self._distributed()
         if self._finished_already():
@@ -263,6 +264,13 @@ class Trainer:
             log.info(self.lock.note)
         for stale in run_lock.remove_stale_partial_checkpoints(self.ckpt_root):
             log.info(f"removed {stale}: a partial checkpoint of an earlier run that never completed")
+        if self.cfg.checkpoint.resume == "never" and (moved := checkpoint.set_aside_earlier_run(self.ckpt_root)):
+            dest, steps = moved
+            log.info(
+                f"checkpoint.resume=never: moved the earlier run's checkpoints (steps "
+                f"{', '.join(map(str, steps)) or 'none'}) and `latest` to {dest}, so that this run's "
+                f"checkpoint.keep_last and `latest` count only its own steps; delete {dest} to free its space"
+            )
 
     def _finished_already(self) -> bool:
         """The checkpoint to resume already reached trainer.max_steps: no model, data or optimizer
@@ -274,6 +282,8 @@ class Trainer:
 
     def _preflight(self, world: int) -> None:
         validate_config(self.cfg, world)
+        if self.cfg.checkpoint.resume == "auto":  # a garbled meta: resume an earlier step, not "reconvert"
+            checkpoint_integrity.check_resume_meta(self.ckpt_root)
         trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
 
     def _model_source(self) -> ModelSource:
@@ -311,10 +321,11 @@ class Trainer:
                 resume_path=None,
             )
         resume_path = checkpoint.step_dir(self.ckpt_root, latest)
+        # first: the checksums cover the meta and hf/config.json the checks below read
+        checkpoint_integrity.verify_loadable(resume_path, "resume checkpoint", self.ckpt_root)
         peft_meta.check_resume(mcore_io.read_meta(resume_path), self.cfg.peft, mcore, resume_path)
         if note := checkpoint_integrity.check_same_model(resume_path, mcore):
             log.info(note)
-        checkpoint_integrity.verify_loadable(resume_path, "resume checkpoint", self.ckpt_root)
         hf_side = self.ckpt_root / checkpoint.HF_SIDE_COPY  # a copy: keep_last prunes step dirs
         if dist.get_rank() == 0:
             mcore_io.copy_hf_side_files(resume_path / mcore_io.HF_SUBDIR, hf_side)

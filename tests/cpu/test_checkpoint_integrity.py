@@ -50,10 +50,10 @@ def _write_ckpt(path: Path, source: str = "/models/a", seed: int = 0, **config) 
         )
     )
     torch.save({"world_size": 1}, path / "common.pt")
-    ci.write_checksums(path)
     (path / "hf").mkdir()
     (path / "hf" / "config.json").write_text(json.dumps({**HF_CONFIG, **config}))
     mcore_io.write_meta(path, {"model_type": "qwen3_moe", "vocab_size": 688, "source": source})
+    ci.write_checksums(path)  # last, as the trainer's commit: it covers the meta and hf/ too
     return path
 
 
@@ -74,9 +74,10 @@ def run(tmp_path):
 def test_checksums_record_every_megatron_file(run):
     ckpt = run / "step_0000002"
     sums = ci.read_checksums(ckpt)
-    assert set(sums) == {
-        p.name for p in ckpt.iterdir() if p.is_file() and p.name != ci.CHECKSUM_FILE and p.name != mcore_io.META_FILE
+    assert set(sums) == {p.name for p in ckpt.iterdir() if p.is_file() and p.name != ci.CHECKSUM_FILE} | {
+        "hf/config.json"
     }
+    assert mcore_io.META_FILE in sums
     assert len(_shards(ckpt)) == 2 and all(sums[p.name]["size"] == p.stat().st_size for p in _shards(ckpt))
     assert ci.storage_problems(ckpt) == {}
     ci.verify_loadable(ckpt, "resume checkpoint", run, say=lambda _: None)  # intact: no error
@@ -200,3 +201,25 @@ def test_non_finite_parameters_main_params_and_moments_are_named():
     msg = ci.non_finite_message(3, bad, 16, Path("/nonexistent"), 1e38)
     assert "1 parameter tensor(s) and 2 fp32 main-parameter / Adam state tensor(s) of 16" in msg
     assert "0.weight" in msg and "Lower optimizer.lr (now 1e+38)" in msg and "No checkpoint of this run" in msg
+
+
+def test_an_edited_model_config_or_meta_in_a_training_checkpoint_is_named(run):
+    """The resume builds the model from the checkpoint's hf/config.json: an edited rope_theta
+    would train silently on another model."""
+    config = run / "step_0000002" / "hf" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_theta": 5e5}))
+    with pytest.raises(ci.CheckpointIntegrityError) as err:
+        ci.verify_loadable(run / "step_0000002", "resume checkpoint", run)
+    msg = str(err.value)
+    assert "step_0000002: hf/config.json changed after the save (hf/config.json: " in msg
+    assert "Restore it" in msg and "previous complete checkpoint is step 1" in msg
+
+
+def test_a_garbled_meta_in_a_training_checkpoint_names_the_previous_step(run):
+    (run / "step_0000002" / mcore_io.META_FILE).write_text('{"family": "qwen3_m')
+    with pytest.raises(ci.CheckpointIntegrityError) as err:
+        ci.check_resume_meta(run)
+    msg = str(err.value)
+    assert f"step_0000002 is damaged ({mcore_io.META_FILE}: not valid JSON" in msg
+    assert "previous complete checkpoint is step 1" in msg and "reconvert" not in msg
+    ci.check_resume_meta(run.parent / "absent")  # no run yet: nothing to check
