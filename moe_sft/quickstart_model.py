@@ -35,6 +35,9 @@ def create_tiny_hf(
     tmp = hf_path.with_name(hf_path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
+    if tiny.remote_code is not None:  # the modules the config's auto_map names, as the release ships
+        for module in sorted(tiny.remote_code.glob("*.py")):
+            shutil.copy2(module, tmp / module.name)
     tokenizer.save_pretrained(str(tmp))
     GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, do_sample=False).save_pretrained(
         str(tmp)

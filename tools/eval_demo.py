@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -18,8 +19,11 @@ import torch
 def evaluate(model_dir: str, data_path: str, limit: int = 0) -> tuple[int, int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # A model written as its release is (Kimi-K2: `auto_map` and configuration_deepseek.py beside
+    # the weights) loads through the modules it ships, as the release does.
+    remote = "auto_map" in json.loads((Path(model_dir) / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=remote).eval()
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     correct = total = 0
     with open(data_path) as f:

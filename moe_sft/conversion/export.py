@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from moe_sft.conversion import export_plan, mcore_io
+from moe_sft.conversion import export_plan, hf_writer, mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 from moe_sft.conversion.export_plan import ParamPlan
 from moe_sft.conversion.hf_source import load_hf_config
@@ -239,10 +239,7 @@ def export_with_stats(
         copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
         if "generation_config.json" not in copied:  # generate() and serving stacks read it
             GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
-        hf_cfg.dtype = torch_dtype  # written to config.json as "dtype" (transformers 5)
-        if hasattr(hf_cfg, "quantization_config"):  # an FP8 source is exported dequantised
-            del hf_cfg.quantization_config
-        hf_cfg.save_pretrained(str(writer.staging_dir))
+        hf_writer.finish_config(writer.staging_dir / "config.json", torch_dtype)  # the source's own, kept
         out = writer.close()
     except BaseException:
         writer.discard()

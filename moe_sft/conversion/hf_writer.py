@@ -31,6 +31,21 @@ DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32
 _MAX_IO = 1 << 30  # one pwrite moves at most ~2 GiB on Linux; stay well below
 
 
+def finish_config(config_file: Path, dtype: torch.dtype) -> None:
+    """The exported config.json: the source's own (copied with the checkpoint, every field kept:
+    remote-code fields such as DeepSeek-V3's `topk_method` / `scoring_func`, MiniMax-M2's
+    `rotary_dim`, `auto_map`, which transformers' config classes do not all write back and
+    serving engines read), changed only where the export changes the model: the weights' dtype,
+    and no `quantization_config` (an FP8 / MXFP4 source is exported dequantised)."""
+    config = json.loads(config_file.read_text())
+    config.pop("quantization_config", None)
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config]  # transformers 5 writes `dtype`
+    for key in keys or ["dtype"]:
+        config[key] = name
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 class WriteError(RuntimeError):
     """A tensor written twice, in another shape, or never."""
 

@@ -38,6 +38,7 @@ HF_SIDE_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "added_tokens.json",
+    "tiktoken.model",  # Kimi-K2's tokenizer (tokenization_kimi.py, named by tokenizer_config's auto_map)
 )
 # Stamps in a staging dir `<out>.tmp` (removed before it is renamed): an interrupted conversion's
 # (first line: its run id, second: the HF source) and an interrupted export's (the checkpoint).
@@ -114,11 +115,32 @@ def copy_hf_side_files(src: Path, dst: Path, config_changes: dict | None = None)
         if (Path(src) / name).is_file():
             shutil.copy2(Path(src) / name, dst / name)
             copied.append(name)
+    for name in remote_code_files(Path(src)):
+        shutil.copy2(Path(src) / name, dst / name)
+        copied.append(name)
     if config_changes and "config.json" in copied:
         config = json.loads((dst / "config.json").read_text())
         config.update(config_changes)
         (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return copied
+
+
+def remote_code_files(src: Path) -> list[str]:
+    """The modules (`<module>.py` in `src`) that config.json's and tokenizer_config.json's
+    `auto_map` name, e.g. Kimi-K2's configuration_deepseek.py: a checkpoint keeps them, so that
+    `trust_remote_code` loads it as it loads the release. An entry naming another repository
+    (`org/repo--module.Class`) has no file here, nor has a module the source itself lacks."""
+    modules = set()
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((src / name).read_text()).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue  # absent or not an object: the readers of that file say so
+        for ref in auto_map.values():
+            for entry in ref if isinstance(ref, list) else [ref]:  # tokenizers: [slow, fast]
+                if isinstance(entry, str) and "--" not in entry and entry.count(".") == 1:
+                    modules.add(entry.split(".")[0] + ".py")
+    return sorted(m for m in modules if (src / m).is_file())
 
 
 def staging_dir(final: Path) -> Path:

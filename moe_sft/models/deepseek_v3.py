@@ -13,6 +13,8 @@ so parity is checked against a reference written from the DeepSeek-V3 report in 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -189,6 +191,25 @@ def rules(cfg) -> list[Rule]:
     )
 
 
+# What DeepSeek-V3's config.json holds for its remote code (configuration_deepseek.py) beyond
+# transformers' DeepseekV3Config, at the release's values: the tiny model writes them as the
+# release does, and exports keep them (serving engines read them: vLLM gives the router its
+# e_score_correction_bias from topk_method / scoring_func).
+RELEASE_REMOTE_FIELDS = {
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "aux_loss_alpha": 0.001,
+    "ep_size": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "topk_method": "noaux_tc",
+}
+
+
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> DeepseekV3Config:
     kwargs = dict(
         vocab_size=vocab_size,
@@ -215,7 +236,7 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> DeepseekV3Config:
         tie_word_embeddings=False,
         num_nextn_predict_layers=0,
     )
-    kwargs.update(overrides)
+    kwargs.update(RELEASE_REMOTE_FIELDS, **overrides)
     return DeepseekV3Config(**kwargs)
 
 
@@ -281,4 +302,5 @@ FAMILY = Family(
     training_defaults={"moe_router_load_balancing_type": "seq_aux_loss"},
     num_mtp_layers=num_mtp_layers,
     mtp_config_field="num_nextn_predict_layers",
+    remote_code=Path(__file__).parent / "remote_code" / "deepseek_v3",
 )

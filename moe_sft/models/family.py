@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from moe_sft.models.shape import ModelShape
 from moe_sft.models.transforms import IDENTITY, Transform
@@ -59,6 +60,10 @@ class Family:
     # The HF config field holding that count: a checkpoint saved by transformers declares MTP
     # layers it does not hold (transformers' model has none), and conversion sets it to 0.
     mtp_config_field: str | None = None
+    # The directory of the *.py modules the release's config.json `auto_map` names (remote code
+    # for trust_remote_code), as moe-sft writes them (models/remote_code/): the tiny model ships
+    # them as the release does, and conversion and export carry them (mcore_io.remote_code_files).
+    remote_code: Path | None = None
 
 
 class UnsupportedConfigError(ValueError):

@@ -18,6 +18,8 @@ and names the field that differs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -179,7 +181,8 @@ KIMI_ROPE = {
 
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> KimiK2Config:
     """deepseek_v3's tiny sizes with Kimi-K2's values: one expert group, one shared expert,
-    routed_scaling_factor 2.827, one dense layer, its YaRN rope, no MTP."""
+    routed_scaling_factor 2.827, one dense layer, its YaRN rope, no MTP; the release's remote-code
+    fields and `auto_map` (deepseek_v3.RELEASE_REMOTE_FIELDS: Kimi's are DeepSeek-V3's)."""
     kwargs = ds.tiny_hf_config(vocab_size).to_dict()
     for key in ("model_type", "transformers_version", "rope_parameters"):
         kwargs.pop(key, None)
@@ -223,4 +226,5 @@ FAMILY = Family(
     transform_context=ds.FAMILY.transform_context,
     num_mtp_layers=ds.num_mtp_layers,
     mtp_config_field=ds.FAMILY.mtp_config_field,
+    remote_code=Path(__file__).parent / "remote_code" / "kimi_k2",
 )

@@ -28,6 +28,8 @@ the streaming reader dequantises it (moe_sft/conversion/fp8.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
 from moe_sft.models import common
@@ -188,6 +190,25 @@ def rules(cfg) -> list[Rule]:
     )
 
 
+# What MiniMax-M2's config.json holds for its remote code (configuration_minimax_m2.py) beyond
+# transformers' MiniMaxM2Config; the tiny model declares no MTP module (use_mtp false), as it
+# has none. `rotary_dim` and `attn_type_list` follow the tiny config (tiny_hf_config).
+RELEASE_REMOTE_FIELDS = {
+    "auto_map": {
+        "AutoConfig": "configuration_minimax_m2.MiniMaxM2Config",
+        "AutoModelForCausalLM": "modeling_minimax_m2.MiniMaxM2ForCausalLM",
+    },
+    "mtp_transformer_layers": 1,
+    "num_mtp_modules": 0,
+    "qk_norm_type": "per_layer",
+    "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0,
+    "use_mtp": False,
+    "use_qk_norm": True,
+    "use_routing_bias": True,
+}
+
+
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> MiniMaxM2Config:
     """A few-MB MiniMax-M2 (dims multiple of 16 for grouped_mm), half-width rotary as released."""
     kwargs = dict(
@@ -209,7 +230,14 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> MiniMaxM2Config:
         eos_token_id=None,
     )
     kwargs.update(overrides)
-    return MiniMaxM2Config(**kwargs)
+    cfg = MiniMaxM2Config(**kwargs)
+    # the release's own fields, at the tiny model's values: serving engines read them (vLLM:
+    # rotary_dim, scoring_func), transformers' class neither writes nor reads them
+    release = dict(RELEASE_REMOTE_FIELDS, rotary_dim=rotary_dim(cfg), attn_type_list=[1] * cfg.num_hidden_layers)
+    for field, value in release.items():
+        if field not in overrides:
+            setattr(cfg, field, value)
+    return cfg
 
 
 def sample_hf_config(rng, vocab_size: int) -> MiniMaxM2Config:
@@ -248,4 +276,5 @@ FAMILY = Family(
     sample_hf_config=sample_hf_config,
     dropped_for_config=dropped_for_config,
     training_defaults={"moe_router_load_balancing_type": "aux_loss"},
+    remote_code=Path(__file__).parent / "remote_code" / "minimax_m2",
 )

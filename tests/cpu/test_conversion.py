@@ -542,3 +542,22 @@ def test_export_replaces_a_previous_output(tmp_path, tiny):
         "model-00001-of-00001.safetensors",
         "model.safetensors.index.json",
     ]
+
+
+def test_deepseek_v3_export_keeps_the_router_fields_engines_read(tmp_path):
+    """vLLM gives DeepSeek-V3's router its e_score_correction_bias from `topk_method: noaux_tc` /
+    `scoring_func: sigmoid`, fields of the release's config.json that transformers' class does
+    not declare: the tiny model writes them as the release does and the export keeps them."""
+    from moe_sft.quickstart_model import create_tiny_hf
+
+    create_tiny_hf(tmp_path / "hf", Path("recipes/demo/tokenizer"), family="deepseek_v3")
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    export(tmp_path / "mcore", tmp_path / "out", dtype="bf16")
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (out["topk_method"], out["scoring_func"]) == ("noaux_tc", "sigmoid")
+    assert out == dict(source, dtype="bfloat16")
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.py")) == [
+        "configuration_deepseek.py",
+        "modeling_deepseek.py",
+    ]

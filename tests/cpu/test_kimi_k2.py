@@ -204,3 +204,53 @@ def test_fp8_release_converts_and_exports_dequantised(released, tmp_path):
     assert all(torch.equal(out[n], expected[n]) for n in expected), "dequantised weights changed"
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in written and written["model_type"] == "kimi_k2"
+
+
+def test_export_is_the_source_config_json_with_only_the_dtype_changed(released, tmp_path):
+    """Every field of the release's config.json survives, laid out as given (transformers' own
+    re-save turned rope_theta / rope_scaling into rope_parameters and torch_dtype into dtype)."""
+    tmp, source = released
+    convert(tmp / "hf", tmp_path / "mcore")
+    export(tmp_path / "mcore", tmp_path / "out", dtype="bf16")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == dict(source, torch_dtype="bfloat16")
+
+
+_PLAIN_TRANSFORMERS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, trust_remote_code=True).eval()
+assert type(model).__module__.endswith("modeling_deepseek"), type(model)
+with torch.no_grad():
+    torch.save(model(torch.arange(48)[None] * 7 % int(sys.argv[3])).logits[0], sys.argv[2])
+"""
+
+
+def test_quickstart_export_loads_in_plain_transformers_with_trust_remote_code(tmp_path):
+    """The tiny Kimi-K2 is written as the release is (auto_map + configuration_deepseek.py /
+    modeling_deepseek.py) and its export carries both, so transformers without moe-sft (which
+    knows no `kimi_k2`) loads it through them: the logits are the source's."""
+    import subprocess
+    import sys
+
+    from moe_sft.quickstart_model import create_tiny_hf
+
+    create_tiny_hf(tmp_path / "hf", Path("recipes/demo/tokenizer"), family="kimi_k2")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["auto_map"] == REMOTE_CODE["auto_map"]
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    export(tmp_path / "mcore", tmp_path / "out", dtype="fp32")
+    for module in ("configuration_deepseek.py", "modeling_deepseek.py"):
+        assert (tmp_path / "out" / module).read_text() == (tmp_path / "hf" / module).read_text()
+    vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _PLAIN_TRANSFORMERS, str(tmp_path / "out"), str(tmp_path / "logits.pt"), str(vocab)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    with cpu_compat.suspended(), torch.no_grad():
+        source = kimi_k2.FAMILY.hf_model_class.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+        expected = source(torch.arange(48)[None] * 7 % vocab).logits[0]
+    assert (torch.load(tmp_path / "logits.pt") - expected).abs().max() < 1e-5  # another process: fp32 noise

@@ -255,3 +255,27 @@ def test_fp8_source_with_mtp_converts_dequantised(fp8_source, capsys):
     assert not any(n.endswith("_scale_inv") for n in out) and not (set(out) & mtp)
     assert all(torch.equal(out[n], expected[n]) for n in expected), "dequantised weights changed"
     assert "quantization_config" not in json.loads((tmp / "out" / "config.json").read_text())
+
+
+def test_quickstart_model_and_export_carry_the_release_fields_engines_read(tmp_path):
+    """vLLM reads `rotary_dim` and `scoring_func` (the release's config.json has both; transformers'
+    class writes neither): the tiny model writes them, with `auto_map` and its modules, and the
+    export keeps them; transformers loads the export through those modules."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from moe_sft.conversion.convert import convert
+    from moe_sft.conversion.export import export
+    from moe_sft.quickstart_model import create_tiny_hf
+
+    create_tiny_hf(tmp_path / "hf", Path("recipes/demo/tokenizer"), family="minimax_m2")
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    export(tmp_path / "mcore", tmp_path / "out", dtype="fp32")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out == json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (out["rotary_dim"], out["scoring_func"], out["attn_type_list"]) == (16, "sigmoid", [1, 1])
+    assert out["auto_map"]["AutoModelForCausalLM"] == "modeling_minimax_m2.MiniMaxM2ForCausalLM"
+    with cpu_compat.suspended():
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), trust_remote_code=True)
+    assert type(model).__module__.endswith("modeling_minimax_m2")
