@@ -26,7 +26,8 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 def run_reporting_user_errors(run, args) -> int:
-    """Run a CLI body: user errors become one `error:` line and exit 2 (--traceback shows all)."""
+    """Run a CLI body: user errors become one `error:` line and exit 2, or the error's
+    `exit_code` (--traceback shows all)."""
     import sys
     import warnings
 
@@ -38,4 +39,4 @@ def run_reporting_user_errors(run, args) -> int:
         return run(args)
     except user_errors() as err:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)  # an export's DiskFullError: 4

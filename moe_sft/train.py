@@ -71,7 +71,7 @@ def main(argv: list[str], hooks=None) -> int:
     except ConfigError as err:
         return fail(f"config error: {err}", 2)
     except (RunLockError, *user_errors()) as err:  # bad data, checkpoint or model files, dir in use
-        return fail(f"error: {err}", 2)
+        return fail(f"error: {err}", getattr(err, "exit_code", 2))  # the export's disk full: 4
     except NonFiniteTrainingError as err:  # the last good checkpoint is intact
         return fail(f"error: {err}", 3)
     except BaseException as err:  # torch's CheckpointException (a failed write) is a BaseException

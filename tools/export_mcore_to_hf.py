@@ -16,11 +16,13 @@ megatron tensor is read from the checkpoint a run of experts or of rows at a tim
 read whole) and each HF tensor is written into its shard as soon as it is made, so memory stays at
 the imports (~0.5 GB) plus about one --read-size unit, whatever the model size and the
 checkpoint's chunking (docs/conversion_at_scale.md, "Export"). HF_DIR must be absent or empty
-(anything else is refused before reading, unless --overwrite); the output is published atomically
-(written as HF_DIR.tmp, then renamed). Exit status: 0 written; 2 the input is
-unusable or --output holds something else (the `error:` line names the file/tensor/directory
-and the fix). The work happens in
-moe_sft.conversion.export.
+(anything else is refused before reading, unless --overwrite) and may not be, contain or lie inside
+the checkpoint (refused even with --overwrite); the output is published atomically (written as
+HF_DIR.tmp, then renamed). Before writing, the checkpoint's files are checked against megatron's
+`.metadata` and the checksums.json its save recorded (a training checkpoint's). Exit status: 0
+written; 2 the input is unusable (damaged, truncated) or --output holds something else (the
+`error:` line names the file/tensor/directory and the fix); 4 the disk filled up (the partial
+export is removed). The work happens in moe_sft.conversion.export.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ def run(args: argparse.Namespace) -> int:
     from moe_sft.conversion.export import export_with_stats
 
     started = time.time()
+    if args.adapter_output:  # everything the adapter export would refuse, before writing anything
+        from moe_sft.peft.hf_adapter import check_adapter_export, export_adapter
+
+        if _nested(Path(args.output), Path(args.adapter_output)):
+            print(
+                f"error: --adapter-output {args.adapter_output} and --output {args.output} overlap (one would "
+                "replace the other); pick two separate directories",
+                file=sys.stderr,
+            )
+            return 2
+        check_adapter_export(args.mcore_path, args.adapter_output, overwrite=args.overwrite)
     out, stats = export_with_stats(
         args.mcore_path,
         args.output,
@@ -89,8 +102,6 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     if args.adapter_output:
-        from moe_sft.peft.hf_adapter import export_adapter
-
         adapter = export_adapter(args.mcore_path, args.adapter_output, dtype=args.dtype, overwrite=args.overwrite)
         print(f"exported PEFT adapter -> {adapter.resolve()}")
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -101,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
         f"({stats.written_bytes / 1e6 / max(stats.seconds, 1e-9):.0f} MB/s) -> {out.resolve()}"
     )
     return 0
+
+
+def _nested(a: Path, b: Path) -> bool:
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Is a torch_dist checkpoint directory whole and unchanged since its save? Pure file checks, no
 torch.distributed: the trainer's resume (moe_sft/trainer/checkpoint_integrity.py spreads them over
-the ranks) and the export (one process) both run them before reading a tensor.
+the ranks) and the export (`verify_files`, one process) both run them before reading a tensor.
 
 * `storage_problems`: megatron's files are there and every storage file reaches the last byte
   `.metadata` puts in it (truncation, a missing rank's file, a garbled `.metadata`).
@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe_sft.conversion import mcore_io
+from moe_sft.conversion.hf_reader import CheckpointError
+from moe_sft.runtime.logs import get_logger
 
 CHECKSUM_FILE = "checksums.json"
 CHUNK = 8 << 20
 STEP_DIR = re.compile(r"step_(\d{7})$")  # = trainer/checkpoint.step_dir's names
+log = get_logger(__name__)
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint to export is truncated or changed since its save; the message names the file."""
 
 
 def file_crc32(path: Path) -> str:
@@ -139,3 +147,36 @@ def file_problems(ckpt_dir: Path) -> tuple[dict[str, str], dict | None]:
         problems = checksum_problems(ckpt_dir, sums, sorted(sums))
     problems.update(storage_problems(ckpt_dir))
     return problems, sums
+
+
+def _damage_message(path: Path, what: str, problems: dict[str, str]) -> str:
+    listed = "; ".join(f"{name}: {why}" for name, why in sorted(problems.items()))
+    head = f"{what} {path} is damaged ({listed}): nothing was exported"
+    step = STEP_DIR.match(path.name)
+    earlier = complete_steps(path.parent, before=int(step.group(1))) if step else []
+    if earlier:
+        good = path.parent / f"step_{earlier[-1]:07d}"
+        return (
+            f"{head}. The previous complete checkpoint is {good} (complete steps: "
+            f"{', '.join(map(str, earlier))}): export it instead, or restore {path.name}'s files from a copy"
+        )
+    if set(problems) == {CHECKSUM_FILE}:
+        return f"{head}; delete {path / CHECKSUM_FILE} to export it unverified"
+    return f"{head}; restore it from an intact copy, or reconvert it with tools/convert_hf_to_mcore.py"
+
+
+def verify_files(path: Path, what: str = "--mcore-path") -> None:
+    """Before an export reads `path`: raise DamagedCheckpointError naming its damaged file(s) and
+    the fix (the previous complete step of a training run). The files megatron's `.metadata`
+    lists must be there and long enough, and every file must match the size and CRC-32 its save
+    recorded in checksums.json (when it has one: the trainer's checkpoints)."""
+    started = time.perf_counter()
+    problems, sums = file_problems(path)
+    if problems:
+        raise DamagedCheckpointError(_damage_message(path, what, problems))
+    if sums:
+        size = sum(int(e.get("size", 0)) for e in sums.values())
+        log.info(
+            f"{what} {path}: {len(sums)} files ({size / 1e9:.3f} GB) match {CHECKSUM_FILE} "
+            f"(verified in {time.perf_counter() - started:.1f}s)"
+        )

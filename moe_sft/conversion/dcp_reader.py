@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from moe_sft.runtime.logs import get_logger
 log = get_logger(__name__)
 _MAX_READ = 1 << 30  # one preadv call reads at most ~2 GiB on Linux; stay well below
 _MAX_BUFFERS = 1024  # IOV_MAX
+# What torch.load / pickle raise on a truncated or overwritten file.
+_DAMAGED = (EOFError, OSError, RuntimeError, ValueError, pickle.UnpicklingError)
 
 
 def _contiguous_blocks(target: torch.Tensor) -> list[torch.Tensor] | None:
@@ -59,6 +62,15 @@ def _skip(views: list[memoryview], done: int) -> list[memoryview]:
 
 class IncompleteCheckpointError(CheckpointError):
     """The checkpoint lacks a tensor, or the stored chunks do not cover a region that is needed."""
+
+
+def _damaged(file: Path, err: BaseException, key: str | None = None) -> str:
+    reading = f" reading {key!r}" if key else ""
+    return (
+        f"{file} is damaged (truncated or overwritten):{reading} {type(err).__name__}: "
+        f"{' '.join(str(err).split())[:160] or 'no details'}; restore the checkpoint from an intact copy "
+        "(or export an earlier step)"
+    )
 
 
 class _IntoView(LoadPlanner):
@@ -117,7 +129,10 @@ class DistCheckpointReader:
                 f"{self.path}: no .metadata; not a complete torch_dist checkpoint (an interrupted save leaves none)"
             )
         self._storage = FileSystemReader(str(self.path))
-        self.metadata = self._storage.read_metadata()
+        try:
+            self.metadata = self._storage.read_metadata()
+        except _DAMAGED as err:
+            raise IncompleteCheckpointError(_damaged(self.path / ".metadata", err)) from err
         self._storage.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._stored: dict = {}
         self._files = OpenFiles()
@@ -153,7 +168,11 @@ class DistCheckpointReader:
         planner = _IntoView(dest)
         slow = [item for item in items if not self._read_item(item, planner.resolve_tensor(item))]
         if slow:
-            self._storage.read_data(LoadPlan(slow), planner).wait()
+            try:
+                self._storage.read_data(LoadPlan(slow), planner).wait()
+            except _DAMAGED as err:
+                files = sorted({self.metadata.storage_data[item.storage_index].relative_path for item in slow})
+                raise IncompleteCheckpointError(_damaged(self.path / files[0], err, key)) from err
             self.file_bytes += (
                 sum(md.chunks[item.storage_index.index].sizes.numel() for item in slow) * dest.element_size()
             )

@@ -15,12 +15,19 @@ the units come from its base (meta `peft_base`), each adapted unit is merged in 
 adapters read from the run's checkpoint, and tensors the run trained itself (routers) are read
 from there.
 
+Before anything is written, the checkpoint (and a LoRA run's base) is checked whole and unchanged
+(checksums.py: the files `.metadata` lists, and `checksums.json` where the save recorded one), and
+`--output` may not be, contain or lie inside a checkpoint it reads (`--overwrite` would delete it).
+A full disk removes the partial export (DiskFullError, exit 4).
+
 `load_model_from_checkpoint` (the whole single-rank model, for --verify and tests) lives here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +35,10 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from moe_sft.conversion import export_plan, hf_writer, mcore_io
+from moe_sft.conversion import checksums, export_plan, hf_writer, mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 from moe_sft.conversion.export_plan import ParamPlan
+from moe_sft.conversion.hf_reader import CheckpointError
 from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
 from moe_sft.conversion.meta_model import View
@@ -40,6 +48,22 @@ from moe_sft.runtime.logs import get_logger
 
 log = get_logger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class ExportError(CheckpointError):
+    """The export did not run or did not finish; the message names the file and the fix.
+    `exit_code` is the exit status of the tools and the trainer (2: unusable input)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class DiskFullError(ExportError):
+    exit_code = 4  # = moe_sft.train's "disk full"
 
 
 def load_model_from_checkpoint(ckpt_dir: str | Path, precision: str = "fp32"):
@@ -179,13 +203,34 @@ def export(
 def _own_export_dir(ckpt_dir: Path, out_dir: Path) -> bool:
     """`out_dir` is the export of the training run that saved `ckpt_dir`: the trainer exports
     `<output_dir>/checkpoints/step_N` into `<output_dir>/hf` at the end of every run, a resumed
-    one too, and replaces its own earlier export (moe_sft/trainer/checkpoint.py's layout)."""
+    one too, and replaces its own earlier export (moe_sft/trainer/checkpoint.py's layout). A file
+    there that no export writes is the user's: the export stops (OutputDirError) rather than
+    delete it with the rest."""
     ckpt, out = ckpt_dir.resolve(), out_dir.resolve()
-    return (
+    if not (
         ckpt.parent.name == "checkpoints"
         and mcore_io.STEP_DIR.fullmatch(ckpt.name) is not None
-        and out == ckpt.parent.parent / "hf"
-        and (out / "config.json").is_file()
+        and out == ckpt.parent.parent / mcore_io.HF_SUBDIR
+    ):
+        return False
+    theirs = mcore_io.user_entries(out_dir, mcore_io.written_by_export(out_dir))
+    if theirs:
+        raise mcore_io.OutputDirError(mcore_io.user_entries_message(out_dir, theirs, "HF export"))
+    return True
+
+
+def _disk_full(err: OSError, ckpt_dir: Path, out_dir: Path) -> DiskFullError:
+    staging = out_dir.with_name(out_dir.name + ".tmp")
+    mcore_io.discard_staging(staging)
+    try:
+        usage = shutil.disk_usage(out_dir.parent if out_dir.parent.is_dir() else ".")
+        space = f" ({usage.free / 1e9:.2f} GB free of {usage.total / 1e9:.1f} GB on that filesystem)"
+    except OSError:
+        space = ""
+    return DiskFullError(
+        f"no space left writing {staging}{space}: removed the partial export; {ckpt_dir} is untouched. "
+        f"Free space (the export needs about the checkpoint's model size in --dtype), then export again: "
+        f"python tools/export_mcore_to_hf.py --mcore-path {ckpt_dir} --output {out_dir}"
     )
 
 
@@ -202,12 +247,29 @@ def export_with_stats(
     started = time.time()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     meta = mcore_io.read_meta(ckpt_dir)
+    model_dir = merge.base_dir(ckpt_dir, meta) if merge.is_adapter_run(meta) else ckpt_dir
+    sources = {"--mcore-path": ckpt_dir}
+    if model_dir != ckpt_dir:
+        sources["the base checkpoint (moe_sft_meta.json peft_base)"] = model_dir
+    mcore_io.check_not_a_source(out_dir, sources)
     left = mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_export_dir(ckpt_dir, out))
+    checksums.verify_files(ckpt_dir)
+    if model_dir != ckpt_dir:
+        checksums.verify_files(model_dir, f"the base checkpoint (moe_sft_meta.json peft_base) of {ckpt_dir},")
     if left:
         log.warning("replacing %s.tmp: %s", out_dir, left)
+    try:
+        return _export(ckpt_dir, out_dir, model_dir, meta, max_shard_bytes, dtype, read_bytes, progress, started)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise _disk_full(err, ckpt_dir, out_dir) from err
+
+
+def _export(ckpt_dir, out_dir, model_dir, meta, max_shard_bytes, dtype, read_bytes, progress, started):
+    """`export_with_stats` once its inputs and output are checked: plan, stream, publish."""
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
     torch_dtype = DTYPES[dtype]
-    model_dir = merge.base_dir(ckpt_dir, meta) if merge.is_adapter_run(meta) else ckpt_dir
     reader = DistCheckpointReader(model_dir)
     copies_absent = mcore_io.read_meta(model_dir).get(mcore_io.COPIES_ABSENT, ())
     plan = export_plan.build(family, hf_cfg, reader, read_bytes, copies_absent)

@@ -244,6 +244,68 @@ def check_output(out: str | Path, overwrite: bool = False, accept: Callable[[Pat
     return stamp or "a directory that --overwrite replaces"
 
 
+def check_not_a_source(out: str | Path, sources: dict[str, Path]) -> None:
+    """Refuse (OutputDirError) an `out` that is, contains or lies inside a checkpoint the job
+    reads (`sources`: {what: path}), `<out>.tmp` too: writing it replaces it whole, so
+    `--overwrite` would delete the checkpoint being read. Call before touching anything."""
+    out = Path(out)
+    for path in (out, out.with_name(out.name + ".tmp")):
+        target = path.resolve()
+        for what, source in sources.items():
+            src = Path(source).resolve()
+            how = (
+                "is"
+                if target == src
+                else "contains"
+                if target in src.parents
+                else "lies inside"
+                if src in target.parents
+                else None
+            )
+            if how:
+                raise OutputDirError(
+                    f"--output {out} {how} {what} {source}"
+                    + (f" (through {path})" if path != out else "")
+                    + f": the export replaces --output whole, so it would delete or change the checkpoint it reads; "
+                    f"pick an --output outside {source}"
+                )
+
+
+_EXPORT_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+EXPORT_INDEX = "model.safetensors.index.json"
+
+
+def written_by_export(out: Path) -> Callable[[str], bool]:
+    """Whether a file name in the HF export directory `out` is one an export writes: the side
+    files, the safetensors shards and their index, and the remote-code modules its config.json's
+    `auto_map` names."""
+    try:
+        auto_map = json.loads((Path(out) / "config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        auto_map = {}
+    refs = [r for v in dict(auto_map).values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    modules = {ref.split("--")[-1].rpartition(".")[0] + ".py" for ref in refs}
+    return lambda name: (
+        name in HF_SIDE_FILES or name in modules or name == EXPORT_INDEX or _EXPORT_SHARD.fullmatch(name) is not None
+    )
+
+
+def user_entries(out: Path, ours: Callable[[str], bool]) -> list[str]:
+    """What `out` holds that no export writes (a user's files and directories), sorted."""
+    if not Path(out).is_dir():
+        return []
+    return sorted(p.name + "/" if p.is_dir() else p.name for p in Path(out).iterdir() if p.is_dir() or not ours(p.name))
+
+
+def user_entries_message(out: Path, theirs: list[str], what: str) -> str:
+    shown = ", ".join(theirs[:5]) + (" ..." if len(theirs) > 5 else "")
+    return (
+        f"{out} is this run's {what} (trainer.export_hf_at_end) but also holds {shown}, which no export "
+        f"writes: the export replaces {out} whole and would delete them. Move them out of {out} and export "
+        "again (the training command exports a finished run), or set trainer.export_hf_at_end=false"
+    )
+
+
 def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -> list[str]:
     """What makes `ckpt_dir` unusable as a moe-sft checkpoint, one message per problem (no I/O
     beyond listing and small JSON files: safe before any GPU work). [] when it looks complete.

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from moe_sft.conversion import mapping, mcore_io
+from moe_sft.conversion import checksums, mapping, mcore_io
 from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.peft import merge
 from moe_sft.peft.linear import combine
@@ -306,30 +306,60 @@ def _fill(expected: dict, values: dict) -> dict[str, torch.Tensor]:
     return {k: values[k] for k in expected}
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """An adapter export checked and planned, nothing written yet."""
+
+    meta: dict
+    family: object
+    hf_cfg: object
+    run: merge.RunAdapters
+    plan: _Plan
+    peft_model: object
+
+
+def _prepare(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> _Prepared:
+    meta = mcore_io.read_meta(ckpt_dir)
+    if not merge.is_adapter_run(meta):
+        raise AdapterExportError(
+            f"{ckpt_dir} is a full-model checkpoint (no peft adapters): there is no adapter to write to "
+            f"{out_dir}; export it merged (leave out --adapter-output)"
+        )
+    base = merge.base_dir(ckpt_dir, meta)  # the adapters only make sense on their base
+    mcore_io.check_not_a_source(
+        out_dir, {"--mcore-path": ckpt_dir, "the base checkpoint (moe_sft_meta.json peft_base)": base}
+    )
+    mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_adapter_dir(ckpt_dir, out))
+    checksums.verify_files(ckpt_dir)  # the base is verified by the merged export, which reads all of it
+    family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
+    run = merge.RunAdapters(ckpt_dir, meta, mapping.transform_context(family, hf_cfg))
+    plan = _plan(run, family, hf_cfg, _meta_model(family, hf_cfg), meta)
+    peft_model = _peft_model(plan, lambda: _meta_model(family, hf_cfg), meta)
+    return _Prepared(meta, family, hf_cfg, run, plan, peft_model)
+
+
+def check_adapter_export(ckpt_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> None:
+    """Everything `export_adapter` refuses (a full-model checkpoint, an output it may not replace,
+    a damaged checkpoint, adapters peft cannot express), checked without writing anything: the
+    export tool runs it before it writes the merged model."""
+    _prepare(Path(ckpt_dir), Path(out_dir), overwrite)
+
+
 def export_adapter(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", overwrite: bool = False) -> Path:
     """Write the PEFT adapter directory of a LoRA/DoRA run's checkpoint (atomically)."""
     from safetensors.torch import save_file
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    meta = mcore_io.read_meta(ckpt_dir)
-    if not merge.is_adapter_run(meta):
-        raise AdapterExportError(f"{ckpt_dir} is a full-model checkpoint (no peft adapters); export it merged")
-    mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_adapter_dir(ckpt_dir, out))
-    family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
-    merge.base_dir(ckpt_dir, meta)  # the adapters only make sense on their base
-    run = merge.RunAdapters(ckpt_dir, meta, mapping.transform_context(family, hf_cfg))
-    hf_model = _meta_model(family, hf_cfg)
-    plan = _plan(run, family, hf_cfg, hf_model, meta)
-    peft_model = _peft_model(plan, lambda: _meta_model(family, hf_cfg), meta)
-    base_tensor = _base_tensors(merge.base_dir(ckpt_dir, meta), family, hf_cfg, run.ctx)
-    tensors = _peft_tensors(plan, peft_model, base_tensor)
+    p = _prepare(ckpt_dir, out_dir, overwrite)
+    base_tensor = _base_tensors(merge.base_dir(ckpt_dir, p.meta), p.family, p.hf_cfg, p.run.ctx)
+    tensors = _peft_tensors(p.plan, p.peft_model, base_tensor)
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
-    config = _lora_config(plan, meta)  # as planned: peft rewrites the one it is given, and again at load
+    config = _lora_config(p.plan, p.meta)  # as planned: peft rewrites the one it is given, and again at load
     tmp = mcore_io.staging_dir(out_dir)
     tmp.mkdir(parents=True)
     try:
         (tmp / mcore_io.EXPORT_STAMP).write_text(str(ckpt_dir.resolve()))
-        config.base_model_name_or_path = meta.get("source")  # get_peft_model set the meta model's
+        config.base_model_name_or_path = p.meta.get("source")  # get_peft_model set the meta model's
         config.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / mcore_io.EXPORT_STAMP).unlink()
@@ -363,13 +393,15 @@ def _base_tensors(base: Path, family, hf_cfg, ctx: dict):
 
 def _own_adapter_dir(ckpt_dir: Path, out_dir: Path) -> bool:
     """`out_dir` is the adapter export of the run that saved `ckpt_dir` (the trainer replaces its
-    own earlier one, as export.py's `_own_export_dir` for `<output_dir>/hf`)."""
+    own earlier one, as export.py's `_own_export_dir` for `<output_dir>/hf`); a user's file there
+    stops it (OutputDirError) rather than being deleted with the rest."""
     ckpt = ckpt_dir.resolve()
-    return (
-        ckpt.parent.name == "checkpoints"
-        and out_dir.resolve() == ckpt.parent.parent / ADAPTER_DIR
-        and (out_dir / CONFIG_FILE).is_file()
-    )
+    if not (ckpt.parent.name == "checkpoints" and out_dir.resolve() == ckpt.parent.parent / ADAPTER_DIR):
+        return False
+    theirs = mcore_io.user_entries(out_dir, lambda name: name in (CONFIG_FILE, WEIGHTS_FILE))
+    if theirs:
+        raise mcore_io.OutputDirError(mcore_io.user_entries_message(out_dir, theirs, "PEFT adapter export"))
+    return True
 
 
 def export_adapter_if_expressible(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16") -> str | None:

@@ -114,12 +114,30 @@ def resume_problems(cfg) -> list[str]:
     return problems
 
 
+def export_dir_problems(cfg) -> list[str]:
+    """A user's files in `output_dir/hf` (or `hf_adapter`), which the end-of-run export replaces
+    whole: named before training, not after it."""
+    if not cfg.trainer.export_hf_at_end:
+        return []
+    out = Path(cfg.trainer.output_dir)
+    dirs = [(out / mcore_io.HF_SUBDIR, "HF export", mcore_io.written_by_export(out / mcore_io.HF_SUBDIR))]
+    if cfg.peft.method != "none":
+        from moe_sft.peft.hf_adapter import ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE
+
+        dirs.append((out / ADAPTER_DIR, "PEFT adapter export", lambda name: name in (CONFIG_FILE, WEIGHTS_FILE)))
+    return [
+        mcore_io.user_entries_message(path, theirs, what)
+        for path, what, ours in dirs
+        if (theirs := mcore_io.user_entries(path, ours))
+    ]
+
+
 def checkpoint_problems(cfg) -> list[str]:
     m = cfg.model
     problems = []
     if m.mcore_path and not (m.create_tiny_if_missing and not Path(m.mcore_path).exists()):
         problems += mcore_io.checkpoint_problems(m.mcore_path)
-    return problems + resume_problems(cfg)
+    return problems + resume_problems(cfg) + export_dir_problems(cfg)
 
 
 def model_match_problems(cfg) -> list[str]:

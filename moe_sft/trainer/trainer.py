@@ -80,8 +80,42 @@ def run_single_process(code: list[str]) -> None:
     """Run a tool in a fresh process outside the torchrun world (conversion, export)."""
     # torchrun's variables (TORCHELASTIC_USE_AGENT_STORE above all) would make the child try to
     # join the training world's rendezvous and hang.
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
-    subprocess.run([sys.executable, *code], check=True, env=env)
+    subprocess.run([sys.executable, *code], check=True, env=_single_process_env())
+
+
+def _single_process_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+
+
+_EXPORT_CODE = (
+    "import sys; from moe_sft.errors import run_reporting_user_errors as run; from {module} import {name} as f; "
+    "sys.exit(run(lambda a: [f(a[0], a[1], dtype=a[2]), 0][1], sys.argv[1:]))"
+)
+
+
+def run_export_process(function: str, ckpt: Path, out: Path, dtype: str) -> None:
+    """`function` ("module:name") called as `name(ckpt, out, dtype=dtype)` in a process of its own
+    (as run_single_process). Its user error (a damaged checkpoint, a user's file in `out`, a full
+    disk) is its one `error:` line, raised here as an ExportError with its exit status (4: disk
+    full) instead of a traceback; its other output passes through as it comes."""
+    from moe_sft.conversion.export import ExportError
+
+    module, name = function.split(":")
+    code = ["-c", _EXPORT_CODE.format(module=module, name=name), str(ckpt), str(out), dtype]
+    child = subprocess.Popen(
+        [sys.executable, *code], env=_single_process_env(), stderr=subprocess.PIPE, text=True, errors="replace"
+    )
+    error = None
+    for line in child.stderr:
+        if line.startswith("error: "):
+            error = line.removeprefix("error: ").strip()
+        else:
+            sys.stderr.write(line)
+    if child.wait() == 0:
+        return
+    if error is None:
+        raise subprocess.CalledProcessError(child.returncode, [sys.executable, *code])
+    raise ExportError(f"the HF export of {ckpt} into {out} did not finish: {error}", exit_code=child.returncode)
 
 
 @dataclass
@@ -712,29 +746,11 @@ class Trainer:
         if dist.get_rank() == 0:
             out = self.out / "hf"
             dtype = "bf16" if self.rt.precision == "bf16" else "fp32"
-            run_single_process(
-                [
-                    "-c",
-                    "import sys; from moe_sft.conversion.export import export; "
-                    "export(sys.argv[1], sys.argv[2], dtype=sys.argv[3])",
-                    str(ckpt),
-                    str(out),
-                    dtype,
-                ]
-            )
+            run_export_process("moe_sft.conversion.export:export", ckpt, out, dtype)
             log.info(f"exported HF model to {out}" + (" (adapters merged)" if self.cfg.peft.method != "none" else ""))
             if self.cfg.peft.method != "none":  # also as a PEFT adapter, where peft can express it
                 adapter = self.out / "hf_adapter"
-                run_single_process(
-                    [
-                        "-c",
-                        "import sys; from moe_sft.peft.hf_adapter import export_adapter_if_expressible as f; "
-                        "f(sys.argv[1], sys.argv[2], dtype=sys.argv[3])",
-                        str(ckpt),
-                        str(adapter),
-                        dtype,
-                    ]
-                )
+                run_export_process("moe_sft.peft.hf_adapter:export_adapter_if_expressible", ckpt, adapter, dtype)
                 if (adapter / "adapter_config.json").is_file():
                     log.info(f"exported PEFT adapter to {adapter}")
                 else:

@@ -158,3 +158,63 @@ def test_an_adapter_peft_cannot_express_is_an_error_and_the_trainer_exports_merg
     assert (tmp_path / "run" / "hf" / "config.json").is_file()
     assert not (tmp_path / "run" / "hf_adapter").exists()
     assert "PEFT adapter export skipped" in logged and target in logged
+
+
+def _snapshot(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+def test_the_tool_refuses_an_adapter_export_before_writing_anything(tmp_path, capfd):
+    """tools/export_mcore_to_hf.py --adapter-output: whatever the adapter export refuses is refused
+    before the merged export is written; neither output may overlap the other or a checkpoint read;
+    a user's file in the run's own hf_adapter/ is never deleted."""
+    from moe_sft.conversion.hf_reader import CheckpointError
+    from moe_sft.trainer.trainer import Trainer
+    from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
+    from tests.scripts import load_tool
+
+    tool = load_tool("export_mcore_to_hf.py")
+    write_tiny_deepseek_with_mtp(tmp_path / "hf", VOCAB)
+    convert(tmp_path / "hf", tmp_path / "mcore")
+    target = "mtp.layers.0.transformer_layer.self_attention.linear_proj"
+    unexpressible, _ = _lora_run(
+        tmp_path, tmp_path / "mtp_run", PeftConfig(method="lora", rank=4, target_modules=[target])
+    )
+    ckpt, _ = _lora_run(tmp_path, tmp_path / "run", PeftConfig(method="lora", rank=4, target_modules=["attention"]))
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+
+    def refused(*args: str) -> str:
+        capfd.readouterr()
+        assert tool.main(list(args)) == 2
+        assert not merged.exists() and not adapter.exists()
+        return capfd.readouterr().err
+
+    assert target in refused(
+        "--mcore-path", str(unexpressible), "--output", str(merged), "--adapter-output", str(adapter)
+    )
+    err = refused("--mcore-path", str(tmp_path / "mcore"), "--output", str(merged), "--adapter-output", str(adapter))
+    assert "is a full-model checkpoint (no peft adapters)" in err
+    err = refused("--mcore-path", str(ckpt), "--output", str(merged), "--adapter-output", str(merged / "a"))
+    assert "overlap" in err
+    base_before = _snapshot(tmp_path / "mcore")
+    err = refused("--mcore-path", str(ckpt), "--output", str(tmp_path / "mcore"), "--overwrite")
+    assert f"--output {tmp_path / 'mcore'} is the base checkpoint (moe_sft_meta.json peft_base)" in err
+    assert _snapshot(tmp_path / "mcore") == base_before
+    adapter.mkdir()
+    (adapter / "mine.txt").write_text("x")
+    capfd.readouterr()
+    assert tool.main(["--mcore-path", str(ckpt), "--output", str(merged), "--adapter-output", str(adapter)]) == 2
+    assert f"--output {adapter} is not empty" in capfd.readouterr().err and not merged.exists()
+
+    # the trainer's end-of-run export: a user's file in the run's own hf_adapter/ is kept
+    (tmp_path / "run" / "hf_adapter").mkdir()
+    (tmp_path / "run" / "hf_adapter" / "notes.txt").write_text("mine")
+    trainer = types.SimpleNamespace(
+        out=tmp_path / "run", rt=types.SimpleNamespace(precision="fp32"), cfg=types.SimpleNamespace(peft=PeftConfig())
+    )
+    trainer.cfg.peft.method = "lora"
+    capfd.readouterr()
+    with pytest.raises(CheckpointError, match=r"hf_adapter .*notes\.txt.*Move them out of"):
+        Trainer.export(trainer, ckpt)
+    assert "Traceback" not in "".join(capfd.readouterr())
+    assert (tmp_path / "run" / "hf_adapter" / "notes.txt").read_text() == "mine"
