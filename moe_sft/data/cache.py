@@ -4,7 +4,7 @@
                                         meta.json (statistics, settings)  report.jsonl (skipped/cut rows)
 
 `key` hashes everything that decides the tokens: the tokenizer's files, the chat template, the
-settings (max_seq_len, overlong, loss_on, end_of_turn, close_last_turn, format, fields: every
+settings (max_seq_len, overlong, loss_on, end_of_turn, close_last_turn, empty_think, format, fields: every
 ChatOptions field) and the data file (path, size, mtime and a content hash of 16 evenly spaced
 1 MiB blocks, so a multi-GB file is not read in full at every start). Change any of them and a new cache is built; otherwise every run and
 every rank reuses it. Datasets larger than RAM: rows are streamed through the builder, written

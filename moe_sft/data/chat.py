@@ -20,10 +20,14 @@ Assistant spans in the rendered text are found one of two ways:
   full text. When it is not (the template re-rendered earlier turns, e.g. stripped their
   reasoning), the full conversation is rendered again with message `i`'s content replaced by a
   sentinel; the two texts agree up to where message `i`'s own text starts, and its header is the
-  last occurrence of the generation prompt (or its longest prefix, for templates whose prompt
-  also opens a `<think>` block) before that point. The turn ends at the first end-of-turn
-  string after its start. Template-inserted text after the header (Qwen3's empty
-  `<think></think>` on the last turn) is trained on, as the model must emit it at inference.
+  last occurrence of the generation prompt before that point, extended back over the segments of
+  the same turn right before it (harmony: an answer's reasoning segment,
+  `turn_ends.continued_turn_start`). Templates whose prompt also opens a `<think>` block the turn
+  shows otherwise or not at all (DeepSeek-R1, MiniMax-M2, Nemotron-3's `<think></think>`): the
+  longest prefix of the prompt found there, followed by the turn's text or an added token. The
+  turn ends at the first end-of-turn string after its start. Template-inserted text after the
+  header (Qwen3's empty `<think></think>` on the last turn) is trained on, as the model must emit
+  it at inference, unless `empty_think="mask"` (data.empty_think) takes empty reasoning blocks out.
 * Suffix alignment, when there is no header to search for (Mistral's templates have no generation
   prompt and move the system prompt and tools list to the last user message) or the turn's
   content is not rendered (a tool-call-only turn): the render of `messages[:i]` still ends with

@@ -346,9 +346,9 @@ NEMOTRON3_TEMPLATE = (
     "{%- endfor -%}{{ '\\n</tools>' }}{%- endif -%}{{ '<|im_end|>\\n' }}"
     "{%- elif m.role == 'assistant' -%}"
     "{%- if m.reasoning_content and loop.index0 > ns.last_user -%}"
-    "{%- set think = '<think>\\n' + m.reasoning_content + '</think>' -%}"
+    "{%- set think = '<think>\\n' + m.reasoning_content + '\\n</think>\\n' -%}"
     "{%- else -%}{%- set think = '<think></think>' -%}{%- endif -%}"
-    "{{ '<|im_start|>assistant\\n' + think + m.content }}"
+    "{{ '<|im_start|>assistant\\n' + think + m.content }}{%- if m.tool_calls -%}{{ '\\n' }}{%- endif -%}"
     "{%- for tc in m.tool_calls or [] -%}{{ '<tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
     "{%- for k, v in tc.function.arguments.items() -%}{{ '<parameter=' + k + '>\\n' + v + '\\n</parameter>\\n' }}"
     "{%- endfor -%}{{ '</function>\\n</tool_call>\\n' }}{%- endfor -%}{{ '<|im_end|>\\n' }}"
@@ -527,9 +527,9 @@ FAMILIES = {
         AGENT,
         [WEATHER_TOOL],
         [
-            f"</think>{NEMOTRON_CALL}<|im_end|>",
+            f"</think>\n{NEMOTRON_CALL}<|im_end|>",
             "</think>It is sunny in Paris.<|im_end|>",
-            "No forecast tool.</think>I cannot forecast.<|im_end|>",
+            "No forecast tool.\n</think>\nI cannot forecast.<|im_end|>",
         ],
     ),
     "nemotron3_chat": (
@@ -539,7 +539,7 @@ FAMILIES = {
         None,
         NEMOTRON_CHAT,
         None,
-        ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more</think>8<|im_end|>"],
+        ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more\n</think>\n8<|im_end|>"],
     ),
 }
 # Families whose template leaves the last turn open: the stop token appended after it (close_last_turn).
@@ -662,7 +662,7 @@ def test_templates_that_open_the_turn_differently_from_the_prompt():
     assert not tok.apply_chat_template(single, tokenize=False).startswith(prompt)
     for rows, trained in (
         (single, ["</think>4<|im_end|>"]),
-        ([single[0], {**single[1], "reasoning_content": "add"}], ["add</think>4<|im_end|>"]),
+        ([single[0], {**single[1], "reasoning_content": "add"}], ["add\n</think>\n4<|im_end|>"]),
     ):
         doc = tokenize_conversation(tok, rows, 4096)
         assert list(doc.input_ids) == list(tok.apply_chat_template(rows, tokenize=True, return_dict=False))
@@ -698,8 +698,8 @@ EMPTY_THINK_CASES = {
     # Nemotron-3: the block opens in the header (the prompt's `<think>`); its `</think>` is the turn's.
     "nemotron3_chat": (
         NEMOTRON_CHAT,
-        ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more</think>8<|im_end|>"],
-        ["4<|im_end|>", "6<|im_end|>", "once more</think>8<|im_end|>"],
+        ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more\n</think>\n8<|im_end|>"],
+        ["4<|im_end|>", "6<|im_end|>", "once more\n</think>\n8<|im_end|>"],
     ),
 }
 
