@@ -194,8 +194,11 @@ def export(
     HF tensor written exactly once (the gates in export_plan.py run before anything is read).
 
     `read_bytes` bounds a unit read at once; `progress(done, total)` follows the HF bytes written.
-    A non-empty `out_dir` is refused (mcore_io.OutputDirError, before anything is read) unless
-    `overwrite`, or unless it is the training run's own export dir (`_own_export_dir`).
+    Refused before anything is written (a CheckpointError naming the file and the fix): a
+    non-empty `out_dir` (mcore_io.OutputDirError) unless `overwrite`, or unless it is the training
+    run's own export dir holding only what an export writes (`_own_export_dir`); an `out_dir` that
+    is, contains or lies inside a checkpoint read, even with `overwrite`; a damaged checkpoint
+    (checksums.verify_files). A full disk raises DiskFullError with the partial export removed.
     """
     return export_with_stats(ckpt_dir, out_dir, max_shard_bytes, dtype, read_bytes, progress, overwrite)[0]
 

@@ -277,14 +277,9 @@ EXPORT_INDEX = "model.safetensors.index.json"
 
 def written_by_export(out: Path) -> Callable[[str], bool]:
     """Whether a file name in the HF export directory `out` is one an export writes: the side
-    files, the safetensors shards and their index, and the remote-code modules its config.json's
-    `auto_map` names."""
-    try:
-        auto_map = json.loads((Path(out) / "config.json").read_text()).get("auto_map") or {}
-    except (OSError, ValueError, AttributeError):
-        auto_map = {}
-    refs = [r for v in dict(auto_map).values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
-    modules = {ref.split("--")[-1].rpartition(".")[0] + ".py" for ref in refs}
+    files, the safetensors shards and their index, and the remote-code modules its `auto_map`s
+    name."""
+    modules = set(remote_code_files(Path(out))) if Path(out).is_dir() else set()
     return lambda name: (
         name in HF_SIDE_FILES or name in modules or name == EXPORT_INDEX or _EXPORT_SHARD.fullmatch(name) is not None
     )

@@ -236,3 +236,21 @@ def test_the_pre_flight_names_a_users_file_in_the_runs_hf_dir(tmp_path):
     assert len(problems) == 1 and "notes.txt" in problems[0] and "trainer.export_hf_at_end" in problems[0]
     cfg.trainer.export_hf_at_end = False
     assert checkpoint_problems(cfg) == []
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
+def test_the_checkpoint_reader_names_a_truncated_file(tiny, tmp_path, name):
+    """What reads a checkpoint without the export's check first (a LoRA run's base tensors for the
+    PEFT adapter) names the damaged file instead of torch.load's bare EOFError."""
+    import torch
+
+    from moe_sft.conversion.dcp_reader import DistCheckpointReader
+
+    ckpt = tmp_path / "mcore"
+    shutil.copytree(tiny / "mcore", ckpt)
+    data = (ckpt / name).read_bytes()
+    (ckpt / name).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{ckpt / name}.*(damaged|truncated)"):
+        reader = DistCheckpointReader(ckpt)
+        for key, md in reader.tensors().items():
+            reader.read_into(key, (0,) * len(md.size), torch.empty(md.size, dtype=md.properties.dtype))
