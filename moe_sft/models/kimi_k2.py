@@ -184,7 +184,7 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> KimiK2Config:
     routed_scaling_factor 2.827, one dense layer, its YaRN rope, no MTP; the release's remote-code
     fields and `auto_map` (deepseek_v3.RELEASE_REMOTE_FIELDS: Kimi's are DeepSeek-V3's)."""
     kwargs = ds.tiny_hf_config(vocab_size).to_dict()
-    for key in ("model_type", "transformers_version", "rope_parameters"):
+    for key in ("model_type", "transformers_version", "rope_parameters", "head_dim", "qk_head_dim"):  # derived
         kwargs.pop(key, None)
     kwargs.update(
         architectures=["DeepseekV3ForCausalLM"],
