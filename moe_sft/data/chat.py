@@ -436,8 +436,7 @@ def _start_after_rerendered_history(
     bare = _render(tokenizer, template, messages[:i], tools)
     prompt = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
     header = prompt[len(bare) :] if prompt.startswith(bare) else ""
-    probe = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
-    other = _render(tokenizer, template, probe, tools)
+    other = _render_probe(tokenizer, template, messages, tools, i)
     limit = next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
     if header and limit < len(full):
         pos = full.rfind(header, cursor, limit)
@@ -459,6 +458,31 @@ def _start_after_rerendered_history(
         "turn's text, so its tokens cannot be located; name a copy of the template with "
         "{% generation %}...{% endgeneration %} around the assistant output in data.chat_template",
     )
+
+
+def _render_probe(tokenizer, template: str, messages: list[dict], tools, i: int) -> str:
+    """The conversation rendered with message i's own text changed: its content replaced by a sentinel,
+    so the render departs from the full one where that text starts. A template may refuse that row:
+    gpt-oss's raises for a tool-call message with both content and reasoning ("Cannot pass both
+    content and thinking"); then the first tool call's arguments are replaced instead, which the
+    template writes right after the call's header."""
+    probe = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
+    try:
+        return _render(tokenizer, template, probe, tools)
+    except TemplateError:
+        calls = messages[i].get("tool_calls")
+        if not calls or not isinstance(calls[0], dict):
+            raise
+        call = calls[0]
+        inner = call.get("function") if isinstance(call.get("function"), dict) else call
+        arguments = _SENTINEL if isinstance(inner.get("arguments"), str) else {"moe_sft_sentinel": _SENTINEL}
+        changed = (
+            {**call, "function": {**inner, "arguments": arguments}}
+            if inner is not call
+            else {**call, "arguments": arguments}
+        )
+        probe[i] = {**messages[i], "tool_calls": [changed, *calls[1:]]}
+        return _render(tokenizer, template, probe, tools)
 
 
 def _start_after_partial_header(

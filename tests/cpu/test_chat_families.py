@@ -225,7 +225,8 @@ MINIMAX_TOKENS = ["]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool
 # segments under `<|start|>assistant`: history turns only their final answer closed by `<|end|>`; the
 # last turn its reasoning (analysis channel, `<|end|>`) and its answer closed by `<|return|>`; a tool
 # call as `to=functions.NAME` on the commentary channel closed by `<|call|>`, after its reasoning
-# unless a later assistant message gives a final answer. The generation prompt is `<|start|>assistant`.
+# unless a later assistant message gives a final answer; a tool-call message with both content and
+# reasoning is refused, as the release's template does. The generation prompt is `<|start|>assistant`.
 HARMONY_TEMPLATE = (
     "{{ '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n"
     "Reasoning: medium\\n\\n# Valid channels: analysis, commentary, final.' }}"
@@ -244,6 +245,7 @@ HARMONY_TEMPLATE = (
     "{%- for m in loop_messages -%}"
     "{%- if m.role == 'assistant' -%}"
     "{%- if m.tool_calls -%}"
+    "{%- if m.content and m.thinking -%}{{ raise_exception('Cannot pass both content and thinking') }}{%- endif -%}"
     "{%- set finals = loop_messages[loop.index:] | selectattr('role', 'equalto', 'assistant')"
     " | rejectattr('tool_calls') | list -%}"
     "{%- if m.thinking and not finals -%}"
@@ -369,6 +371,14 @@ NEMOTRON_CHAT = [
     {"role": "assistant", "content": "4", "reasoning_content": "add"},
     *HARMONY_CHAT[3:6],
     {"role": "assistant", "content": "8", "reasoning_content": "once more"},
+]
+
+# Two tool calls, then the answer: the calls' reasoning is dropped from the full text (a final answer
+# follows), and locating a call's turn must not make the template refuse the row (content + thinking).
+HARMONY_TWO_CALLS = [
+    *HARMONY_CALLS[:5],
+    HARMONY_CALLS[5],
+    {"role": "assistant", "content": "Sunny, then rainy.", "thinking": "Both known."},
 ]
 
 # name: (added tokens, template, eos, bos, messages, tools, the trained text of each assistant turn).
@@ -503,6 +513,19 @@ FAMILIES = {
             HARMONY_CALL.format("get_weather", "Paris"),
             # Every segment the model writes after the tool result: its reasoning and its answer.
             ANALYSIS.format("The tool says sunny.") + FINAL.format("It is sunny in Paris.<|return|>"),
+        ],
+    ),
+    "gpt_oss_two_calls": (
+        HARMONY_TOKENS,
+        HARMONY_TEMPLATE,
+        "<|return|>",
+        None,
+        HARMONY_TWO_CALLS,
+        [WEATHER_TOOL],
+        [
+            HARMONY_CALL.format("get_weather", "Paris"),
+            HARMONY_CALL.format("get_weather", "Lyon"),
+            ANALYSIS.format("Both known.") + FINAL.format("Sunny, then rainy.<|return|>"),
         ],
     ),
     "gpt_oss_chat": (
