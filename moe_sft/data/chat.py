@@ -89,8 +89,10 @@ _SENTINEL = "\u2063moe-sft-sentinel\u2063"  # content no real row has (U+2063: i
 LOSS_ON = ("all_assistant", "last_assistant")
 EMPTY_THINK = ("train", "mask")
 # An empty reasoning block and the whitespace after it, as templates write it into turns without
-# reasoning: Qwen3 `<think>\n\n</think>\n\n`, GLM-4.5 `<think></think>\n`, Nemotron-3 `<think></think>`.
+# reasoning: Qwen3 `<think>\n\n</think>\n\n`, GLM-4.5 `<think></think>\n`, Nemotron-3 `<think></think>`;
+# or only its end, opening a turn (GLM-4.7 `</think>`, whose generation prompt opens `<think>`).
 _EMPTY_THINK_BLOCK = re.compile(r"<think>\s*</think>\s*")
+_CLOSED_AT_ONCE = re.compile(r"\s*</think>\s*")
 
 Overlong = Literal["truncate", "drop"]
 
@@ -261,13 +263,13 @@ def without_empty_think(text: str, spans: list[tuple[int, int, float]]) -> list[
     reasoning they drop); trained, it teaches the model to close its reasoning at once, so a
     hybrid-reasoning model fine-tuned on answers without reasoning stops thinking when asked to
     think. Masked, the model still reads the block but is never taught to write it. A block that
-    begins in the turn's header (Nemotron-3's generation prompt opens `<think>`) is cut from where
-    the span starts."""
+    begins in the turn's header (Nemotron-3's generation prompt opens `<think>`), or a `</think>` the
+    turn opens with (GLM-4.7 writes only that), is cut from where the span starts."""
     holes = [(m.start(), m.end()) for m in _EMPTY_THINK_BLOCK.finditer(text)]
-    if not holes:
-        return spans
     out = []
     for start, end, weight in spans:
+        if closed := _CLOSED_AT_ONCE.match(text, start, end):
+            start = closed.end()
         for a, b in holes:
             if b <= start or a >= end:
                 continue

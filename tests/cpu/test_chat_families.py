@@ -77,6 +77,19 @@ GLM45_TEMPLATE = (
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
+# GLM-4.7: the same, but a turn without reasoning (and every history turn) is written with only `</think>`,
+# reasoning as `<think>...</think>` without newlines, and the generation prompt opens `<think>`.
+GLM47_TEMPLATE = (
+    GLM45_TEMPLATE.replace(
+        "'\\n<think>' + reasoning.strip() + '</think>'", "'<think>' + reasoning.strip() + '</think>'"
+    )
+    .replace("{{ '\\n<think></think>' }}", "{{ '</think>' }}")
+    .replace("{{ '\\n' + content.strip() }}", "{{ content.strip() }}")
+    .replace(
+        "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}",
+        "{%- if add_generation_prompt -%}{{ '<|assistant|><think>' }}",
+    )
+)
 GLM_TOKENS = [
     "[gMASK]",
     "<sop>",
@@ -407,6 +420,16 @@ FAMILIES = {
         None,
         ["\n<think></think>\n4<|user|>", "\n<think></think>\n6<|user|>", "\n<think>once more</think>\n8<|user|>"],
     ),
+    # The prompt's `<think>` is never in the text; a turn without reasoning is trained from its `</think>`.
+    "glm47_chat": (
+        GLM_TOKENS,
+        GLM47_TEMPLATE,
+        "<|endoftext|>",
+        None,
+        R_CHAT,
+        None,
+        ["</think>4<|user|>", "</think>6<|user|>", "once more</think>8<|user|>"],
+    ),
     "kimi_k2_agent": (
         KIMI_TOKENS,
         KIMI_K2_TEMPLATE,
@@ -566,7 +589,7 @@ FAMILIES = {
     ),
 }
 # Families whose template leaves the last turn open: the stop token appended after it (close_last_turn).
-LAST_TURN_STOP = {"glm45_agent": "<|user|>", "glm45_chat": "<|user|>"}
+LAST_TURN_STOP = {"glm45_agent": "<|user|>", "glm45_chat": "<|user|>", "glm47_chat": "<|user|>"}
 MODES = {
     "all_assistant": (None, [1.0, 1.0, 1.0]),
     "last_assistant": (None, [0.0, 0.0, 1.0]),
@@ -710,6 +733,12 @@ EMPTY_THINK_CASES = {
         R_CHAT,
         ["\n<think></think>\n4<|user|>", "\n<think></think>\n6<|user|>", "\n<think>once more</think>\n8<|user|>"],
         ["\n", "4<|user|>", "\n", "6<|user|>", "\n<think>once more</think>\n8<|user|>"],
+    ),
+    # GLM-4.7 writes only `</think>` there: the turn's first tokens, masked like a whole empty block.
+    "glm47_chat": (
+        R_CHAT,
+        ["</think>4<|user|>", "</think>6<|user|>", "once more</think>8<|user|>"],
+        ["4<|user|>", "6<|user|>", "once more</think>8<|user|>"],
     ),
     # DeepSeek-V3.1's non-thinking turns carry only `</think>`, which is the generation prompt's: never
     # trained, so nothing changes; a reasoning block that is not empty is trained in both modes.
