@@ -9,8 +9,8 @@ The first argument names faults and the 1-based steps (as logged) they fire at; 
 - kill_in_save: the process dies like `kill -9` once the checkpoint of that step is written on every
   rank and before it is committed.
 - kill_in_write: the trainer alone is killed with SIGKILL (the OOM killer) while megatron's forked
-  writer writes that step's checkpoint; the writer then goes on writing (its pid is written to
-  `<output_dir>/writer.pid`).
+  writer writes that step's checkpoint; the writer then goes on for 30 s, as one writing a large
+  checkpoint would (its pid is written to `<output_dir>/writer.pid`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _kill_trainer_from_writer(steps: set[int]) -> None:
         if armed.get("dir") is not None:  # in the writer: the trainer is its parent
             (armed["dir"] / "writer.pid").write_text(str(os.getpid()))
             os.kill(os.getppid(), signal.SIGKILL)
-            time.sleep(3)
+            time.sleep(30)  # a writer still busy with a large checkpoint
         return write(*args, **kwargs)
 
     checkpoint.Saver.save = saving

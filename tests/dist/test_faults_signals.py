@@ -92,11 +92,13 @@ def _assert_same_losses(reference, metrics):
         assert values["loss"] == pytest.approx(reference[step]["loss"], rel=1e-3), (step, metrics)
 
 
-@pytest.mark.parametrize("target", ["torchrun", "every_process"])
+@pytest.mark.parametrize("target", ["torchrun", "every_process", "ctrl_c"])
 def test_sigterm_through_torchrun_commits_the_stop_checkpoint(model_dirs, straight, target):
     """`kill -TERM <torchrun>`: torchrun forwards it to the worker's process group, where megatron's
     checkpoint-results manager used to die of it (the stop save failed, only step_N.tmp was left:
-    with save_interval=0 everything was lost). scancel signals every process: the same."""
+    with save_interval=0 everything was lost). scancel signals every process: the same. Ctrl-C
+    (SIGINT to the terminal's foreground group: torchrun, which forwards it) stops the same way;
+    it used to end the run without a checkpoint."""
     tmp = model_dirs
     ckpts = tmp / f"term_{target}" / "checkpoints"
     proc = subprocess.Popen(
@@ -106,6 +108,7 @@ def test_sigterm_through_torchrun_commits_the_stop_checkpoint(model_dirs, straig
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=target == "ctrl_c",  # its own foreground group, as in a terminal
     )
     lines, tree = [], []
     try:
@@ -113,15 +116,18 @@ def test_sigterm_through_torchrun_commits_the_stop_checkpoint(model_dirs, straig
             lines.append(line)
             if line.startswith("step 3/") and not tree:
                 tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                if target == "ctrl_c":
+                    os.killpg(proc.pid, signal.SIGINT)
                 # scancel signals every process of the job: the launcher, the trainer, its helpers
-                for p in tree if target == "every_process" else tree[:1]:
+                for p in [] if target == "ctrl_c" else tree if target == "every_process" else tree[:1]:
                     p.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
         _kill_tree(proc)
     out = "".join(lines)
     assert tree, out[-3000:]
-    stopped = [ln for ln in lines if "stopped by SIGTERM after step" in ln]
+    name = "SIGINT" if target == "ctrl_c" else "SIGTERM"
+    stopped = [ln for ln in lines if f"stopped by {name} after step" in ln]
     assert stopped, out[-4000:]
     stop_step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert (ckpts / "latest").read_text().strip() == str(stop_step), out[-4000:]
@@ -251,3 +257,43 @@ def test_collapsed_run_is_warned_about(model_dirs):
     warnings = [ln for ln in proc.stdout.splitlines() if "gradient norm exactly 0 for" in ln]
     assert len(warnings) == 1 and "5 steps in a row (steps 3..7" in warnings[0], proc.stdout[-3000:]
     assert "WARNING: gradient norm exactly 0 in steps 3..8 (6 steps)" in proc.stdout
+
+
+def test_a_rank_killed_mid_save_leaves_no_writer_holding_the_lock(model_dirs):
+    """SIGKILL of the trainer (the OOM killer) while megatron's forked writer writes its checkpoint:
+    the writer used to live on (blocked on a queue whose reader was gone) holding the run's lock,
+    and the relaunch was refused as "in use by another run: pid N", N dead."""
+    tmp = model_dirs
+    overrides = _overrides(tmp, "oom", 3, "checkpoint.save_interval=2")
+    proc = subprocess.Popen(
+        torchrun_cmd(1, overrides, faults="kill_in_write=2"),
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,  # files, not pipes: a surviving writer would keep a pipe open
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        proc.wait(timeout=300)
+        writer = psutil.Process(int((tmp / "oom" / "writer.pid").read_text()))
+    except psutil.NoSuchProcess:
+        writer = None
+    finally:
+        _kill_tree(proc)
+    try:
+        assert proc.returncode != 0
+        assert writer is None or not _alive(writer) or _gone_within(writer, 10), "the writer outlived the trainer"
+    finally:
+        if writer is not None and _alive(writer):
+            writer.kill()
+    relaunch = _run(overrides)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert "in use by another run" not in relaunch.stderr
+    assert f"removed {tmp / 'oom' / 'checkpoints' / 'step_0000002.tmp'}" in relaunch.stdout
+    assert sorted(step_metrics(relaunch.stdout)) == [1, 2, 3]
+
+
+def _gone_within(proc: psutil.Process, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline and _alive(proc):
+        time.sleep(0.2)
+    return not _alive(proc)
