@@ -3,9 +3,10 @@
 * An update that overflows the weights (optimizer.lr=1e38: finite loss and grad norm at step 1,
   non-finite weights after it) is never checkpointed: no committed step holds NaN/Inf, the run
   stops with exit 3 and says why.
-* A resume checkpoint with a truncated shard, a flipped bit or a garbled `.metadata`, and a
-  truncated base checkpoint (model.mcore_path), stop before any data or weights are loaded with
-  one line naming the file (and the previous complete step), exit 2, no traceback.
+* A resume checkpoint with a truncated shard, a flipped bit, a garbled `.metadata` or
+  moe_sft_meta.json, or an edited hf/config.json, and a truncated base checkpoint
+  (model.mcore_path), stop before any data or weights are loaded with one line naming the file
+  (and the previous complete step), exit 2, no traceback.
 * Resuming with model.mcore_path at another architecture is an error naming both; at the same
   architecture from another source, the run resumes from its own checkpoint with a warning (and
   a checkpoint without checksums.json, as older runs wrote, loads with a note).
@@ -104,6 +105,9 @@ def _damage(path: Path, how: str) -> str:
     elif how == "garbled_dot_metadata":
         (path / ".metadata").write_bytes(b"\x80\x04garbage" * 10)
         return ".metadata"
+    elif how == "garbled_meta":  # used to say "reconvert it": a training checkpoint is not converted
+        (path / "moe_sft_meta.json").write_text('{"family": "qwen3_m')
+        return "moe_sft_meta.json"
     return shard.name
 
 
@@ -116,7 +120,7 @@ def _assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> str
     return proc.stderr
 
 
-@pytest.mark.parametrize("how", ["truncated_shard", "flipped_bit", "garbled_dot_metadata"])
+@pytest.mark.parametrize("how", ["truncated_shard", "flipped_bit", "garbled_dot_metadata", "garbled_meta"])
 def test_damaged_resume_checkpoint_names_the_file_and_the_previous_step(model_dirs, saved_run, how):
     out = model_dirs / f"damaged_{how}"
     shutil.copytree(saved_run[0], out)
@@ -129,6 +133,18 @@ def test_damaged_resume_checkpoint_names_the_file_and_the_previous_step(model_di
         "previous complete checkpoint is step 1",
         str(out / "checkpoints" / "latest"),
     )
+
+
+def test_an_edited_model_config_in_the_resume_checkpoint_is_refused(model_dirs, saved_run):
+    """The resume builds the model from the checkpoint's hf/config.json; an edited rope_theta there
+    was used silently (checksums.json did not cover it)."""
+    out = model_dirs / "edited_config"
+    shutil.copytree(saved_run[0], out)
+    config = out / "checkpoints" / "step_0000002" / "hf" / "config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), rope_theta=12345.0)))
+    proc = _train_one_process(_overrides(model_dirs, out, 3))
+    stderr = _assert_clean_error(proc, "step_0000002: hf/config.json changed after the save", "Restore it")
+    assert "previous complete checkpoint is step 1" in stderr
 
 
 def test_damaged_base_checkpoint_names_the_file(model_dirs):
