@@ -249,11 +249,15 @@ def mtp_layer_with_padding(original_forward, original_proj):
 
         def proj_and_layer(**layer_kwargs):
             layer = self.transformer_layer
-            layer.forward = functools.partial(type(layer).forward, layer, padding_mask=mask)
+            own = layer.__dict__.get("forward")  # a forward set on the instance (kept, then restored)
+            layer.forward = functools.partial(layer.forward, padding_mask=mask)
             try:
                 return original_proj(self, **layer_kwargs)
             finally:
-                del layer.forward
+                if own is None:
+                    del layer.forward
+                else:
+                    layer.forward = own
 
         self._proj_and_transformer_layer = proj_and_layer
         try:
