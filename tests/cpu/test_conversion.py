@@ -561,3 +561,26 @@ def test_deepseek_v3_export_keeps_the_router_fields_engines_read(tmp_path):
         "configuration_deepseek.py",
         "modeling_deepseek.py",
     ]
+
+
+def test_remote_code_files_are_the_local_modules_auto_map_names(tmp_path):
+    """config.json's and tokenizer_config.json's `auto_map` (a tokenizer's is a [slow, fast] list)
+    name the modules a checkpoint carries; another repository's (`org/repo--module.Class`) and a
+    module the directory lacks are not files to copy."""
+    from moe_sft.conversion import mcore_io
+
+    auto_map = {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        "AutoModel": "other/repo--modeling_other.Model",
+    }
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": auto_map}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}})
+    )
+    for module in ("configuration_deepseek.py", "tokenization_kimi.py", "modeling_other.py", "unrelated.py"):
+        (tmp_path / module).write_text("")
+    assert mcore_io.remote_code_files(tmp_path) == ["configuration_deepseek.py", "tokenization_kimi.py"]
+    copied = mcore_io.copy_hf_side_files(tmp_path, tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(copied)
+    assert "tokenization_kimi.py" in copied and "unrelated.py" not in copied
