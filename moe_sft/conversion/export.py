@@ -222,12 +222,19 @@ def _own_export_dir(ckpt_dir: Path, out_dir: Path) -> bool:
     return True
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.0f} kB"
+
+
 def _disk_full(err: OSError, ckpt_dir: Path, out_dir: Path) -> DiskFullError:
     staging = out_dir.with_name(out_dir.name + ".tmp")
     mcore_io.discard_staging(staging)
     try:
         usage = shutil.disk_usage(out_dir.parent if out_dir.parent.is_dir() else ".")
-        space = f" ({usage.free / 1e9:.2f} GB free of {usage.total / 1e9:.1f} GB on that filesystem)"
+        space = f" ({_size(usage.free)} free of {_size(usage.total)} on that filesystem)"
     except OSError:
         space = ""
     return DiskFullError(
