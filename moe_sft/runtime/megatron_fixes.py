@@ -274,7 +274,8 @@ def fix_mtp_router_padding() -> str | None:
     (`MultiTokenPredictionBlock.forward` has no such argument): the MTP layer's router counted every
     padding row. Padding depends on the layout (the allgather dispatcher pads micro-batches to one
     length, PP pads them, CP pads documents), so the MTP router's aux loss and bias counts did too:
-    GLM-4.5 at EP2, load-balancing loss 1.8e-4 from one rank's (tests/dist/test_upstream_bug_classes.py).
+    DeepSeek-V3 at CP2 x EP2, aux loss 3e-4 and grad norm 7e-6 from one rank's (tests/dist/
+    test_upstream_bug_classes.py).
     MTP row i joins the main model's state at token i with the embedding of token i + 1; it is a
     padding row when token i is, so the layer gets the decoder's mask unshifted."""
     from megatron.core.models.gpt.gpt_model import GPTModel
