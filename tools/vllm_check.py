@@ -1,7 +1,7 @@
 """Serve a family's quickstart export with vLLM and compare its greedy outputs with transformers'.
 
     python tools/vllm_check.py --family kimi_k2 --work /tmp/vllm_check --vllm-python /work/vllm-venv/bin/python \
-        [--prompts 50] [--new-tokens 16] [--export DIR] [--rope yarn]
+        [--prompts 50] [--new-tokens 16] [--export DIR] [--rope yarn] [--device cuda]
 
 Not a CI test (vLLM is too heavy for CI); results are recorded in docs/families.md. Without
 `--export`, it makes the family's tiny quickstart model (moe_sft.quickstart_model, written as the
@@ -9,9 +9,10 @@ release is: config fields, auto_map, modules), converts it and exports the conve
 training): what a user's export holds, with untrained weights. DeepSeek-type families (MLA) get
 kv_lora_rank 512 and qk_rope_head_dim 64, the only MLA sizes vLLM's CPU build runs (their sum 576);
 `--rope yarn` gives them DeepSeek-V3's YaRN rope. Prompts: the demo's held-out conversations
-rendered with the chat template. transformers (this venv) and vLLM (`--vllm-python`: its own venv,
-`VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1`, fp32, enforce_eager) both decode `--new-tokens`
-tokens greedily, ignoring EOS; a sequence matches when every token is the same.
+rendered with the chat template. transformers (this venv) and vLLM (`--vllm-python`: its own venv;
+CPU build: `VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1`; fp32, enforce_eager, trust_remote_code)
+both decode `--new-tokens` tokens greedily, ignoring EOS; a sequence matches when every token is
+the same. MiniMax-M2 needs vLLM's GPU build (`--device cuda`): the CPU router scores by softmax only.
 """
 
 from __future__ import annotations
@@ -107,9 +108,13 @@ def transformers_greedy(model_dir: Path, token_prompts: list[list[int]], new_tok
     return outs
 
 
-def vllm_greedy(vllm_python: str, model_dir: Path, token_prompts, new_tokens: int, work: Path) -> list[list[int]]:
+def vllm_greedy(
+    vllm_python: str, model_dir: Path, token_prompts, new_tokens: int, work: Path, device: str
+) -> list[list[int]]:
     (work / "prompts.json").write_text(json.dumps(token_prompts))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ)
+    if device == "cpu":
+        env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [
         vllm_python,
         "-c",
@@ -136,12 +141,13 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--rope", choices=("family", "default", "yarn"), default="family")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="which vLLM build --vllm-python has")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = args.export or make_export(args.family, args.work, args.rope)
     token_prompts = prompts(model_dir, args.prompts)
     ours = transformers_greedy(model_dir, token_prompts, args.new_tokens)
-    theirs = vllm_greedy(args.vllm_python, model_dir, token_prompts, args.new_tokens, args.work)
+    theirs = vllm_greedy(args.vllm_python, model_dir, token_prompts, args.new_tokens, args.work, args.device)
     same = sum(a == b for a, b in zip(ours, theirs))
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, theirs)]
     diverged = sorted(i for i in first if i is not None)
