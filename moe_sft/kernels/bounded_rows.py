@@ -4,11 +4,10 @@ With static rows (moe_sft/kernels/permute.py `BoundedRows`) a rank's local permu
 the same row count, capped at 2x its expected routed rows by default: the routed rows first, then
 padding that no result reads. The grouped GEMMs already stop at the last expert's offset, but the
 row gather (forward, and the combine's backward) and the SwiGLU x probs (forward and backward) ran
-over every row: at EP4 about as many padding rows as routed ones (a capacity of 1.5x instead of
-2x was ~4% faster per step on 4 x H200). Here each of those reads the routed row count from the
+over every row: at EP4 about as many padding rows as routed ones, and the padding cost time
+(docs/log.md). Here each of those reads the routed row count from the
 device (no host sync, so it works inside a CUDA graph) and a program past it returns at once:
-padding rows are never read or written. Measured at EP4 with graphs on 4 x H100 (Qwen3-30B-A3B
-shape): 1.04x / 1.05x the step's throughput at 4096 / 8192 tokens (docs/benchmarks.md).
+padding rows are never read or written (the gain at EP4 with graphs: docs/log.md).
 
 The math is megatron's: `x[index]`, and GroupedMLP's `activation_func_with_probs` for SwiGLU
 (silu(gate) x up x prob, computed in fp32 and rounded once, as its compiled kernel does). On CPU,

@@ -2,13 +2,13 @@
 
 megatron-core 0.16.1 without Transformer Engine has `tensor_parallel.vocab_parallel_cross_entropy`:
 it needs an fp32 copy of the logits, turns it into the softmax in place over several element-wise
-passes and saves it for backward. With Qwen3's 151,936-token vocabulary that was 85 ms of an 868 ms
-step on an H200 (4096-token micro-batches) and 4 bytes per logit of memory. On CUDA this makes two
+passes and saves it for backward: with a large vocabulary (Qwen3's 151,936 tokens) a large share
+of the step and 4 bytes per logit of memory (docs/log.md). On CUDA this makes two
 Triton passes over the bf16 logits: one reads each row once for its online max, sum of
 exponentials and target logit; the backward reads it once more and writes the bf16 gradient. Both
 compute in fp32. Saved for backward: the logits (which the LM head's output keeps alive anyway) and
-one fp32 per token. On the same benchmark these take 8 ms per step (torch.compile of the same
-passes: 49 ms; docs/benchmarks.md). On CPU the same math runs as torch ops.
+one fp32 per token (timings, and torch.compile of the same passes: docs/log.md). On CPU the same
+math runs as torch ops.
 
 Same math as megatron's: each TP rank's (max, sum of exp(x - max)) combined over the group, the
 target's logit summed over it; loss = log(sum) + max - target logit. Columns past the true

@@ -3,9 +3,8 @@
 With apex, megatron's Column/RowParallelLinear (attention projections, shared experts, dense
 MLPs, the LM head) add each micro-batch's weight gradient into the fp32 main grad inside the
 GEMM (`fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`). Without apex it writes a bf16
-gradient and DDP's hook adds it (2 + 2 + 4 + 4 bytes per parameter per micro-batch): 23 ms of
-the H200 benchmark's step at the Qwen3-30B-A3B shape, most of it the LM head's 311M parameters
-(benchmarks/benchmark.py, "grads"). torch's `addmm(main_grad, dY^T, X, out_dtype=float32,
+gradient and DDP's hook adds it (2 + 2 + 4 + 4 bytes per parameter per micro-batch), most of it
+for the LM head's parameters (benchmarks/benchmark.py, "grads"; figures in docs/log.md). torch's `addmm(main_grad, dY^T, X, out_dtype=float32,
 out=main_grad)` is that GEMM: bf16 operands, fp32 accumulation, the fp32 main grad read and
 written in its epilogue. We hand it to megatron under apex's name and turn the fusion on per
 layer, only for layers whose weights DDP gave a main grad, only on CUDA (the op's only backend).
@@ -13,9 +12,9 @@ The routed experts have their own kernel (moe_sft/kernels/wgrad.py).
 
 The input embedding's gradient is as dense in megatron (F.embedding's backward zero-fills a
 [vocab, hidden] bf16 tensor, scatters the micro-batch's rows into it, and DDP's hook adds all of it
-to the main grad), though only the rows of the micro-batch's tokens are non-zero: at the
-Qwen3-30B-A3B shape, 311M parameters filled and added per micro-batch, 16 ms of a 560 ms H200
-step for 4096 rows of gradient. `EmbeddingIntoMainGrad` adds just those rows into the fp32 main
+to the main grad), though only the rows of the micro-batch's tokens are non-zero: the whole
+[vocab, hidden] table is filled and added per micro-batch for a few thousand rows of gradient
+(docs/log.md). `EmbeddingIntoMainGrad` adds just those rows into the fp32 main
 grad (index_put_ with accumulate: sorted, deterministic), at TP = 1 and when the weight is not tied
 to the LM head (megatron then sums both layers' gradients through autograd, `zero_out_wgrad`).
 """

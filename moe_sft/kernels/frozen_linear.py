@@ -4,9 +4,8 @@ LM head included), computed as 2-D GEMMs.
 
 megatron's version calls `torch.matmul` on the 3-D activation ([s, b, h]). When the incoming
 gradient is not contiguous (the LM head's, from the loss over selected rows), matmul cannot fold
-it into one GEMM and runs a batched GEMM of one row per token: on an H100 the LM head's input
-gradient alone took ~3.6 s of a 4.0 s LoRA step (Qwen3-30B-A3B shape, 4 layers, 32k tokens) and
-the step ran at 1/12 of full SFT's speed. Flattening to rows first gives the same values.
+it into one GEMM and runs a batched GEMM of one row per token, which dominated a LoRA step
+(docs/log.md). Flattening to rows first gives the same values.
 """
 
 from __future__ import annotations

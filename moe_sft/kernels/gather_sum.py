@@ -1,11 +1,10 @@
 """out[n] = sum of src[index[n, j]] over j (index -1: nothing), in one pass on CUDA.
 
 The MoE combine (and the dispatch's backward) sums each token's k expert rows. Done as torch ops
-it copies the rows into a zeroed [tokens, k, hidden] buffer (`index_copy_`) and reduces it: on an
-H200 at the Qwen3-30B-A3B shape (8 micro-batches of 4096 tokens, top-8, 8 layers) the copy, the
-zero fill and the sum took 26 + 5 + 8 ms of a 712 ms step (benchmarks/benchmark.py's per-phase ops).
+it copies the rows into a zeroed [tokens, k, hidden] buffer (`index_copy_`) and reduces it: three
+passes (copy, zero fill, sum; benchmarks/benchmark.py's per-phase ops, figures in docs/log.md).
 The Triton kernel reads each row once where it lies and writes the sum (fp32 accumulation, one
-rounding, rows added in slot order): 268 MB -> ~150 MB of traffic per call, and no atomics, so
+rounding, rows added in slot order): about half the traffic per call, and no atomics, so
 the result stays deterministic. CPU and fp64 run the same sum as torch ops.
 """
 

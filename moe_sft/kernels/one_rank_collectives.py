@@ -3,8 +3,8 @@ has one rank.
 
 With TP = 1 or EP = 1 megatron's `_CopyToModelParallelRegion`, `_ReduceFromModelParallelRegion`
 and `_AllToAll` return their input unchanged, forward and backward, but each is still an autograd
-Function: a Python forward, a graph node and a Python backward. On an H200 host four such
-identities cost 63 us per forward + backward (benchmarks/gpu/host_overhead.py), and a Qwen3-MoE layer
+Function: a Python forward, a graph node and a Python backward, each costing host time
+(benchmarks/gpu/host_overhead.py; figures in docs/log.md), and a Qwen3-MoE layer
 passes through six per micro-batch at TP = EP = 1 (the QKV input, the attention output, the
 dispatcher's three all-to-alls, the aux loss's token counts), in a host-bound step
 (docs/benchmarks.md). The functions below return the input itself in that case, which is what the

@@ -1,14 +1,11 @@
 """RMSNorm's Triton kernels (CUDA): one pass forward, one backward (plus a small column sum).
 
-Why: as `weight * F.rms_norm(x)`, an H200 profile of the Qwen3-30B-A3B-shape benchmark
-(8 layers, 8 micro-batches of 4096 tokens; docs/benchmarks.md) spent 45.7 ms per step in norms:
-15.6 in the weight multiply and its gradient (aten::mul), 11.75 in the weight gradient's reduction
-(aten::sum), 8.7 and 7.4 in torch's fused rms_norm backward and forward, against a memory floor of
-a few ms. Here the forward reads x once and writes y; the backward reads x and dy once, writes dx
+Why: as `weight * F.rms_norm(x)`, the norms cost several passes each (the weight multiply and its
+gradient, the weight gradient's reduction, torch's fused rms_norm forward and backward), far above
+their memory floor (profile: docs/log.md). Here the forward reads x once and writes y; the backward reads x and dy once, writes dx
 and each program's fp32 partial weight gradient ([programs, width], then one small sum). Narrow
-rows (qk-norm: 128 wide, tokens x heads rows) go several to a program. Kernel time per Qwen3 layer
-and micro-batch (two hidden norms, the q and k norms), H200: 670 us before, 120 after
-(forward near 4 TB/s, backward near 3). The math is moe_sft/layers/norm.py's (its docstring:
+rows (qk-norm: 128 wide, tokens x heads rows) go several to a program, so both passes run near
+memory bandwidth (timings: docs/log.md). The math is moe_sft/layers/norm.py's (its docstring:
 numerics, saves); that module picks these kernels where `triton_fits`.
 """
 
@@ -26,8 +23,8 @@ try:
 except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
     triton = None
 
-# Sizes from a sweep on an H200 (tiles of 2048-8192 elements, 1-8 backward programs per SM): these
-# were within ~10% of the best at every width of the Qwen3 / DeepSeek shapes, where no setting won all.
+# Sizes from a GPU sweep (tiles of 2048-8192 elements, 1-8 backward programs per SM; docs/log.md): no
+# setting won at every width of the Qwen3 / DeepSeek shapes, and these were near the best at all of them.
 MAX_TRITON_WIDTH = 8192  # one row in registers; wider rows would spill
 TILE_ELEMENTS = 4096  # elements a program holds per step: 32 rows of 128, 2 of 2048, 1 of 4096+
 PROGRAMS_PER_SM = 4  # backward grid: more programs hid no more latency and cost a longer dw sum
@@ -204,7 +201,7 @@ def backward_triton(dy, x, weight, rstd, need_dx, need_dw):
     if not need_dw:
         return dx, None
     dw = torch.empty_like(weight)
-    partial_rows = min(512, triton.next_power_of_2(programs))  # all of them on H100/H200 (132 SMs)
+    partial_rows = min(512, triton.next_power_of_2(programs))  # all of them on a 132-SM GPU
     cols = max(16, TILE_ELEMENTS // partial_rows)
     launch(
         _column_sum_kernel,

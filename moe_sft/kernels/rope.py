@@ -3,8 +3,8 @@
 megatron-core 0.16.1's unfused `_apply_rotary_pos_emb_thd` reads the document lengths on the host
 (`cu_seqlens.tolist()`, a tensor comparison in an `if`, `.item()` per document) to slice the
 frequencies document by document. That is two to three host syncs per attention layer and
-micro-batch: 272 per step of the Qwen3-30B-A3B-shape benchmark at 4096 tokens, each one letting
-the GPU run dry (benchmarks/benchmark.py's host-sync census, docs/benchmarks.md).
+micro-batch, each one letting the GPU run dry (benchmarks/benchmark.py's host-sync census; the
+counts: docs/log.md).
 
 The slices it concatenates are, token by token, `freqs[position of the token in its document]`
 (or `freqs[token index]` when `freqs` already has one row per packed token, which megatron
@@ -13,17 +13,12 @@ that is a host-side size test). Those positions come from `cu_seqlens` on the de
 gather replaces the loop. Context parallel keeps megatron's version (its per-rank halves).
 
 On CUDA one Triton pass does the forward and one the backward. megatron's element-wise ops (cos,
-sin, mul, neg, cat, add: each a pass over [tokens, heads, head_dim] with its own launch, and their
-autograd) took ~30 ms per step of that benchmark in an H200 profile (aten::mul 14.5 ms, aten::cat
-12.8, aten::neg 3.1, aten::add 1.7). Timed alone in a CUDA graph on an H200 (bf16, 4096 tokens),
-forward + backward of q [4096, 32, 128] takes 480 us that way and 41 us here (one pass ~19 us; a
-copy of q takes 17); q and k of one layer and micro-batch 589 us against 72 (of which ~30 us is
-the zero-filled QKV gradient behind k's slice, not RoPE): ~38 ms against ~4.6 ms per step. Host
-time per forward call: 165-290 us against 60-110 (Triton's launch is most of it).
+sin, mul, neg, cat, add) are each a pass over [tokens, heads, head_dim] with its own launch, and
+their autograd; one pass each way runs near a copy's speed (profile and timings: docs/log.md).
 The kernels find a token's position by a binary search of cu_seqlens (no position tensor, no extra
 launches), keep nothing per token for backward, and repeat the torch ops' roundings, so forward and
-backward equal megatron's bit for bit (bf16: tests/gpu/test_gpu_rope.py; fp16 and fp32 too, on an
-H200: Triton's libdevice cosf / sinf and torch's agreed on all of 12.6M RoPE angles).
+backward equal megatron's bit for bit (bf16: tests/gpu/test_gpu_rope.py; fp16 and fp32 too:
+Triton's libdevice cosf / sinf are the functions torch's calls, docs/log.md).
 rotary_interleaved (the models we build leave it False), fp64, a tensor mscale and CPU tensors take
 the torch ops.
 """
@@ -46,10 +41,9 @@ except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
 
 _megatron_rope_thd = rope_utils._apply_rotary_pos_emb_thd
 
-# Tiles, from a sweep on an H200 (GPU time per pass at 4096 packed tokens, bf16): 4096 elements of each
-# rotary half per program and 4 warps run q [4096, 32, 128] at 19 us (a plain copy of q: 17 us); smaller
-# tensors want more programs than that gives (k [4096, 4, 128] as a slice of the QKV output: 6.0 us at 256
-# programs, 3.8 us at 1024), so the tile halves down to 1024 until there are MIN_PROGRAMS at SWEEP_TOKENS.
+# Tiles, from a GPU sweep (docs/log.md): 4096 elements of each rotary half per program and 4 warps run
+# a wide q near a plain copy's speed; smaller tensors (k as a slice of the QKV output) want more programs
+# than that gives, so the tile halves down to 1024 until there are MIN_PROGRAMS at SWEEP_TOKENS.
 TILE, MIN_TILE, MIN_PROGRAMS, NUM_WARPS, SWEEP_TOKENS = 4096, 1024, 1024, 4, 4096
 
 
@@ -134,7 +128,7 @@ if triton is not None:
         angles = freqs_ptr + positions.to(tl.int64)[:, None, None] * freqs_row_stride + dims
         first = tl.load(angles, mask=angle_mask, other=0.0)
         second = tl.load(angles + HALF, mask=angle_mask, other=0.0)
-        if LIBDEVICE_TRIG:  # CUDA's cosf / sinf, as torch.cos / torch.sin call (tl.cos gave the same on an H200)
+        if LIBDEVICE_TRIG:  # CUDA's cosf / sinf, as torch.cos / torch.sin call
             cos1, sin1 = libdevice.cos(first), libdevice.sin(first)
             cos2, sin2 = libdevice.cos(second), libdevice.sin(second)
         else:  # the interpreter (a CPU check) has no libdevice
@@ -152,9 +146,9 @@ if triton is not None:
         src_row = src_ptr + tokens64 * src_token_stride + heads[None, :, None] * src_head_stride
         dst_row = dst_ptr + tokens64 * dst_token_stride + heads[None, :, None] * dst_head_stride
         half_mask = rows_ok & (dims < HALF)
-        # MLA pairs: one contiguous [.., 2 x HALF_BLOCK] access, split / interleaved in registers. Loads and
-        # stores of every other element, or split / join of [.., HALF_BLOCK, 2] pointers, took up to 7 times as
-        # long on an H200 (the backward of [4096, 16, 64]: 38 us against 5)
+        # MLA pairs: one contiguous [.., 2 x HALF_BLOCK] access, split / interleaved in registers; strided
+        # loads and stores of every other element, or split / join of [.., HALF_BLOCK, 2] pointers, were
+        # several times slower (docs/log.md)
         pairs = tl.arange(0, 2 * HALF_BLOCK)[None, None, :]
         pairs_mask = rows_ok & (pairs < 2 * HALF)
         if PAIRED and not BACKWARD:

@@ -3,8 +3,8 @@
 megatron computes the router in fp32 (`moe_router_dtype="fp32"`, our default) through
 `router_gating_linear`. With TE, the forward is a bf16 GEMM with an fp32 output; without TE it
 casts the bf16 input and weight to fp32 and runs fp32 GEMMs (no tensor cores) forward and
-backward, recasting the saved input in the backward: 16.5 of the router's 28.7 ms per step on
-an H200 at the Qwen3-30B-A3B shape (8 layers, 8 x 4096 tokens; benchmarks/benchmark.py's ops per phase).
+backward, recasting the saved input in the backward: most of the router's time per step
+(benchmarks/benchmark.py's ops per phase; figures in docs/log.md).
 
 Forward: `torch.mm(x, w.T, out_dtype=float32)`, TE's GEMM. Every product of two bf16 values is
 exact in fp32, so this is the fp32 GEMM of the same values, up to the order of the fp32 sums.

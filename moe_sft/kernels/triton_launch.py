@@ -2,9 +2,9 @@
 
 The training step is host-bound (docs/benchmarks.md): the GPU waits for Python to queue kernels.
 `kernel[grid](...)` binds every argument, builds a cache key from the specialisation and the
-options and looks it up before it launches. Measured on an H200 host for a 4-argument kernel:
-11-20 us per launch through that entry, 4-8 us through the compiled kernel's launcher; our kernels
-take 10-20 arguments, and a layer's forward and backward launch about 30 of them per micro-batch.
+options and looks it up before it launches, several times the cost of the compiled kernel's own
+launcher (docs/log.md); our kernels take 10-20 arguments, and a layer's forward and backward
+launch about 30 of them per micro-batch.
 
 `launch(kernel, grid, *args, **kwargs)` is `kernel[grid](*args, **kwargs)`. The first call of each
 specialisation goes through Triton (which compiles and launches, and returns the compiled kernel);

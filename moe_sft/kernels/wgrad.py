@@ -4,7 +4,7 @@ Without Transformer Engine or apex, megatron-core cannot fuse gradient accumulat
 micro-batch writes a bf16 weight gradient, then DDP's hook adds it into the fp32 main grad (2 + 2
 + 4 + 4 bytes moved per parameter). The routed experts are 86% of the Qwen3-30B-A3B parameters
 and see only ~256 tokens each per 4096-token micro-batch, so that traffic, not their FLOPs, set the
-"grads" phase: 161 ms of an 868 ms step on an H200 (docs/benchmarks.md). Here one grouped kernel
+"grads" phase (its share of the step: docs/log.md). Here one grouped kernel
 computes each expert's X_e^T · dY_e in fp32 registers and adds it into the main grad in its
 epilogue (4 + 4 bytes per parameter, nothing for an expert without tokens), the way megatron's
 `gradient_accumulation_fusion` does for dense layers with TE or apex: the weight's
@@ -39,9 +39,8 @@ except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
     triton = None
 
 # An output tile of BLOCK_K x BLOCK_N fp32 per program, the expert's rows in chunks of BLOCK_M.
-# benchmarks/gpu/wgrad_sweep.py timed 32 candidates on an H200 at Qwen3-30B-A3B's shapes (4096 tokens):
-# this one took 1.23 / 0.62 ms for fc1 / fc2 (memory floor 0.72 / 0.37; grouped_mm's bf16 weight
-# gradient plus the fp32 add 1.93 / 0.98).
+# benchmarks/gpu/wgrad_sweep.py picked it among 32 candidates at Qwen3-30B-A3B's shapes (4096 tokens);
+# its times against the memory floor and grouped_mm's bf16 weight gradient: docs/log.md.
 TILES = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=3)
 
 
@@ -224,9 +223,8 @@ def _tiles_for(k: int, n: int) -> dict:
 
 class GroupedMatmulKernelWgrad(torch.autograd.Function):
     """x @ w[expert of each row] (w: experts x K x N, a plain tensor), its gradient computed by the
-    grouped wgrad kernel into a fresh fp32 buffer. torch's grouped_mm backward ran one cuBLAS GEMM
-    per expert for skinny weights (rank-16 LoRA factors): 94% of a LoRA step's GPU time, 12x the
-    step time of full SFT, on an H100."""
+    grouped wgrad kernel into a fresh fp32 buffer. torch's grouped_mm backward runs one cuBLAS GEMM
+    per expert for skinny weights (rank-16 LoRA factors), which dominated a LoRA step (docs/log.md)."""
 
     @staticmethod
     def forward(ctx, x, w, ends):
