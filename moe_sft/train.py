@@ -14,8 +14,8 @@ import sys
 import time
 
 # MoE steps allocate tensors of a new size every micro-batch (routed rows per expert, packed
-# lengths); torch's default caching allocator then holds 17-31% more than it hands out (measured:
-# docs/planner.md). Expandable segments map such requests onto growing segments instead. Read at
+# lengths); torch's default caching allocator then holds much more than it hands out
+# (docs/planner.md). Expandable segments map such requests onto growing segments instead. Read at
 # the first CUDA allocation, so set before anything touches the GPU; a value the user set wins.
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 

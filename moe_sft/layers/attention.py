@@ -4,11 +4,9 @@ megatron-core's local `DotProductAttention` rejects `packed_seq_params` and allo
 so the torch-native spec uses this module instead. Kernels, best first:
 
 * flash-attn-4's `flash_attn.cute.flash_attn_varlen_func` (CuTe DSL; SM90 and SM100) when it
-  imports and supports the call (`_fa4_refusal`): forward + backward 1.53-1.88x the speed of
-  torch's varlen kernel at 8,192 packed tokens, 1.08-1.27x at 4,096, on an H200 for Qwen3-30B-A3B's
-  attention (32 q / 4 kv heads x 128, bf16; the ranges: three packings), errors vs fp32 no larger;
-  at EP4 on 4 x H200 the step ran 1.14x faster (docs/benchmarks.md). Not for MLA's unequal head
-  dims under "auto": slower there (0.93 against 0.75 ms at 4,096);
+  imports and supports the call (`_fa4_refusal`): faster than torch's varlen kernel, errors vs
+  fp32 no larger (docs/log.md, docs/benchmarks.md). Not for MLA's unequal head dims under "auto":
+  slower there;
 * flash-attn's `flash_attn_varlen_func` when the package imports (GPU);
 * torch's flash varlen kernel on CUDA: the aten op `torch.nn.attention.varlen.varlen_attn`
   runs, called directly (`_FlashVarlen`);
@@ -79,9 +77,8 @@ class _FlashVarlen(torch.autograd.Function):
     """Causal varlen attention through torch's flash kernels (aten `_flash_attention_forward` /
     `_flash_attention_backward`) with the arguments `varlen_attn` gives them, without its
     torch.library custom op around them (dispatch, fake-tensor and autograd wrappers, three fills).
-    The step is host-bound (docs/benchmarks.md): on an H200 host a forward + backward took 317 us
-    of host time this way against 907 through varlen_attn, for the same GPU time (1.04 ms at 4096
-    tokens). Same kernels: the output, dk and dv bits match varlen_attn's; dq is summed with fp32
+    The step is host-bound (docs/benchmarks.md): this way a forward + backward takes a third of
+    varlen_attn's host time for the same GPU time (docs/log.md). Same kernels: the output, dk and dv bits match varlen_attn's; dq is summed with fp32
     atomics, so its last bit varies from run to run with either (tests/gpu/test_gpu_cp_attention.py)."""
 
     @staticmethod
@@ -199,8 +196,7 @@ def _use_fa4(q, k, v, sink) -> bool:
         return False
     reason = _fa4_refusal(q, k, v, sink)
     if reason is None and _choice == "auto" and q.shape[-1] != v.shape[-1]:
-        # MLA's (192, 128) heads: FA4 ran them slower than torch's kernel with v zero-padded (one
-        # H200, 16 heads, 4,096 packed tokens, fwd + bwd: 0.93 against 0.75 ms, docs/benchmarks.md)
+        # MLA's (192, 128) heads: FA4 ran them slower than torch's kernel with v zero-padded (docs/log.md)
         reason = "auto keeps unequal q/k and v head dims (MLA) on the faster torch kernel"
     if reason is None:
         return True

@@ -58,7 +58,7 @@ class _PerRow(torch.autograd.Function):
     """bias[e] for each row of expert e's group, whose backward sums each group's row gradients in
     fp32 and rounds once, as TE's grouped linear does. torch's own backward of the expansion
     (index_select's index_add) adds hundreds of bf16 rows into a bf16 sum one atomic add at a time:
-    measured 2.5% off on an H100, and different on every run."""
+    off by a visible margin, and different on every run (docs/log.md)."""
 
     @staticmethod
     def forward(ctx, bias, counts, rows):

@@ -110,7 +110,7 @@ class TorchGroupedMLP(mcore_experts.GroupedMLP):
             h = bounded_rows.swiglu_with_probs(h, probs, bound)
         else:
             # megatron's compiled SwiGLU x probs (one kernel each way on CUDA; the probs product in
-            # fp32, rounded once): a separate bf16 multiply took 10.6 ms per step on the H200 benchmark
+            # fp32, rounded once); a separate bf16 multiply is one more pass over the rows (docs/log.md)
             h = self.activation_func_with_probs(h, probs)
         out = grouped_matmul(h, w2, tokens_per_expert, self.weight2)
         if self.adapter is not None:

@@ -3,8 +3,7 @@
 At EP (x expert TP) > 1 the allgather dispatcher gathers every rank's tokens before the experts and
 reduce-scatters their outputs after them, and megatron waits for each collective where it is
 launched: the GPU computes nothing while the tokens travel, and every rank waits there for the
-slowest. On 4 x H100 (Qwen3-30B-A3B shape, EP4, CUDA graphs) that was most of the 59 against 51 ms
-per layer that separated EP4 from one GPU (docs/benchmarks.md).
+slowest; that was most of what separated EP4 from one GPU per layer (docs/log.md).
 
 With `model.moe_dispatch_chunks` = n > 1 each micro-batch's MoE layer cuts its tokens into n
 chunks (the same cut on every rank) and dispatches each on its own: the router runs once over the
@@ -26,10 +25,8 @@ a layer's weight gradients are added n times, and eagerly (without static rows) 
 once per chunk for its row count. Each chunk gets its own static-row capacity (kernels/permute.py),
 1/n of the layer's, so routing overflows it a little more often than the whole layer's.
 
-Measured (4 x H200, one host, NVLink; Qwen3-30B-A3B shape, 12 layers at EP4, CUDA graphs, bf16
-combine; docs/benchmarks.md): 2 chunks ran 0.93x / 0.97x the step's throughput at 4096 / 8192
-tokens per micro-batch. The overlapped NCCL kernels take SMs from the grouped GEMMs (with NCCL held
-to 8 channels the chunks ran 0.96x / 1.01x, but the fewer channels cost the unsplit step more), and
+Over NVLink on one host chunks ran slower than the unsplit step (docs/log.md): the overlapped NCCL
+kernels take SMs from the grouped GEMMs (fewer NCCL channels cost the unsplit step more), and
 each chunk's GEMMs are half as large. So it is off by default; it is kept for links where the
 collectives take longer than the SMs they hold (untested: between nodes).
 

@@ -1,11 +1,10 @@
 """CUDA graphs of the MoE half of every MoE layer (`trainer.cuda_graphs`).
 
-Why: at a 4096-token micro-batch the step was bound by the host, not the GPU. On one H200 the
-forward + backward took 550-574 ms against ~455 ms of kernels (docs/benchmarks.md): the Python of
-megatron's MoE layer (router, aux loss, dispatcher, experts, combine, ~20 autograd Functions) runs
-64 times a step. A graph replays all of those kernels, forward and backward, for the cost of one
-launch. Measured on one H200 (8 layers of the Qwen3-30B-A3B shape): 249 → 277 TFLOP/s at 4096
-while the eager step was host-bound; 296 → 304 once kernel fixes had made it GPU-bound.
+Why: at a 4096-token micro-batch the step is bound by the host, not the GPU: the forward +
+backward takes longer than its kernels (docs/benchmarks.md), because the Python of megatron's MoE
+layer (router, aux loss, dispatcher, experts, combine, ~20 autograd Functions) runs once per layer
+and micro-batch. A graph replays all of those kernels, forward and backward, for the cost of one
+launch (the gain on one GPU: docs/log.md).
 
 What is captured, per MoE layer: megatron's `TransformerLayer._forward_mlp`, i.e. the pre-MLP norm,
 the router (top-k, aux loss, our routing statistics), the permutation, the grouped expert GEMMs,

@@ -5,9 +5,8 @@ whichever step the allocation counters say. On many ranks one rank's pause stall
 the next collective, which is why Megatron-LM can freeze setup's objects out of collection
 (`gc.freeze`), turn automatic collection off and collect every N steps, the same step on every
 rank. `trainer.gc_interval` (0, the default, keeps Python's collector) does that here, on CUDA
-only. On one H200 it made no difference we could measure (Qwen3-30B-A3B shape, 8 layers, 4096:
-0.599 s median step with it, 0.589 s without; step-to-step spread of 0.58-0.65 s either way), so
-it stays opt-in until a multi-node run shows a gain.
+only. On one GPU it made no difference we could measure (docs/log.md), so it stays opt-in until
+a multi-node run shows a gain.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 In SFT the prompt tokens (system, user, tool turns) have loss weight 0, and so do the last token
 of every document and the padding. Their logits only ever get multiplied by 0. The head's three
 GEMMs over the [tokens, vocab] logits and the cross entropy's two passes over them were among the
-largest phases of the step on an H200 (lm_head + loss: 80 ms of 535 for the Qwen3-30B-A3B
-shape, 140 of 553 for the reduced DeepSeek-V3 with its MTP head: docs/benchmarks.md). So the
+largest phases of the step (docs/log.md). So the
 forward step picks the rows with weight > 0 on the host, where the loss mask already is, and
 `SFTGPTModel` runs the head over those rows alone (`index_select` of the final hidden states,
 whose backward scatters the rows' gradients back; every other position's gradient was 0 before).

@@ -70,8 +70,7 @@ def _depth_sums(batch: dict, output: torch.Tensor, vocab_size: int, mtp_depths: 
 
     output: [b, (1 + D) s, V/tp], the main head's logits then each MTP depth's. One cross entropy
     over all of them, against the labels shifted once more per depth: one logits gradient the size
-    of the output (per-depth slices each made a full-size gradient in backward: +4 GiB at 16k
-    tokens with one MTP depth, measured on an H200)."""
+    of the output (per-depth slices each made a full-size gradient in backward: docs/log.md)."""
     b, seq = output.shape[0], output.shape[1] // (1 + mtp_depths)
     labels, masks = [batch["labels"]], [batch["loss_mask"]]
     for _ in range(mtp_depths):
