@@ -94,14 +94,14 @@ class ModelConfig:
         2.0,
         "allgather dispatcher, short micro-batches or CUDA graphs: a rank's permutation has a static "
         "row count, at most this multiple (>= 1) of its expected routed rows; a step whose routing "
-        "sends more runs again without it (nothing is dropped; logged, train/row_capacity_reruns; "
-        "EP4 on 4 x H200: 1.5 was 4% faster per step, but a re-run costs 2.4 steps: docs/benchmarks.md)",
+        "sends more runs again without it (nothing is dropped; logged, train/row_capacity_reruns); "
+        "lower is faster per step but re-runs more often (docs/log.md)",
     )
     moe_combine_dtype: str = _f(
         "bf16",
         "allgather dispatcher: dtype of the combine's reduce-scatter over the expert group; bf16 (the "
         "expert outputs' own dtype: half megatron's bytes, as a TP layer's reduce-scatter, sums "
-        "rounded per hop; EP4: 1.05-1.19x per step, the quickstart learns the same, docs/benchmarks.md) "
+        "rounded per hop; faster, and the quickstart learns the same: docs/log.md) "
         "| fp32 (megatron's: the outputs cast to fp32 first)",
         ("fp32", "bf16"),
     )
@@ -116,8 +116,7 @@ class ModelConfig:
         1,
         "allgather dispatcher at EP x expert TP > 1: cut each micro-batch's MoE layer into this many "
         "token chunks, whose gather and reduce-scatter run while another chunk's experts compute "
-        "(1: off; 2 measured 0.93x / 0.97x per step at EP4 on 4 x H200 over NVLink; "
-        "moe_sft/layers/split_dispatch.py, docs/benchmarks.md)",
+        "(1: off; slower over NVLink on one host, docs/log.md; moe_sft/layers/split_dispatch.py)",
     )
     recompute_granularity: str | None = _f(
         None, "activation recomputation: null (off) | full | selective", (None, "full", "selective")

@@ -7,7 +7,7 @@ the ranks) and the export (`verify_files`, one process) both run them before rea
 * `checksum_problems`: every file against the size and CRC-32 the save recorded in
   `checksums.json` (one flipped byte).
 
-CRC-32 (zlib, streamed in 8 MiB chunks, ~1.8 GB/s on one core, GIL released) detects every
+CRC-32 (zlib, streamed in 8 MiB chunks, GIL released: docs/log.md for its speed) detects every
 corruption of up to 32 bits and any other with probability 1 - 2^-32: corruption, not tampering.
 """
 

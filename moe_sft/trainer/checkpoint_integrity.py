@@ -10,7 +10,7 @@
 * Resume: `check_same_model` compares the run's checkpoint with `model.mcore_path` (architecture:
   error; other weights of the same architecture: the run's checkpoint wins, with a warning).
 
-CRC-32 (zlib, streamed in 8 MiB chunks, ~1.8 GB/s on one core, GIL released) detects every
+CRC-32 (zlib, streamed in 8 MiB chunks, GIL released: docs/log.md for its speed) detects every
 corruption of up to 32 bits and any other with probability 1 - 2^-32: corruption, not tampering.
 """
 
