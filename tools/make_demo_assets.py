@@ -5,16 +5,14 @@
 
 The task is *word-list reversal*: the user gives 3 distinct words out of 48 and the assistant
 answers "Reversed: " followed by the same words in reverse order. The answer is exactly checkable
-(compare strings), and the tiny quickstart MoE (2 layers, 8 experts, hidden 128) learns it on CPU.
-Measured with HF Qwen3MoeForCausalLM, AdamW lr 3e-3 (20 warmup steps, linear decay), 16
-conversations per step, loss on assistant tokens, greedy exact match on the 200 eval prompts:
-step 100: 0-25%, step 200: 60-97%, step 300: 98-100% (seeds 0, 1, 2; about a minute on 2
-cores). Less signal per step learns slower: lr 1e-3 reached 60% at step 300; 8 conversations
-per step 22%. A conversation averages 43 tokens, so pack_length 512 holds ~12 of them.
+(compare strings), and the tiny quickstart MoE (2 layers, 8 experts, hidden 128) learns it on CPU
+within a few hundred steps; less signal per step (a lower lr, fewer conversations per step) learns
+slower (the runs: docs/log.md). A conversation averages 43 tokens, so pack_length 512 holds ~12
+of them.
 
 Why exactly 3 words: each answer word then sits at a fixed distance from its source word, which
 rotary attention learns quickly. With 3-4 words the model needs an induction-style circuit, which
-did not form within 300 steps (1% exact match); plain copying of 3-5 words did not either.
+did not form within 300 steps; plain copying of 3-5 words did not either (docs/log.md).
 
 Why "Reversed: " precedes the words: every word then carries the same leading space ("Ġcat") in
 the prompt and in the answer, so the model copies tokens instead of also learning a second,
@@ -33,7 +31,7 @@ from pathlib import Path
 
 # Short lowercase words: the BPE below learns each as a single token. 48 words rather than ~100:
 # each word is then seen ~230 times per epoch and the copy circuit forms within ~200 steps
-# (measured at step 300: 92 words ~45% exact match, 46-48 words ~97-99%).
+# (92 words learned far less by step 300: docs/log.md).
 WORDS = (
     "ant apple bell bird boat book bus cake cat cloud cow cup desk dog door drum duck egg "
     "fish fox frog goat hat horse key king kite lake lamp leaf lion map milk moon nest owl "
@@ -108,7 +106,7 @@ def make_row(rng: random.Random, forbidden: set[tuple[str, ...]]) -> tuple[dict,
     """A conversation: 30% have a system prompt; half have 2-3 user/assistant exchanges.
 
     Multi-turn rows exercise the masking of later turns and give ~1.75 answers per conversation,
-    i.e. more signal per step: with only 25% of rows two-turn, step-300 accuracy was 58-97%.
+    i.e. more signal per step (fewer two-turn rows learned less by step 300: docs/log.md).
     """
     messages: list[dict[str, str]] = []
     if rng.random() < 0.30:

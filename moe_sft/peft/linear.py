@@ -128,8 +128,8 @@ class LinearAdapter(torch.nn.Module):
 
     def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """scale * B A x as rows (tokens x out_local): 2-D throughout. On a 3-D input whose last dim
-        is a strided slice (a part of the r-wide activation), F.linear ran one tiny GEMM per token
-        and the adapters took 13x the step time of full SFT on the GPU."""
+        is a strided slice (a part of the r-wide activation), F.linear ran one tiny GEMM per token,
+        which dominated the step on the GPU (docs/log.md)."""
         x = self.dropout(x).reshape(-1, x.shape[-1])  # [s, b, h] is s-major: the SP collectives' dim 0
         a_all = torch.cat([self.factors(p)[0] for p in self.part_names])
         h = F.linear(x, a_all)
