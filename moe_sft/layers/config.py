@@ -1,4 +1,5 @@
-"""megatron's TransformerConfig plus the few choices where an HF family differs from megatron.
+"""megatron's TransformerConfig plus the few choices where an HF family differs from megatron,
+and which of a config's layers are MoE (the layer specs and the model shape read it).
 
 Each field defaults to None, which keeps megatron's behaviour; a family sets it when the HF
 model's code computes something megatron does not offer (transformers' modeling code is the
@@ -55,3 +56,14 @@ def config_class(multi_latent_attention: bool, yarn: bool = False) -> type:
     if multi_latent_attention:
         return SFTMLATransformerConfig
     return SFTYarnTransformerConfig if yarn else SFTTransformerConfig
+
+
+def is_moe_layer_of_config(config, layer_index: int) -> bool:
+    """Layer `layer_index` of a megatron TransformerConfig is MoE: megatron's `moe_layer_freq`
+    (an int: every freq-th layer; a list: one 0/1 per layer), no layer without experts."""
+    if not config.num_moe_experts:
+        return False
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return layer_index % freq == 0
+    return bool(freq[layer_index])

@@ -34,11 +34,11 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from moe_sft.layers.attention import VarlenCoreAttention
+from moe_sft.layers.config import is_moe_layer_of_config
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.layers.full_width_qk_norm import FullWidthKNorm, FullWidthQNorm
 from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
 from moe_sft.layers.router import FamilyRouter
-from moe_sft.models.shape import is_moe_layer_of_config
 
 
 def _dense_mlp_spec() -> ModuleSpec:

@@ -182,6 +182,9 @@ class ModelShape:
     ) -> ModelShape:
         """The shape of the model built from a megatron TransformerConfig; MTP layers count only
         when they run in the forward (`run_mtp`)."""
+        # Here, not at the top: this module stays pure Python; a megatron config means megatron is loaded.
+        from moe_sft.layers.config import is_moe_layer_of_config
+
         mla = None
         if getattr(config, "multi_latent_attention", False):
             mla = MLA(
@@ -230,17 +233,6 @@ def _config_windows(config) -> tuple[int | None, ...]:
     return tuple(
         window[0] + 1 if is_layer_window_attention(window, skip, i + 1) else None for i in range(config.num_layers)
     )
-
-
-def is_moe_layer_of_config(config, layer_index: int) -> bool:
-    """Layer `layer_index` of a megatron TransformerConfig is MoE: megatron's `moe_layer_freq`
-    (an int: every freq-th layer; a list: one 0/1 per layer), no layer without experts."""
-    if not config.num_moe_experts:
-        return False
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return layer_index % freq == 0
-    return bool(freq[layer_index])
 
 
 # ----------------------------------------------------------------------------- FLOPs
