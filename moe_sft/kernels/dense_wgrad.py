@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tp_layers
 
+from moe_sft.runtime import patches
+
 
 def _accumulate_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad [out, in] += grad_output [T, out]^T @ total_input [T, in], in one GEMM."""
@@ -94,8 +96,11 @@ def fuse_dense_wgrad(chunks, device: str, enable: bool = True) -> int:
     if device != "cuda" or not hasattr(torch.ops.aten.addmm, "dtype_out"):
         return 0
     if not tp_layers._grad_accum_fusion_available:  # apex absent: ours under its name
-        tp_layers.fused_weight_gradient_mlp_cuda = TORCH_WGRAD_ACCUM
-        tp_layers._grad_accum_fusion_available = True
+        reason = "gradient accumulation fusion through torch.addmm (no apex)"
+        patches.swap(
+            tp_layers, "fused_weight_gradient_mlp_cuda", TORCH_WGRAD_ACCUM, group=patches.KERNELS, reason=reason
+        )
+        patches.swap(tp_layers, "_grad_accum_fusion_available", True, group=patches.KERNELS, reason=reason)
     count = 0
     for linear in _dense_linears(chunks):
         weight = getattr(linear, "weight", None)

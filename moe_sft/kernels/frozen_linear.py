@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_sft.runtime import patches
+
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T over the rows of x (any leading dims), one 2-D GEMM."""
@@ -49,4 +51,6 @@ class FrozenWeightLinear2D(torch.autograd.Function):
 def use_2d_frozen_linear() -> None:
     from megatron.core.tensor_parallel import layers
 
-    layers.LinearWithFrozenWeight = FrozenWeightLinear2D
+    patches.swap(
+        layers, "LinearWithFrozenWeight", FrozenWeightLinear2D, group=patches.KERNELS, reason="2-D frozen linear"
+    )

@@ -4,62 +4,13 @@ Global swaps of megatron-core functions are installed at startup by `install` (t
 after runtime.device.prepare_runtime has applied megatron's bug fixes); the per-object ones by
 `install_on_model` (after DDP wraps the chunks) and `install_on_optimizer` (after megatron builds
 the optimizer). With `kernels.fused=false` megatron's own functions and the torch ops run
-(tests/cpu/test_kernels_install.py: the same losses on CPU).
+(tests/cpu/test_kernels_install.py: the same losses on CPU). Every swap is recorded in
+runtime/patches.py under group "kernels", so switching off puts back exactly what was replaced.
 """
 
 from __future__ import annotations
 
-_UNSET = object()
-# (owner, attribute) -> megatron's value before the first install: kernels.fused=false puts it back
-_megatron: dict[tuple[object, str], object] = {}
-
-
-def _swap_targets() -> list[tuple[object, str]]:
-    """Every megatron attribute the global swaps replace."""
-    from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.optimizer import clip_grads, optimizer
-    from megatron.core.tensor_parallel import layers
-    from megatron.core.transformer import multi_token_prediction
-    from megatron.core.transformer.moe import moe_utils, router, shared_experts, token_dispatcher
-
-    targets = [
-        (router, n)
-        for n in ("router_gating_linear", "topk_routing_with_score_function", "compute_routing_scores_for_aux_loss")
-    ]
-    targets += [(token_dispatcher, n) for n in ("permute", "unpermute", "sort_chunks_by_idxs", "all_to_all")]
-    targets += [
-        (token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess"),
-        (token_dispatcher.MoEAllGatherTokenDispatcher, "dispatch_postprocess"),
-        (moe_utils, "reduce_from_tensor_model_parallel_region"),
-        (rope_utils, "_apply_rotary_pos_emb_thd"),
-        (multi_token_prediction, "_roll_tensor_packed_seq"),
-        (layers, "LinearWithFrozenWeight"),
-        (clip_grads, "l2_norm_impl"),
-        (clip_grads, "multi_tensor_scale_impl"),
-        (optimizer, "multi_tensor_scale_impl"),
-    ]
-    for module in (layers, shared_experts):
-        targets += [
-            (module, n)
-            for n in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region")
-            if hasattr(module, n)
-        ]
-    return targets
-
-
-def _remember_megatron() -> None:
-    if not _megatron:
-        for owner, name in _swap_targets():
-            _megatron[(owner, name)] = owner.__dict__.get(name, _UNSET)
-
-
-def _restore_megatron() -> None:
-    for (owner, name), value in _megatron.items():
-        if value is _UNSET:
-            if name in owner.__dict__:
-                delattr(owner, name)
-        else:
-            setattr(owner, name, value)
+from moe_sft.runtime import patches
 
 
 def _set_own_paths(fused: bool, wgrad_overlap: bool) -> None:
@@ -80,8 +31,7 @@ def install(cfg=None) -> list[str]:
         from moe_sft.config.schema import KernelsConfig
 
         cfg = KernelsConfig()
-    _remember_megatron()
-    _restore_megatron()
+    patches.restore(patches.KERNELS)
     _set_own_paths(cfg.fused, cfg.wgrad_overlap)
     if not cfg.fused:
         return ["kernels.fused=false: megatron-core's own functions and torch ops (no moe-sft kernels)"]

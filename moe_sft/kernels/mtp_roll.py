@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer import multi_token_prediction
 
-_megatron_roll_packed = multi_token_prediction._roll_tensor_packed_seq
+from moe_sft.runtime import patches
+
+_megatron_roll_packed = patches.original(multi_token_prediction, "_roll_tensor_packed_seq")
 
 
 def roll_packed_left(tensor, shifts, dims, packed_seq_params, cp_group=None):
@@ -32,4 +34,10 @@ def roll_packed_left(tensor, shifts, dims, packed_seq_params, cp_group=None):
 
 def use_sync_free_roll() -> None:
     """megatron's `roll_tensor` looks the packed-sequence function up in its module at each call."""
-    multi_token_prediction._roll_tensor_packed_seq = roll_packed_left
+    patches.swap(
+        multi_token_prediction,
+        "_roll_tensor_packed_seq",
+        roll_packed_left,
+        group=patches.KERNELS,
+        reason="MTP packed roll without host syncs",
+    )

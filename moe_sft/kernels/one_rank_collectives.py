@@ -16,6 +16,8 @@ from __future__ import annotations
 from megatron.core.tensor_parallel import mappings
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from moe_sft.runtime import patches
+
 _megatron = {
     name: getattr(mappings, name)
     for name in ("all_to_all", "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region")
@@ -53,9 +55,10 @@ def skip_one_rank_collectives() -> None:
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer.moe import moe_utils, shared_experts, token_dispatcher
 
-    token_dispatcher.all_to_all = all_to_all
-    moe_utils.reduce_from_tensor_model_parallel_region = reduce_from_tensor_model_parallel_region
+    targets = [(token_dispatcher, "all_to_all"), (moe_utils, "reduce_from_tensor_model_parallel_region")]
     for module in (layers, shared_experts):
         for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
             if hasattr(module, name):
-                setattr(module, name, globals()[name])
+                targets.append((module, name))
+    for module, name in targets:
+        patches.swap(module, name, globals()[name], group=patches.KERNELS, reason="one-rank collectives skipped")

@@ -33,6 +33,7 @@ import warnings
 import torch
 
 from moe_sft.kernels import adam as adam_kernel
+from moe_sft.runtime import patches
 
 # benchmarks/gpu/ab_steps.py's switches: False runs megatron's clip multiply and torch's fused Adam instead;
 # the kernel without the bf16 parameter writes (megatron's copy then runs).
@@ -96,9 +97,10 @@ def use_foreach_grad_norm() -> bool:
 
     if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
         return False
-    clip_grads.l2_norm_impl = _foreach_l2_norm
-    clip_grads.multi_tensor_scale_impl = _foreach_scale
-    optimizer.multi_tensor_scale_impl = _foreach_scale
+    reason = "foreach grad norm and scale"
+    patches.swap(clip_grads, "l2_norm_impl", _foreach_l2_norm, group=patches.KERNELS, reason=reason)
+    patches.swap(clip_grads, "multi_tensor_scale_impl", _foreach_scale, group=patches.KERNELS, reason=reason)
+    patches.swap(optimizer, "multi_tensor_scale_impl", _foreach_scale, group=patches.KERNELS, reason=reason)
     return True
 
 

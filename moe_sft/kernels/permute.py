@@ -69,6 +69,7 @@ from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from moe_sft.kernels import bounded_rows, topk_rows
 from moe_sft.kernels.gather_sum import gather_sum
+from moe_sft.runtime import patches
 
 _megatron_permute = moe_utils.permute
 _megatron_unpermute = moe_utils.unpermute
@@ -287,7 +288,7 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     return _megatron_sort_chunks(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
 
 
-_megatron_alltoall_preprocess = token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess
+_megatron_alltoall_preprocess = patches.original(token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess")
 
 
 def _alltoall_preprocess(self, routing_map):
@@ -312,7 +313,7 @@ def _alltoall_preprocess(self, routing_map):
     return tokens_per_expert
 
 
-_megatron_allgather_postprocess = token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess
+_megatron_allgather_postprocess = patches.original(token_dispatcher.MoEAllGatherTokenDispatcher, "dispatch_postprocess")
 
 
 def _allgather_postprocess(self, hidden_states, probs):
@@ -343,7 +344,7 @@ def _allgather_postprocess(self, hidden_states, probs):
     return permuted, tokens_per_expert, self.local_probs
 
 
-_megatron_allgather_combine = token_dispatcher.MoEAllGatherTokenDispatcher.token_combine
+_megatron_allgather_combine = patches.original(token_dispatcher.MoEAllGatherTokenDispatcher, "token_combine")
 
 
 def _allgather_combine(self, hidden_states):
@@ -380,12 +381,16 @@ def _allgather_dispatchers(chunks) -> list:
 
 def use_gather_permutation() -> None:
     """Make megatron's token dispatchers use the functions above (they import them by name)."""
-    token_dispatcher.permute = permute
-    token_dispatcher.unpermute = unpermute
-    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
-    token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess = _alltoall_preprocess
-    token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess = _allgather_postprocess
-    token_dispatcher.MoEAllGatherTokenDispatcher.token_combine = _allgather_combine
+    alltoall, allgather = token_dispatcher.MoEAlltoAllTokenDispatcher, token_dispatcher.MoEAllGatherTokenDispatcher
+    for owner, name, new in (
+        (token_dispatcher, "permute", permute),
+        (token_dispatcher, "unpermute", unpermute),
+        (token_dispatcher, "sort_chunks_by_idxs", sort_chunks_by_idxs),
+        (alltoall, "preprocess", _alltoall_preprocess),
+        (allgather, "dispatch_postprocess", _allgather_postprocess),
+        (allgather, "token_combine", _allgather_combine),
+    ):
+        patches.swap(owner, name, new, group=patches.KERNELS, reason="gather permutation, sync-free dispatch")
 
 
 def static_rows_worst(ep: int, topk: int, local_experts: int) -> float:

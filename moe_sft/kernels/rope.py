@@ -31,6 +31,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from moe_sft.kernels.triton_launch import launch
+from moe_sft.runtime import patches
 
 try:
     import triton
@@ -39,7 +40,7 @@ try:
 except ImportError:  # CPU-only installs: torch's CPU wheel ships no Triton
     triton = None
 
-_megatron_rope_thd = rope_utils._apply_rotary_pos_emb_thd
+_megatron_rope_thd = patches.original(rope_utils, "_apply_rotary_pos_emb_thd")
 
 # Tiles, from a GPU sweep (docs/log.md): 4096 elements of each rotary half per program and 4 warps run
 # a wide q near a plain copy's speed; smaller tensors (k as a slice of the QKV output) want more programs
@@ -313,4 +314,6 @@ def apply_rope_thd(
 
 def use_sync_free_rope() -> None:
     """megatron's `apply_rotary_pos_emb` looks the THD function up in its module at each call."""
-    rope_utils._apply_rotary_pos_emb_thd = apply_rope_thd
+    patches.swap(
+        rope_utils, "_apply_rotary_pos_emb_thd", apply_rope_thd, group=patches.KERNELS, reason="sync-free THD rope"
+    )

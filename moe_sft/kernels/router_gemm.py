@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+from moe_sft.runtime import patches
+
 _megatron_router_gating_linear = moe_utils.router_gating_linear
 
 
@@ -65,4 +67,6 @@ def use_bf16_router_gemms() -> None:
     """The router module imported the function by name."""
     from megatron.core.transformer.moe import router
 
-    router.router_gating_linear = router_gating_linear
+    patches.swap(
+        router, "router_gating_linear", router_gating_linear, group=patches.KERNELS, reason="bf16 router GEMMs"
+    )

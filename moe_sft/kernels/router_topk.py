@@ -13,8 +13,8 @@ kernel; these are the same two functions in Triton, with megatron's signatures a
   the chosen scores normalised to sum 1 when k > 1), group-limited top-k (DeepSeek-V3: groups
   ranked by the sum of their top k/group_topk scores), scaling factor. Out: dense probs [T, E]
   and the bool routing map. Where the router running it follows transformers' rule instead
-  (router.py: groups ranked by their top 2, renormalisation by norm_topk_prob), the kernel takes
-  that rule as two compile-time switches and CPU runs router.torch_topk_routing.
+  (routing.py: groups ranked by their top 2, renormalisation by norm_topk_prob), the kernel takes
+  that rule as two compile-time switches and CPU runs routing.torch_topk_routing.
 - `compute_routing_scores_for_aux_loss`: softmax or normalised sigmoid scores of every expert
   and their top-k map.
 
@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+from moe_sft.kernels.routing import routing_rule, torch_topk_routing
 from moe_sft.kernels.triton_launch import launch
-from moe_sft.layers.router import routing_rule, torch_topk_routing
+from moe_sft.runtime import patches
 
 try:
     import triton
@@ -400,7 +401,7 @@ def topk_routing_with_score_function(
     router_replay=None,
 ):
     """megatron's `moe_utils.topk_routing_with_score_function` (same arguments and results), routing
-    as the HF model does where the router running it says so (moe_sft/layers/router.py)."""
+    as the HF model does where the router running it says so (moe_sft/kernels/routing.py)."""
     rule = routing_rule(topk, use_pre_softmax, num_groups, group_topk, score_function)
     if (
         fused
@@ -459,5 +460,5 @@ def use_fused_routing() -> None:
     """The router module imported both functions by name."""
     from megatron.core.transformer.moe import router
 
-    router.topk_routing_with_score_function = topk_routing_with_score_function
-    router.compute_routing_scores_for_aux_loss = compute_routing_scores_for_aux_loss
+    for name in ("topk_routing_with_score_function", "compute_routing_scores_for_aux_loss"):
+        patches.swap(router, name, globals()[name], group=patches.KERNELS, reason="fused routing")

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_sft.kernels.triton_launch import launch
+from moe_sft.runtime import patches
 
 try:
     import triton
@@ -189,7 +190,13 @@ def guard_grad_sync() -> None:
         return start(self, *args, **kwargs)
 
     start_grad_sync._moe_sft_guarded = True
-    _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
+    patches.swap(
+        _ParamAndGradBucketGroup,
+        "start_grad_sync",
+        start_grad_sync,
+        group=patches.KERNELS,
+        reason="bucket reductions wait for the experts' side-stream gradients",
+    )
 
 
 class GroupedMatmulIntoMainGrad(torch.autograd.Function):

@@ -13,6 +13,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from moe_sft.peft.fp8_base import _LAYER, _weights, fp8_modules, is_placeholder, quantize_module
+from moe_sft.runtime import patches
 
 
 def _group_of(name: str) -> str:
@@ -60,19 +61,19 @@ def placeholder_base():
     """Build the model with the Column/RowParallelLinear and grouped-expert weights as placeholders
     (right shape, dtype and device, one element of storage: expanded views), initialisation skipped
     for them. `install` then gives them FP8 storage and `materialise_placeholders` real storage to
-    any left (the LM head, trainable weights); the checkpoint fills both."""
+    any left (the LM head, trainable weights); the checkpoint fills both. The swaps are
+    runtime/patches.py's group "fp8_placeholders", restored when the block ends."""
     from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.transformer.moe import experts as mcore_experts
 
     classes = (ColumnParallelLinear, RowParallelLinear, mcore_experts.GroupedMLP)
     mode = _PlaceholderMode()
-    originals = {cls: cls.__init__ for cls in classes}
-    init_fns = {
-        (mod, fn): getattr(mod, fn)
+    init_fns = [
+        (mod, fn)
         for mod in (tp_layers, mcore_experts)
         for fn in ("_initialize_affine_weight_gpu", "_initialize_affine_weight_cpu")
         if hasattr(mod, fn)
-    }
+    ]
 
     def wrapped(original):
         def __init__(self, *args, **kwargs):
@@ -97,18 +98,16 @@ def placeholder_base():
         return init
 
     positions = {"_initialize_affine_weight_gpu": (2, 3), "_initialize_affine_weight_cpu": (4, 6)}
-    for cls in classes:
-        cls.__init__ = wrapped(originals[cls])
-    for (mod, fn), original in init_fns.items():
-        setattr(mod, fn, skip_placeholder(original, *positions[fn]))
+    group, reason = patches.FP8_PLACEHOLDERS, "FP8 base built with placeholder weights"
     try:
+        for cls in classes:
+            patches.swap(cls, "__init__", wrapped(cls.__init__), group=group, reason=reason)
+        for mod, fn in init_fns:
+            patches.swap(mod, fn, skip_placeholder(getattr(mod, fn), *positions[fn]), group=group, reason=reason)
         with mode:
             yield
     finally:
-        for cls in classes:
-            cls.__init__ = originals[cls]
-        for (mod, fn), original in init_fns.items():
-            setattr(mod, fn, original)
+        patches.restore(group)
 
 
 class _PlaceholderMode(torch.overrides.TorchFunctionMode):

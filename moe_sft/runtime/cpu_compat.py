@@ -7,7 +7,7 @@ Instead of forking megatron-core we redirect those requests to the CPU: factory 
 `Tensor.to/.cuda` map CUDA devices to CPU, `torch.cuda` streams/events/synchronize become
 no-ops, and `Tensor.type()` reports `torch.cuda.*` names so type assertions pass. The trainer
 says at startup when this is active. Never applied when CUDA is available
-(tests/cpu/test_cpu_compat.py).
+(tests/cpu/test_cpu_compat.py). Every patch is a swap in runtime/patches.py (group "cpu_compat").
 """
 
 from __future__ import annotations
@@ -18,21 +18,14 @@ import types
 
 import torch
 
+from moe_sft.runtime import patches
 from moe_sft.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
 TESTED_MCORE_VERSIONS = ("0.16.",)
 
-_active = {"cpu_compat": False}
-# (owner, attribute) -> (original, patched) for every patch, so it can be suspended.
-_cpu_patches: dict[tuple[object, str], tuple[object, object]] = {}
-
-
-def _mcore_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
+GROUP = "cpu_compat"
 
 
 _FACTORIES = (
@@ -204,8 +197,8 @@ def _patch_rng_tracker():
     def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    _patch(mrandom, "_get_cuda_rng_state", _get_cuda_rng_state)
-    _patch(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state)
+    _patch(mrandom, "_get_cuda_rng_state", _get_cuda_rng_state, "CUDA RNG tracker: the CPU generator")
+    _patch(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state, "CUDA RNG tracker: the CPU generator")
 
 
 def _patch_yarn_rope():
@@ -222,16 +215,16 @@ def _patch_yarn_rope():
         kwargs["use_cpu_initialization"] = True
         original_init(self, *args, **kwargs)
 
-    _patch(cls, "__init__", __init__)
+    _patch(cls, "__init__", __init__, "YaRN rope initialised on CPU")
 
 
 def apply_cpu_compat() -> list[str]:
     """Redirect megatron-core's CUDA requests to the CPU. Only for machines without CUDA."""
-    if _active["cpu_compat"]:
+    if cpu_compat_active():
         return []
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_compat() is for machines without CUDA; this one has CUDA.")
-    version = _mcore_version()
+    version = patches.mcore_version()
     if not version.startswith(TESTED_MCORE_VERSIONS):
         log.warning("CPU compat was written for megatron-core %s, found %s", TESTED_MCORE_VERSIONS, version)
     # torch.device("meta") as a context looks factories up in an lru_cached set built from the
@@ -239,13 +232,13 @@ def apply_cpu_compat() -> list[str]:
     # (the wrappers call those, so `with torch.device("meta")` keeps working afterwards).
     torch.utils._device._device_constructors()
     for name in _FACTORIES:
-        _patch(torch, name, _wrap_factory(getattr(torch, name)))
-    _patch(torch.Tensor, "to", _patched_to(torch.Tensor.to))
-    _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    _patch(torch.Tensor, "type", _patched_type(torch.Tensor.type))
-    _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+        _patch(torch, name, _wrap_factory(getattr(torch, name)), "CUDA device requests land on CPU")
+    _patch(torch.Tensor, "to", _patched_to(torch.Tensor.to), "CUDA device requests land on CPU")
+    _patch(torch.Tensor, "cuda", lambda self, *a, **k: self, "CUDA device requests land on CPU")
+    _patch(torch.Tensor, "type", _patched_type(torch.Tensor.type), "megatron's type asserts see torch.cuda.*")
+    _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self, "CUDA device requests land on CPU")
     for name, stub in _cuda_stubs().items():
-        _patch(torch.cuda, name, stub)
+        _patch(torch.cuda, name, stub, "torch.cuda stubbed")
     _patch(
         torch.cuda,
         "nvtx",
@@ -254,14 +247,14 @@ def apply_cpu_compat() -> list[str]:
             range_pop=lambda *a, **k: None,
             range=lambda *a, **k: contextlib.nullcontext(),
         ),
+        "torch.cuda stubbed",
     )
     _patch_rng_tracker()
     _patch_yarn_rope()
     # megatron torch.compile's its fused elementwise functions (SwiGLU, bias-dropout-add). On CPU
     # inductor spends ~5 s per process compiling them and recompiles for new packed shapes, for
     # no gain at CPU sizes (a 2-step quickstart run: 27.6 s -> 20.9 s, the same losses).
-    _patch(torch._dynamo.config, "disable", True)
-    _active["cpu_compat"] = True
+    _patch(torch._dynamo.config, "disable", True, "megatron's fused elementwise functions run eager")
     return [
         "torch factories/Tensor.to/.cuda map CUDA to CPU",
         "torch.cuda streams/events stubbed",
@@ -271,9 +264,13 @@ def apply_cpu_compat() -> list[str]:
     ]
 
 
-def _patch(owner, name: str, new) -> None:
-    _cpu_patches[(owner, name)] = (getattr(owner, name, None), new)
-    setattr(owner, name, new)
+def _patch(owner, name: str, new, reason: str) -> None:
+    patches.swap(owner, name, new, group=GROUP, reason=reason)
+
+
+def remove_cpu_compat() -> int:
+    """Put back torch's and megatron's own objects; returns how many attributes."""
+    return patches.restore(GROUP)
 
 
 @contextlib.contextmanager
@@ -284,17 +281,9 @@ def suspended():
     (e.g. rotary `inv_freq`); under the factory wrappers those came out uninitialised. HF models
     are therefore loaded (and run) inside this context.
     """
-    if not _active["cpu_compat"]:
+    with patches.suspended(GROUP):
         yield
-        return
-    for (owner, name), (orig, _new) in _cpu_patches.items():
-        setattr(owner, name, orig)
-    try:
-        yield
-    finally:
-        for (owner, name), (_orig, new) in _cpu_patches.items():
-            setattr(owner, name, new)
 
 
 def cpu_compat_active() -> bool:
-    return _active["cpu_compat"]
+    return bool(patches.active(GROUP))

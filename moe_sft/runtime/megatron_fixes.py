@@ -5,7 +5,9 @@ bug exists there). On another version the fix is not applied and the startup log
 whether megatron fixed it (its test in tests/cpu/test_megatron_fixes.py runs megatron's own
 function on the buggy case and then fails), and widen the range or drop the fix.
 
-Speed replacements of megatron functions are not here: they live in moe_sft/kernels/ (installed by
+Every replacement goes through runtime/patches.py (group "megatron_fixes"), which keeps megatron's
+own object: `patches.original(owner, name)` is what the tests run on the buggy case. Speed
+replacements of megatron functions are not here: they live in moe_sft/kernels/ (installed by
 moe_sft.kernels.install, behind `kernels.fused`).
 """
 
@@ -18,35 +20,24 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_sft.runtime import patches
 from moe_sft.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
 MCORE_0_16 = ("0.16.",)
 
+GROUP = "megatron_fixes"
+
 _applied = {"done": False}
-# (owner, attribute) -> megatron's object before a fix replaced it (the tests run it on the buggy case)
-_originals: dict[tuple[object, str], object] = {}
-
-
-def _mcore_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
 
 
 def _te_absent() -> bool:
     return importlib.util.find_spec("transformer_engine") is None
 
 
-def _replace(owner, name: str, new) -> None:
-    _originals.setdefault((owner, name), getattr(owner, name, None))
-    setattr(owner, name, new)
-
-
-def original(owner, name: str):
-    """megatron's own `owner.name` as it was before a fix replaced it (itself when none did)."""
-    return _originals.get((owner, name), getattr(owner, name, None))
+def _replace(owner, name: str, new, reason: str) -> None:
+    patches.swap(owner, name, new, group=GROUP, reason=reason)
 
 
 def fix_router_gemm_name_without_te() -> str | None:
@@ -57,7 +48,7 @@ def fix_router_gemm_name_without_te() -> str | None:
 
     if hasattr(moe_utils, "te_general_gemm"):
         return None
-    moe_utils.te_general_gemm = None
+    _replace(moe_utils, "te_general_gemm", None, "fix_router_gemm_name_without_te")
     return "moe_utils.te_general_gemm = None (router gemm without TE)"
 
 
@@ -69,7 +60,7 @@ def fix_mla_have_te() -> str | None:
 
     if not (_te_absent() and mla.HAVE_TE):
         return None
-    _replace(mla, "HAVE_TE", False)
+    _replace(mla, "HAVE_TE", False, "fix_mla_have_te")
     return "multi_latent_attention.HAVE_TE = False (TE absent; MLA builds)"
 
 
@@ -101,6 +92,7 @@ def fix_fully_reshardable_step_load() -> str | None:
         DistributedOptimizer,
         "_set_main_param_and_optimizer_states",
         keep_adam_step(DistributedOptimizer._set_main_param_and_optimizer_states),
+        "fix_fully_reshardable_step_load",
     )
     return "DistributedOptimizer: torch Adam's per-parameter 'step' kept when a fully_reshardable load lacks it"
 
@@ -126,7 +118,7 @@ def fix_shared_step_after_load() -> str | None:
         unshare_step_tensors(self.optimizer)
         return result
 
-    _replace(DistributedOptimizer, "load_state_dict", load_state_dict)
+    _replace(DistributedOptimizer, "load_state_dict", load_state_dict, "fix_shared_step_after_load")
     return "DistributedOptimizer.load_state_dict: one 'step' tensor per parameter (Adam's bias correction)"
 
 
@@ -168,9 +160,19 @@ def fix_hybrid_optimizer_main_params() -> str | None:
                     self.param_to_fp32_param[param].data.copy_(state["master_param"])
         self.refresh_cpu_copies()
 
-    _replace(DistributedOptimizer, "_copy_model_params_to_main_params", _copy_model_params_to_main_params)
-    _replace(HybridDeviceOptimizer, "refresh_cpu_copies", refresh_cpu_copies)
-    _replace(HybridDeviceOptimizer, "_update_fp32_params_by_new_state", _update_fp32_params_by_new_state)
+    _replace(
+        DistributedOptimizer,
+        "_copy_model_params_to_main_params",
+        _copy_model_params_to_main_params,
+        "fix_hybrid_optimizer_main_params",
+    )
+    _replace(HybridDeviceOptimizer, "refresh_cpu_copies", refresh_cpu_copies, "fix_hybrid_optimizer_main_params")
+    _replace(
+        HybridDeviceOptimizer,
+        "_update_fp32_params_by_new_state",
+        _update_fp32_params_by_new_state,
+        "fix_hybrid_optimizer_main_params",
+    )
     return "HybridDeviceOptimizer (optimizer CPU offload): main params and their CPU copies follow loaded weights"
 
 
@@ -188,7 +190,7 @@ def fix_expert_bias_padding_mask() -> str | None:
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
 
-    _replace(TopKRouter, "_apply_expert_bias", _apply_expert_bias)
+    _replace(TopKRouter, "_apply_expert_bias", _apply_expert_bias, "fix_expert_bias_padding_mask")
     return "TopKRouter: expert-bias token counts exclude padding (mask broadcast per expert)"
 
 
@@ -215,7 +217,12 @@ def fix_mtp_full_recompute_with_packed_sequences() -> str | None:
 
         return original_forward(self, run, *(kwargs[k] for k in tensor_names))
 
-    _replace(MultiTokenPredictionLayer, "_checkpointed_forward", _checkpointed_forward)
+    _replace(
+        MultiTokenPredictionLayer,
+        "_checkpointed_forward",
+        _checkpointed_forward,
+        "fix_mtp_full_recompute_with_packed_sequences",
+    )
     return "MTP layer full recompute: packed-sequence params kept out of save_for_backward"
 
 
@@ -281,13 +288,14 @@ def fix_mtp_router_padding() -> str | None:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
-    _replace(GPTModel, "_preprocess", record_padding_for_mtp(GPTModel._preprocess))
+    _replace(GPTModel, "_preprocess", record_padding_for_mtp(GPTModel._preprocess), "fix_mtp_router_padding")
     _replace(
         MultiTokenPredictionLayer,
         "forward",
         mtp_layer_with_padding(
             MultiTokenPredictionLayer.forward, MultiTokenPredictionLayer._proj_and_transformer_layer
         ),
+        "fix_mtp_router_padding",
     )
     return "MTP layers: the decoder's padding mask reaches their routers (aux losses, expert-bias counts)"
 
@@ -308,7 +316,7 @@ def fix_output_discarding_checkpoint_without_te() -> str | None:
         original_init(self, *args, **kwargs)
         self.fp8 = False
 
-    _replace(cls, "__init__", __init__)
+    _replace(cls, "__init__", __init__, "fix_output_discarding_checkpoint_without_te")
     return "CheckpointWithoutOutput: no FP8 query without TE (layernorm/moe_act recompute)"
 
 
@@ -327,6 +335,9 @@ class _SumRopeKeyGrad(torch.autograd.Function):
         torch.distributed.all_reduce(rope, group=ctx.group)
         grad[..., -ctx.width :] = rope
         return grad, None, None
+
+
+_MLA_CALL = "megatron_fixes.mla_rope_key_gather"  # the group of the one swap inside an MLA call
 
 
 def sum_rope_key_grad(original_qkv):
@@ -349,11 +360,12 @@ def sum_rope_key_grad(original_qkv):
                 full = _SumRopeKeyGrad.apply(full, self.config.qk_pos_emb_head_dim, self.tp_group)
             return full
 
-        mla.gather_from_tensor_model_parallel_region = gather_kv
+        # for this call only: megatron's function reads the name from its module
+        patches.swap(mla, "gather_from_tensor_model_parallel_region", gather_kv, group=_MLA_CALL, reason=_MLA_CALL)
         try:
             return original_qkv(self, *args, **kwargs)
         finally:
-            mla.gather_from_tensor_model_parallel_region = gather
+            patches.restore(_MLA_CALL)
             hook.remove()
 
     return get_query_key_value_tensors
@@ -375,6 +387,7 @@ def fix_mla_rope_key_grad_over_tp() -> str | None:
         MLASelfAttention,
         "get_query_key_value_tensors",
         sum_rope_key_grad(MLASelfAttention.get_query_key_value_tensors),
+        "fix_mla_rope_key_grad_over_tp",
     )
     return "MLASelfAttention: the rope key's (k_pos_emb) gradient summed over TP (column-parallel kv down projection)"
 
@@ -403,7 +416,7 @@ def apply_megatron_fixes(version: str | None = None) -> list[str]:
     """Apply every fix written for this megatron-core version (once per process); returns the log lines."""
     if _applied["done"]:
         return []
-    version = version or _mcore_version()
+    version = version or patches.mcore_version()
     lines = []
     for fix in FIXES:
         if not version.startswith(fix.versions):
@@ -419,3 +432,9 @@ def apply_megatron_fixes(version: str | None = None) -> list[str]:
             lines.append(line)
     _applied["done"] = True
     return lines
+
+
+def remove_megatron_fixes() -> int:
+    """Put back megatron's own objects for every fix applied; returns how many attributes."""
+    _applied["done"] = False
+    return patches.restore(GROUP)

@@ -12,10 +12,9 @@ from moe_sft.kernels.frozen_linear import FrozenWeightLinear2D
 def test_equals_megatrons_frozen_linear_on_a_strided_gradient():
     from megatron.core.tensor_parallel import layers
 
-    from moe_sft.kernels import install
+    from moe_sft.runtime import patches
 
-    install._remember_megatron()
-    megatron = install._megatron[(layers, "LinearWithFrozenWeight")]
+    megatron = patches.original(layers, "LinearWithFrozenWeight")
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(24, 16, generator=g)
     bias = torch.randn(24, generator=g)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_sft.runtime import cpu_compat, megatron_fixes
-from moe_sft.runtime.megatron_fixes import original
+from moe_sft.runtime.patches import original
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (the CPU emulation runs megatron here)")
 needs_no_te = pytest.mark.skipif(
