@@ -26,10 +26,10 @@ from torch.autograd.profiler import record_function
 SCOPE = "phase::"
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
 # The profiler's own bookkeeping (CUPTI's overhead records). kineto can list them among an op's
-# kernels (seen on H200s: 52 ms each under the optimizer's step, doubling that phase), and it also
-# records them as host events of their own with "kernels" attached: "Command Buffer Full" (the host
-# waiting for room in the launch queue) added 3.4-10.3 s to the transformers and torchtitan arms'
-# optimizer phase in a ~1.2 s step (ninth session). Neither kind is work on the GPU.
+# kernels (which can double a phase), and it also records them as host events of their own with
+# "kernels" attached: "Command Buffer Full" (the host waiting for room in the launch queue), which
+# inflated the comparison arms' optimizer phase by seconds (docs/log.md). Neither kind is work on
+# the GPU.
 PROFILER_OVERHEAD = {"Buffer Flush", "Activity Buffer Request", "Command Buffer Full"}
 # Kernels launched straight through Triton's launcher outside any torch op: the profiler ties them to
 # no CPU op, so without this they land in "other". The clip + Adam kernel runs in the optimizer's

@@ -1,8 +1,8 @@
 """Interleaved A/B of a kernel switch: the same model, data and process, the two sides alternating.
 
-The timed step is host-bound (docs/benchmarks.md), and H200 machines of one kind time the same code
-0.59-0.76 s apart, so an A/B across runs or machines measures the machine; within one process the
-host's speed drifts too (0.58-0.85 s within a minute, measured). Here one benchmark model
+The timed step is host-bound (docs/benchmarks.md), and machines of one kind time the same code
+far apart, so an A/B across runs or machines measures the machine; within one process the host's
+speed drifts too (docs/log.md). Here one benchmark model
 (benchmarks/benchmark.py's moe-sft arm) trains `--pairs` pairs of back-to-back steps, one with the switch
 on and one off, the order flipping every pair; the median of the pairs' time ratios is the result.
 

@@ -5,9 +5,8 @@ layouts the trainer sees (Qwen3's GQA 32/4 x 128; DeepSeek-V3's MLA, q/k 192 and
 per backend the error of the output and of dq/dk/dv against an fp32 per-document SDPA, and the
 forward and forward+backward time (CUDA events) with the causal TFLOP/s they imply.
 
-Measured on an H200 (torch 2.11.0+cu130, cuDNN 9.19, docs/benchmarks.md): cuDNN's ragged (THD)
-path gives the right output but 40-60 ms per forward (flash: 0.2-0.3 ms) and wrong dq/dk/dv
-(relative error ~1), so the trainer keeps the flash kernels. torch's own varlen_attn has this
+cuDNN's ragged (THD) path gave the right output but was far slower than flash and gave wrong
+dq/dk/dv (docs/log.md), so the trainer keeps the flash kernels. torch's own varlen_attn has this
 cuDNN path switched off (`_should_use_cudnn` returns False).
 
 Arms: `torch` (torch's flash varlen kernel as the trainer calls it, model.attention_kernel=torch),
