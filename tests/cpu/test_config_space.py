@@ -100,19 +100,19 @@ def test_top1_routing(tmp_path, family_name, overrides):
 def test_routing_rule_is_megatrons_for_the_released_configs():
     """The released V3 / K2 routers (8 of 256, 4 of 8 groups, normalised) take megatron's code
     (and the fused kernel on CUDA): nothing is redefined where megatron already agrees."""
-    from moe_sft.layers import router
+    from moe_sft.kernels import routing
 
-    token = router._ACTIVE.set((None, None))
+    token = routing._ACTIVE.set((None, None))
     try:
-        assert router.routing_rule(8, False, 8, 4, "sigmoid").is_megatrons
-        assert router.routing_rule(8, False, 1, 1, "sigmoid").is_megatrons
+        assert routing.routing_rule(8, False, 8, 4, "sigmoid").is_megatrons
+        assert routing.routing_rule(8, False, 1, 1, "sigmoid").is_megatrons
     finally:
-        router._ACTIVE.reset(token)
-    token = router._ACTIVE.set((2, None))
+        routing._ACTIVE.reset(token)
+    token = routing._ACTIVE.set((2, None))
     try:
-        assert not router.routing_rule(6, False, 8, 4, "sigmoid").is_megatrons
+        assert not routing.routing_rule(6, False, 8, 4, "sigmoid").is_megatrons
     finally:
-        router._ACTIVE.reset(token)
+        routing._ACTIVE.reset(token)
 
 
 def test_verify_default_catches_a_wrong_rope_base(tmp_path):

@@ -83,7 +83,7 @@ def test_triton_routing_matches_megatron_s_routing_and_its_gradient(name):
     torch.testing.assert_close(d_logits, ref_d_logits, rtol=1e-5, atol=1e-6)
 
 
-# The rules transformers' routers follow where megatron's differ (moe_sft/layers/router.py):
+# The rules transformers' routers follow where megatron's differ (moe_sft/kernels/routing.py):
 # (tokens, experts, top-k, score, pre-softmax, bias, scale, groups, kept, group score top-k, normalise)
 HF_RULES = {
     "deepseek_groups_by_top2": (4096, 64, 6, "sigmoid", False, True, 2.5, 8, 4, 2, True),
@@ -95,17 +95,16 @@ HF_RULES = {
 
 @pytest.mark.parametrize("name", sorted(HF_RULES))
 def test_triton_routing_follows_transformers_rules(name):
-    from moe_sft.kernels import router_topk
-    from moe_sft.layers import router
+    from moe_sft.kernels import router_topk, routing
 
     tokens, experts, k, score, pre, bias, scale, groups, kept, per_group, normalize = HF_RULES[name]
     g = torch.Generator(device="cuda").manual_seed(2)
     logits = torch.randn(tokens, experts, device="cuda", generator=g) * 2
     expert_bias = torch.randn(experts, device="cuda", generator=g) * 0.1 if bias else None
     grad = torch.randn(tokens, experts, device="cuda", generator=g)
-    token = router._ACTIVE.set((per_group, normalize))
+    token = routing._ACTIVE.set((per_group, normalize))
     try:
-        rule = router.routing_rule(k, pre, groups, kept, score)
+        rule = routing.routing_rule(k, pre, groups, kept, score)
         assert not rule.is_megatrons and router_topk._kernel_fits(logits, k)
         assert router_topk._groups_fit(experts, k, groups, kept, per_group)
 
@@ -127,9 +126,9 @@ def test_triton_routing_follows_transformers_rules(name):
                 expert_bias=expert_bias,
             )
         )
-        ref = run(lambda x, k: router.torch_topk_routing(x, k, rule, groups, kept, scale, score, expert_bias))
+        ref = run(lambda x, k: routing.torch_topk_routing(x, k, rule, groups, kept, scale, score, expert_bias))
     finally:
-        router._ACTIVE.reset(token)
+        routing._ACTIVE.reset(token)
     assert torch.equal(routing_map, ref[1]) and routing_map.sum(1).eq(k).all()
     torch.testing.assert_close(probs, ref[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(d_logits, ref[2], rtol=1e-4, atol=1e-6)
