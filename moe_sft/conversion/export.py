@@ -10,7 +10,7 @@ plus the largest unit and the HF tensors made from it, whatever the model size a
 checkpoint is chunked. docs/conversion_at_scale.md
 ("Export") has the measurements.
 
-A LoRA/DoRA run's checkpoint (adapters only, moe_sft/peft/merge.py) exports merged: the plan and
+A LoRA/DoRA run's checkpoint (adapters only, adapter_merge.py) exports merged: the plan and
 the units come from its base (meta `peft_base`), each adapted unit is merged in fp32 with the
 adapters read from the run's checkpoint, and tensors the run trained itself (routers) are read
 from there.
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from moe_sft.conversion import checksums, export_plan, hf_writer, mcore_io
+from moe_sft.conversion import adapter_merge, checksums, export_plan, hf_writer, mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 from moe_sft.conversion.export_plan import ParamPlan
 from moe_sft.conversion.hf_reader import CheckpointError
@@ -43,7 +43,6 @@ from moe_sft.conversion.hf_source import load_hf_config
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
 from moe_sft.conversion.meta_model import View
 from moe_sft.conversion.single_rank import single_rank_model
-from moe_sft.peft import merge
 from moe_sft.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -257,7 +256,7 @@ def export_with_stats(
     started = time.time()
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     meta = mcore_io.read_meta(ckpt_dir)
-    model_dir = merge.base_dir(ckpt_dir, meta) if merge.is_adapter_run(meta) else ckpt_dir
+    model_dir = adapter_merge.base_dir(ckpt_dir, meta) if adapter_merge.is_adapter_run(meta) else ckpt_dir
     sources = {"--mcore-path": ckpt_dir}
     if model_dir != ckpt_dir:
         sources["the base checkpoint (moe_sft_meta.json peft_base)"] = model_dir
@@ -285,7 +284,7 @@ def _export(ckpt_dir, out_dir, model_dir, meta, max_shard_bytes, dtype, read_byt
     plan = export_plan.build(family, hf_cfg, reader, read_bytes, copies_absent)
     adapters = None
     if model_dir != ckpt_dir:
-        adapters = merge.RunAdapters(ckpt_dir, meta, plan.ctx)
+        adapters = adapter_merge.RunAdapters(ckpt_dir, meta, plan.ctx)
         readers = {p.entry.mcore: adapters.reader_for(p, reader) for p in plan.params}
         adapters.check_consumed(plan.params)
     writer = StreamingSafetensorsWriter(

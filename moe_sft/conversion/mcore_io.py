@@ -14,6 +14,7 @@ non-empty `--output` (and a `<dir>.tmp` without a moe-sft staging stamp) unless 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -52,6 +53,11 @@ COPIES_ABSENT = "hf_copies_absent"
 
 class OutputDirError(CheckpointError):
     """--output holds something this run did not write (exit 2: pick another or --overwrite)."""
+
+
+def base_identity(mcore_path: Path) -> str:
+    """A fingerprint of a converted base: its meta file (source, conversion, HF config)."""
+    return hashlib.sha256((Path(mcore_path) / META_FILE).read_bytes()).hexdigest()[:16]
 
 
 def write_meta(ckpt_dir: Path, meta: dict) -> None:

@@ -215,6 +215,15 @@ def keeping(transform: Transform, positions: Sequence[int]) -> Transform:
     return dataclasses.replace(transform, to_hf=to_hf)
 
 
+def combine(outputs: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """Part outputs (last dim; an adapter's, one per part of a fused linear) laid out as the fused
+    weight's rows: `groups` interleaved groups (megatron's linear_qkv: per query group [q heads, k,
+    v]); groups=1 concatenates."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat([o.unflatten(-1, (groups, -1)) for o in outputs], dim=-1).flatten(-2)
+
+
 ALL_TRANSFORMS = (
     IDENTITY,
     QKV_INTERLEAVE,

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 
-from moe_sft.conversion import checksums, mapping, mcore_io
+from moe_sft.conversion import adapter_merge, checksums, mapping, mcore_io
 from moe_sft.conversion.hf_source import load_hf_config
-from moe_sft.peft import merge
-from moe_sft.peft.linear import combine
+from moe_sft.models.transforms import combine
 from moe_sft.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -180,7 +179,7 @@ def _per_layer(run, key: str, entries: dict, meta: dict) -> list:
     """(mapping entry, value) of each megatron tensor in a trained checkpoint key: megatron saves a
     stack of identical layers under one key with the layer as its first axis
     (`decoder.layers.mlp.router.weight`, Mixtral's and gpt-oss's), mixed stacks layer by layer."""
-    value = merge._read(run.reader, key)
+    value = adapter_merge._read(run.reader, key)
     if key in entries:
         return [(entries[key], value)]
     stacked = "decoder.layers."
@@ -313,26 +312,26 @@ class _Prepared:
     meta: dict
     family: object
     hf_cfg: object
-    run: merge.RunAdapters
+    run: adapter_merge.RunAdapters
     plan: _Plan
     peft_model: object
 
 
 def _prepare(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> _Prepared:
     meta = mcore_io.read_meta(ckpt_dir)
-    if not merge.is_adapter_run(meta):
+    if not adapter_merge.is_adapter_run(meta):
         raise AdapterExportError(
             f"{ckpt_dir} is a full-model checkpoint (no peft adapters): there is no adapter to write to "
             f"{out_dir}; export it merged (leave out --adapter-output)"
         )
-    base = merge.base_dir(ckpt_dir, meta)  # the adapters only make sense on their base
+    base = adapter_merge.base_dir(ckpt_dir, meta)  # the adapters only make sense on their base
     mcore_io.check_not_a_source(
         out_dir, {"--mcore-path": ckpt_dir, "the base checkpoint (moe_sft_meta.json peft_base)": base}
     )
     mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_adapter_dir(ckpt_dir, out))
     checksums.verify_files(ckpt_dir)  # the base is verified by the merged export, which reads all of it
     family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
-    run = merge.RunAdapters(ckpt_dir, meta, mapping.transform_context(family, hf_cfg))
+    run = adapter_merge.RunAdapters(ckpt_dir, meta, mapping.transform_context(family, hf_cfg))
     plan = _plan(run, family, hf_cfg, _meta_model(family, hf_cfg), meta)
     peft_model = _peft_model(plan, lambda: _meta_model(family, hf_cfg), meta)
     return _Prepared(meta, family, hf_cfg, run, plan, peft_model)
@@ -351,7 +350,7 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     p = _prepare(ckpt_dir, out_dir, overwrite)
-    base_tensor = _base_tensors(merge.base_dir(ckpt_dir, p.meta), p.family, p.hf_cfg, p.run.ctx)
+    base_tensor = _base_tensors(adapter_merge.base_dir(ckpt_dir, p.meta), p.family, p.hf_cfg, p.run.ctx)
     tensors = _peft_tensors(p.plan, p.peft_model, base_tensor)
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
     config = _lora_config(p.plan, p.meta)  # as planned: peft rewrites the one it is given, and again at load
@@ -386,7 +385,7 @@ def _base_tensors(base: Path, family, hf_cfg, ctx: dict):
         entry = entries.get(name)
         if entry is None or entry.mcore not in reader.tensors():
             raise AdapterExportError(f"{name}: no tensor of the base checkpoint {base} gives it")
-        return entry.transform.to_hf(merge._read(reader, entry.mcore), ctx)[entry.hf.index(name)]
+        return entry.transform.to_hf(adapter_merge._read(reader, entry.mcore), ctx)[entry.hf.index(name)]
 
     return tensor
 

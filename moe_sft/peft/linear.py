@@ -16,7 +16,7 @@ base weight (W: out x in, split on out for a ColumnParallelLinear, on in for a R
 A fused base (GQA's linear_qkv = q, k, v; a gated linear_fc1 = gate, up) gets one A/B pair per
 part, as transformers' separate q/k/v and gate/up projections have, so the adapters match a peft
 adapter on the HF model exactly. Their outputs are laid out like the fused weight's rows
-(`combine`).
+(`combine`, models/transforms.py).
 
 DoRA (Liu et al. 2024, as peft computes it): y = base + (m/|W'| - 1) * base_nobias +
 (m/|W'|) * scale * B A x, with W' = W + scale * B A, |.| the norm of each output row taken without
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import mappings
 
+from moe_sft.models.transforms import combine
 from moe_sft.peft.parallel import mark_sharded
 
 
@@ -42,14 +43,6 @@ class Part:
 
     name: str
     out_local: int
-
-
-def combine(outputs: list[torch.Tensor], groups: int) -> torch.Tensor:
-    """Part outputs (last dim) laid out as the fused weight's rows: `groups` interleaved groups
-    (megatron's linear_qkv: per query group [q heads, k, v]); groups=1 concatenates."""
-    if len(outputs) == 1:
-        return outputs[0]
-    return torch.cat([o.unflatten(-1, (groups, -1)) for o in outputs], dim=-1).flatten(-2)
 
 
 class LinearAdapter(torch.nn.Module):

@@ -4,22 +4,16 @@ were trained on (the checkpoint does not hold it)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from moe_sft.config import ConfigError, PeftConfig
-from moe_sft.conversion import mcore_io
+from moe_sft.conversion.mcore_io import base_identity
 
 # The fields that define the adapters' shapes and placement: resuming with others cannot load.
 SHAPE_FIELDS = ("method", "rank", "target_modules", "share_expert_factor", "train_router", "train_embeddings")
 # The adapters' scale (alpha / rank): the checkpoint's B was trained under it, so another alpha
 # would change the model's output at the resume step (refused, not rescaled).
 RESUME_FIELDS = (*SHAPE_FIELDS, "alpha")
-
-
-def base_identity(mcore_path: Path) -> str:
-    """A fingerprint of a converted base: its meta file (source, conversion, HF config)."""
-    return hashlib.sha256((Path(mcore_path) / mcore_io.META_FILE).read_bytes()).hexdigest()[:16]
 
 
 def record(cfg: PeftConfig, mcore_path: Path) -> dict:

@@ -1,6 +1,6 @@
 """Exports of a LoRA/DoRA run's checkpoint (adapters only, on a converted base), fp32 on CPU:
 
-- merged (moe_sft/peft/merge.py through conversion/export.py): transformers' own model class
+- merged (conversion/adapter_merge.py through conversion/export.py): transformers' own model class
   loading the exported directory gives our adapted model's logits;
 - as a PEFT adapter (moe_sft/peft/hf_adapter.py): `PeftModel.from_pretrained(base, dir)` gives the
   merged model's logits (fused routed experts through peft's target_parameters, q/k/v and

@@ -15,6 +15,9 @@ HF tensors. The math is the adapters' own, in fp32 (the export casts to its dtyp
   GroupedMLP's per-expert blocks (hidden x 2 ffn, ffn x hidden); a factor shared by a layer's
   experts has a leading dim of 1.
 
+It sits beside the exporter, below peft/: the export reads any run's checkpoint, and the PEFT
+adapter export (peft/hf_adapter.py) reads the same factors through it.
+
 Memory: one module's factors (an expert factor only for the experts of the unit) beside the unit.
 """
 
@@ -30,8 +33,7 @@ from moe_sft.conversion import mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader, IncompleteCheckpointError
 from moe_sft.conversion.export_plan import NOT_MODEL_STATE
 from moe_sft.conversion.mapping import MappingError
-from moe_sft.peft import run_meta
-from moe_sft.peft.linear import combine
+from moe_sft.models.transforms import combine
 
 ADAPTER = ".adapter."
 # The parts of a fused linear, in the order of its rows (linear.py's `_parts`); "" = not fused.
@@ -59,10 +61,10 @@ def base_dir(ckpt_dir: Path, meta: dict) -> Path:
             f"(moe_sft_meta.json peft_base.path={base.get('path')!r}) is not a moe-sft checkpoint any more. "
             "Put the converted base the run was trained on (model.mcore_path) back at that path"
         )
-    if run_meta.base_identity(path) != base.get("id"):
+    if mcore_io.base_identity(path) != base.get("id"):
         raise AdapterRunError(
             f"{ckpt_dir}: the base at peft_base.path={str(path)!r} is not the one the adapters were trained on "
-            f"(fingerprint {run_meta.base_identity(path)}, run: {base.get('id')}); restore that conversion there"
+            f"(fingerprint {mcore_io.base_identity(path)}, run: {base.get('id')}); restore that conversion there"
         )
     return path
 
