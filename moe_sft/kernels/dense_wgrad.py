@@ -89,18 +89,23 @@ def _fusable_embedding(module) -> bool:
     )
 
 
+def use_torch_wgrad_accum() -> None:
+    """Without apex, megatron's gradient accumulation fusion gets ours under apex's name."""
+    if not tp_layers._grad_accum_fusion_available:
+        reason = "gradient accumulation fusion through torch.addmm (no apex)"
+        patches.swap(
+            tp_layers, "fused_weight_gradient_mlp_cuda", TORCH_WGRAD_ACCUM, group=patches.KERNELS, reason=reason
+        )
+        patches.swap(tp_layers, "_grad_accum_fusion_available", True, group=patches.KERNELS, reason=reason)
+
+
 def fuse_dense_wgrad(chunks, device: str, enable: bool = True) -> int:
     """Turn megatron's gradient accumulation fusion on (or off) in the dense linear layers of the
     DDP-wrapped `chunks` whose weights train into a main grad, and the row-wise one in their input
     embeddings; returns how many layers."""
     if device != "cuda" or not hasattr(torch.ops.aten.addmm, "dtype_out"):
         return 0
-    if not tp_layers._grad_accum_fusion_available:  # apex absent: ours under its name
-        reason = "gradient accumulation fusion through torch.addmm (no apex)"
-        patches.swap(
-            tp_layers, "fused_weight_gradient_mlp_cuda", TORCH_WGRAD_ACCUM, group=patches.KERNELS, reason=reason
-        )
-        patches.swap(tp_layers, "_grad_accum_fusion_available", True, group=patches.KERNELS, reason=reason)
+    use_torch_wgrad_accum()
     count = 0
     for linear in _dense_linears(chunks):
         weight = getattr(linear, "weight", None)
