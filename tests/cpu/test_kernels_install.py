@@ -162,3 +162,27 @@ def test_every_group_installs_and_uninstalls_back_to_megatron_s_original_objects
     run = subprocess.run([sys.executable, "-c", _EVERY_GROUP], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "swapped" in run.stdout and int(run.stdout.split()[1]) > 60
+
+
+def test_registry_restores_absent_and_inherited_attributes_and_refuses_a_second_group():
+    import types
+
+    from moe_sft.runtime import patches
+
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    module = types.ModuleType("owner")
+    assert patches.swap(Child, "f", lambda self: "new", group="test.a", reason="r") is Base.f
+    patches.swap(module, "absent", 1, group="test.a", reason="r")
+    with pytest.raises(RuntimeError, match="already replaced by group 'test.a'"):
+        patches.swap(module, "absent", 2, group="test.b", reason="r")
+    with patches.suspended("test.a"):
+        assert Child().f() == "base" and not hasattr(module, "absent")
+    assert Child().f() == "new" and module.absent == 1 and patches.original(Child, "f") is Base.f
+    assert patches.restore("test.a") == 2
+    assert "f" not in vars(Child) and not hasattr(module, "absent") and patches.active("test.a") == []
