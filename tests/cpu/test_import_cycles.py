@@ -1,7 +1,7 @@
 """No import cycles anywhere in moe_sft/: an AST scan of module-level and function-level imports.
 
 Function-level (deferred) imports count: they hide a cycle from Python's import machinery but not
-from the design (../shared/DESIGN.md: nothing imports upward, no import cycles). There is no list
+from the design (docs/design.md: nothing imports upward, no import cycles). There is no list
 of allowed cycles; break a cycle by moving the shared piece into the lower module.
 """
 
