@@ -161,13 +161,14 @@ def _make_arm(name: str, args, device: str, layers: int, first):
 
     if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
         from benchmarks.ours import OursArm
-        from moe_sft.kernels import bounded_rows, permute
+        from moe_sft.config import layout
+        from moe_sft.kernels import bounded_rows
 
         bounded_rows.ENABLED = args.padding_rows == "skip"
         if args.static_rows == "off":  # (with graphs they are on anyway: a graph needs them)
-            permute.STATIC_ROWS_MAX_GATHERED = 0
+            layout.STATIC_ROWS_MAX_GATHERED = 0
         elif args.static_rows == "on":
-            permute.STATIC_ROWS_MAX_GATHERED = 1 << 30
+            layout.STATIC_ROWS_MAX_GATHERED = 1 << 30
         budgets = [int(b) for b in args.budgets.split(",")]
         max_steps = len(budgets) * (args.warmup + args.steps + args.profile_steps)
         return OursArm(

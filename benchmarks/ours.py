@@ -30,7 +30,6 @@ from moe_sft.config import (
     validate_config,
 )
 from moe_sft.data.pipeline import DataPipeline
-from moe_sft.kernels import permute
 from moe_sft.trainer import loss_rows
 from moe_sft.trainer import step as train_step
 from moe_sft.trainer.trainer import ModelSource, Trainer
@@ -166,14 +165,8 @@ class OursArm:
     def use(self, workload: Workload) -> None:
         t = self.trainer
         t.state.batches = SyntheticPlan(workload)
-        t.cfg.data.pack_length = t.cfg.data.max_seq_len = workload.budget
-        t.state.shape = t._batch_shape()
-        # the trainer's rule for this budget, as a run with this pack_length would have it
-        tokens = workload.budget // t.cfg.parallel.context_parallel_size
-        permute.enable_static_rows(
-            t.state.model, tokens, graphed=t.cfg.trainer.cuda_graphs, capacity=t.cfg.model.moe_static_rows_capacity
-        )
-        t._cuda_graphs()  # graphs for this budget's micro-batch length (if on)
+        t.cfg.data.max_seq_len = workload.budget
+        t.use_pack_length(workload.budget)  # shape, static rows and graphs for this budget
 
     def prepare(self, step: int) -> None:
         self.trainer.state.batches.global_batch(step)

@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Callable
 
+from moe_sft.config.layout import Layout
 from moe_sft.config.schema import SECTIONS, ConfigError, ParallelConfig, TrainConfig, format_errors
 
 Check = Callable[[TrainConfig, int], list[str]]
@@ -25,14 +26,12 @@ Check = Callable[[TrainConfig, int], list[str]]
 
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int | None:
     """dp = world / (tp*pp*cp); None when that is not an integer."""
-    model = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * parallel.context_parallel_size
-    return world_size // model if model > 0 and world_size % model == 0 else None
+    return Layout.of_parallel(parallel, world_size).exact_dp()
 
 
 def expert_data_parallel_size(parallel: ParallelConfig, world_size: int) -> int | None:
     """Expert dp = world / (etp*ep*pp); None when that is not an integer."""
-    size = parallel.expert_tp * parallel.expert_model_parallel_size * parallel.pipeline_model_parallel_size
-    return world_size // size if size > 0 and world_size % size == 0 else None
+    return Layout.of_parallel(parallel, world_size).exact_edp()
 
 
 def _divisors(n: int, limit: int = 0) -> list[int]:
@@ -104,9 +103,9 @@ def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
     expert groups cut across the attention's TP, CP and DP ranks: etp*ep must divide
     world/pp = tp*cp*dp (with CP, expert DP = tp*cp*dp / (etp*ep)).
     """
-    p = cfg.parallel
-    etp, ep, pp = p.expert_tp, p.expert_model_parallel_size, p.pipeline_model_parallel_size
-    if min(etp, ep, pp, world_size) < 1 or expert_data_parallel_size(p, world_size) is not None:
+    p, lay = cfg.parallel, Layout.of_parallel(cfg.parallel, world_size)
+    etp, ep, pp, ranks = lay.etp, lay.ep, lay.pp, lay.expert_ranks
+    if min(etp, ep, pp, world_size) < 1 or lay.exact_edp() is not None:
         return []
     per_stage = world_size // pp if world_size % pp == 0 else None
     fit = f"; etp*ep must divide world_size/pp={per_stage}" if per_stage else ""
@@ -114,8 +113,8 @@ def check_expert_layout(cfg: TrainConfig, world_size: int) -> list[str]:
         fit += f" (= tensor x context_parallel_size={p.context_parallel_size} x data parallel)"
     return [
         f"parallel.expert_tensor_parallel_size={etp} (null = TP) x expert_model_parallel_size={ep} x "
-        f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide world_size={world_size}, "
-        f"so the expert data-parallel size {world_size}/{etp * ep * pp} is not an integer{fit}; "
+        f"pipeline_model_parallel_size={pp} = {ranks} does not divide world_size={world_size}, "
+        f"so the expert data-parallel size {world_size}/{ranks} is not an integer{fit}; "
         f"lower expert_model_parallel_size or expert_tensor_parallel_size"
     ]
 
@@ -709,9 +708,10 @@ def _graphed_dispatch_errors(cfg: TrainConfig, num_experts: int, topk: int, expe
     """trainer.cuda_graphs at EP > 1 captures the allgather's static-row permutation
     (moe_sft/kernels/permute.py): the alltoall the auto dispatcher picks past top-k ranks, and
     expert biases, rule it out."""
-    p, errors = cfg.parallel, []
-    group = p.expert_model_parallel_size * p.expert_tp
-    if cfg.model.moe_token_dispatcher_type == "auto" and group > topk:
+    errors = []
+    lay = Layout.from_config(cfg, 0, topk=topk, device="cuda")  # graphs run on CUDA
+    group = lay.expert_group
+    if cfg.model.moe_token_dispatcher_type == "auto" and lay.dispatcher == "alltoall":
         errors.append(
             f"trainer.cuda_graphs=true with an expert group of EP x expert-TP = {group} > top-k {topk}: "
             "model.moe_token_dispatcher_type=auto picks the alltoall there, whose split sizes need the "

@@ -30,9 +30,9 @@ megatron: the per-expert counts, the permutation's two `masked_select`s and its 
 probs' `masked_select`. Here it reads one number, the layer's local row count (`CountedRows`),
 and every other size follows from it and from min(top-k, local experts).
 
-Where a rank gathers few enough tokens for the host to be the limit (`STATIC_ROWS_MAX_GATHERED`),
-or the MoE half is a CUDA graph, the allgather's local permutation has no wait at all
-(`BoundedRows`, `enable_static_rows`): it always has the same row count, the routed rows first and
+Where a rank gathers few enough tokens for the host to be the limit (`Layout.static_rows`,
+moe_sft/config/layout.py), or the MoE half is a CUDA graph, the allgather's local permutation has
+no wait at all (`BoundedRows`, `enable_static_rows`): it always has the same row count, the routed rows first and
 padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer at the
 host's launch pace. Measured eagerly (Qwen3-30B-A3B shape, docs/benchmarks.md): EP2 on 2 x H100,
 8192 gathered tokens (4096 per micro-batch), 1.12x the step's throughput; 16,384 gathered, the
@@ -103,16 +103,6 @@ class BoundedRows(int):
 
 
 STATIC_ROWS_CAPACITY = 2.0  # default cap of a rank's static rows, as a multiple of its expected routed rows
-STATIC_ROWS_MAX_GATHERED = 8192  # eager: the most tokens a rank gathers (micro-batch x expert group)
-
-
-def static_rows_apply(gathered: int, graphed: bool = False) -> bool:
-    """Static rows where a rank's dispatcher gathers `gathered` tokens (tokens per rank of a
-    micro-batch x EP x expert-TP); any size where the MoE half is `graphed` (trainer.cuda_graphs),
-    since a graph needs the static size."""
-    return graphed or gathered <= STATIC_ROWS_MAX_GATHERED
-
-
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
     """(width, every token has exactly width rows) when the row count is known on the host, else None."""
     if not routing_map.shape[0]:
@@ -410,25 +400,23 @@ def static_rows_count(tokens: int, dispatcher, capacity: float) -> int:
     return min(worst, math.ceil(capacity * tokens * dispatcher.router_topk * local / experts))
 
 
-def enable_static_rows(chunks, tokens: int, graphed: bool = False, capacity: float = STATIC_ROWS_CAPACITY) -> int:
-    """Turns on static rows in every allgather dispatcher of the chunks where `static_rows_apply`
-    (micro-batches of `tokens` per rank, gathered over the expert group) and whose experts read no
-    row beyond their offsets (no biases, no adapters), capped at `capacity` x the expected rows;
-    returns how many layers. `graphed`: trainer.cuda_graphs is on (moe_sft/trainer/cuda_graphs.py)."""
+def enable_static_rows(chunks, static: bool, capacity: float = STATIC_ROWS_CAPACITY) -> int:
+    """Turns on static rows (`static`: the run's `Layout.static_rows`, moe_sft/config/layout.py) in
+    every allgather dispatcher of the chunks whose experts read no row beyond their offsets (no
+    biases, no adapters), capped at `capacity` x the expected rows; returns how many layers."""
     enabled = 0
     for layer, dispatcher in _allgather_dispatchers(chunks):
         experts = layer.mlp.experts
         plain = getattr(experts, "bias1", None) is None and getattr(experts, "adapter", None) is None
-        gathered = tokens * dispatcher.ep_size * dispatcher.tp_size
-        static = plain and static_rows_apply(gathered, graphed) and not dispatcher.config.moe_permute_fusion
-        dispatcher.moe_sft_static_rows = static
+        on = static and plain and not dispatcher.config.moe_permute_fusion
+        dispatcher.moe_sft_static_rows = on
         dispatcher.moe_sft_capacity = capacity
         # the most rows routing sent above the capacity since the last look (row_capacity.py); kept
         # across calls, since a captured graph holds its address
         if getattr(dispatcher, "moe_sft_excess", None) is None:
             device = next(layer.mlp.parameters()).device
             dispatcher.moe_sft_excess = torch.zeros((), dtype=torch.long, device=device)
-        enabled += static
+        enabled += on
     return enabled
 
 

@@ -9,6 +9,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moe_sft.config.layout import (
+    Layout,
+    token_dispatcher,  # noqa: F401  (re-exported)
+)
 from moe_sft.config.schema import ModelConfig, ParallelConfig
 from moe_sft.layers.config import config_class
 from moe_sft.layers.spec import decoder_block_spec, mtp_block_spec
@@ -54,32 +58,22 @@ class ModelOptions:
         return cls(precision=precision, backend=backend, device=device, transformer=transformer)
 
 
-def token_dispatcher(requested: str, device: str, expert_group: int, topk: int) -> str:
-    """The token dispatcher `auto` stands for. On CPU allgather (alltoall needs CUDA streams). On
-    CUDA, with an expert group of G = EP x expert-TP ranks, allgather where G <= top-k: each rank
-    then receives (G - 1) x tokens rows against the alltoall's ~top-k x (G - 1) / G x tokens, and
-    its collectives have static sizes (the alltoall waits for its split sizes on the host); the
-    loader pads micro-batches to one length for it (trainer.py `_batch_shape`). EP4,
-    Qwen3-30B-A3B shape, top-8: 183.8 against 147.2 TFLOP/s per GPU (docs/benchmarks.md). Alone
-    (G = 1) alltoall: its dispatch is then local and makes no host wait (moe_sft/kernels/permute.py)."""
-    if requested != "auto":
-        return requested
-    if device != "cuda":
-        return "allgather"
-    return "allgather" if 1 < expert_group <= topk else "alltoall"
-
-
 def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> TransformerConfig:
     kwargs = family.transformer_config_kwargs(hf_cfg)
     recipe = dict(opts.transformer)
     tp = recipe.get("tensor_model_parallel_size", 1)
-    expert_group = recipe.get("expert_model_parallel_size", 1) * recipe.get("expert_tensor_parallel_size", tp)
-    dispatcher = token_dispatcher(
-        recipe.pop("moe_token_dispatcher_type", "auto"),
-        opts.device,
-        expert_group,
-        kwargs.get("moe_router_topk") or 0,
-    )
+    dispatcher = Layout(  # only the degrees the dispatcher depends on; no world size needed
+        world=0,
+        tp=tp,
+        pp=1,
+        vpp=None,
+        cp=1,
+        ep=recipe.get("expert_model_parallel_size", 1),
+        etp=recipe.get("expert_tensor_parallel_size", tp),
+        requested_dispatcher=recipe.pop("moe_token_dispatcher_type", "auto"),
+        device=opts.device,
+        topk=kwargs.get("moe_router_topk") or 0,
+    ).dispatcher
     balancing = recipe.pop("moe_router_load_balancing_type", None) or family.training_defaults.get(
         "moe_router_load_balancing_type", "aux_loss"
     )

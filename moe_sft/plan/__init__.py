@@ -86,7 +86,7 @@ def make_plan(
     gpu = hardware.GPUS[cfg.hardware.gpu]
     shape, source, problems = resolve_model(cfg)
     backend = "te" if cfg.model.backend == "te" else "torch"
-    lay = layout_from_config(cfg, world)
+    lay = layout_from_config(cfg, world, topk=shape.topk)
     plan = Plan(
         cfg=cfg, shape=shape, shape_source=source, layout=lay, gpu=gpu, gpu_mem_gib=gpu_mem_gib or gpu.memory_gib
     )

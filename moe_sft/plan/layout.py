@@ -17,56 +17,14 @@ tests/cpu/test_plan.py checks each function against megatron's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from moe_sft.config.layout import Layout
+
+__all__ = ["Layout", "layout_from_config"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    world: int
-    tp: int
-    pp: int
-    vpp: int | None
-    cp: int
-    ep: int
-    etp: int
-    first: int | None = None  # num_layers_in_first_pipeline_stage
-    last: int | None = None  # num_layers_in_last_pipeline_stage
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    @property
-    def edp(self) -> int:
-        return self.world // (self.etp * self.ep * self.pp)
-
-    @property
-    def vp(self) -> int:
-        return self.vpp or 1
-
-    def short(self) -> str:
-        parts = (
-            [f"TP{self.tp}", f"PP{self.pp}"]
-            + ([f"VPP{self.vpp}"] if self.vpp else [])
-            + ([f"CP{self.cp}"] if self.cp > 1 else [])
-            + [f"EP{self.ep}", f"ETP{self.etp}", f"DP{self.dp}"]
-        )
-        return "·".join(parts) + f" (expert DP {self.edp})"
-
-
-def layout_from_config(cfg, world: int) -> Layout:
-    p = cfg.parallel
-    return Layout(
-        world=world,
-        tp=p.tensor_model_parallel_size,
-        pp=p.pipeline_model_parallel_size,
-        vpp=p.virtual_pipeline_model_parallel_size,
-        cp=p.context_parallel_size,
-        ep=p.expert_model_parallel_size,
-        etp=p.expert_tp,
-        first=p.num_layers_in_first_pipeline_stage,
-        last=p.num_layers_in_last_pipeline_stage,
-    )
+def layout_from_config(cfg, world: int, topk: int = 0) -> Layout:
+    """The recipe's layout at `world` GPUs (the planner plans for CUDA)."""
+    return Layout.from_config(cfg, world, topk=topk, device="cuda")
 
 
 # ----------------------------------------------------------------------------- layers

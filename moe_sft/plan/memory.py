@@ -20,7 +20,7 @@ with saved-tensor hooks and matched exactly by tests/cpu/test_plan.py on tiny mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moe_sft.kernels import permute
 from moe_sft.models.shape import ModelShape
@@ -207,13 +207,13 @@ def _opt_bytes(train: Training) -> tuple[float, float]:
 
 def static_rows_padding(s: ModelShape, lay: Layout, train: Training) -> float:
     """The routed rows a rank's experts hold over the expected ones when the allgather dispatcher's
-    local permutation has a static size (moe_sft/kernels/permute.py `enable_static_rows`, on CUDA
-    where the auto dispatcher is the allgather); 1 where it has not."""
-    if not s.num_experts or not 1 < lay.ep * lay.etp <= s.topk or s.linear_bias:
+    local permutation has a static size (`Layout.static_rows`; moe_sft/kernels/permute.py
+    `enable_static_rows` leaves out experts with biases or adapters); 1 where it has not."""
+    if not s.num_experts or s.linear_bias:
         return 1.0
     if train.peft is not None and peft_memory.adapts_experts(train.peft):
         return 1.0
-    if not permute.static_rows_apply(train.tokens // lay.cp * lay.ep * lay.etp, train.cuda_graphs):
+    if not replace(lay, topk=s.topk, tokens=train.tokens, graphed=train.cuda_graphs).static_rows:
         return 1.0
     return permute.static_rows_bound(lay.ep, s.topk, s.num_experts // lay.ep, train.static_rows_capacity)
 

@@ -55,6 +55,14 @@ def init_model_parallel(tp=1, pp=1, vpp=None, ep=1, etp=None, cp=1, seed=1234) -
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def init_layout(layout, seed: int = 1234) -> None:
+    """megatron parallel_state for a run's layout (moe_sft/config/layout.py `Layout`: its degrees by
+    name, read here without importing it, since runtime sits below config)."""
+    init_model_parallel(
+        tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, cp=layout.cp, seed=seed
+    )
+
+
 def destroy() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

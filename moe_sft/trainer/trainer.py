@@ -11,6 +11,7 @@ to train). Everything a phase needs from the recipe is validated before any proc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -32,13 +33,13 @@ from moe_sft.config import (
     validate_against_model,
     validate_config,
 )
+from moe_sft.config.layout import Layout
 from moe_sft.config.validate import doc_multiple_for, optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
 from moe_sft.kernels import install as kernels
-from moe_sft.kernels import permute
 from moe_sft.layers import split_dispatch
 from moe_sft.layers.attention import attention_kernel_name, set_attention_kernel
-from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config, token_dispatcher
+from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
 from moe_sft.models.hf_config import num_experts
 from moe_sft.peft import fp8_base, fp8_loading
 from moe_sft.peft import install as peft_install
@@ -48,7 +49,17 @@ from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice
 from moe_sft.runtime import distributed
 from moe_sft.runtime.logs import get_logger
-from moe_sft.trainer import checkpoint, checkpoint_integrity, cuda_graphs, freeze, guard, offload, overlap, run_lock
+from moe_sft.trainer import (
+    assemble,
+    checkpoint,
+    checkpoint_integrity,
+    cuda_graphs,
+    freeze,
+    guard,
+    offload,
+    overlap,
+    run_lock,
+)
 from moe_sft.trainer import step as train_step
 from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.hooks import TrainHooks
@@ -172,6 +183,7 @@ class Trainer:
         self.saver: checkpoint.Saver | None = None
         self.gc: ScheduledGC | None = None
         self.state: TrainState | None = None  # set by setup()
+        self.layout: Layout | None = None  # the derived parallel facts (config/layout.py), set by setup()
 
     # ---------------------------------------------------------------- phases
     def setup(self) -> Trainer:
@@ -182,6 +194,7 @@ class Trainer:
         if self._finished_already():
             return self
         self.source = self._model_source()
+        self.layout = self.layout.with_topk(self._model_topk())
         shape = self._batch_shape()
         data = self._data(shape)  # before the model: bad data fails in seconds, not after loading weights
         family, hf_cfg, tconfig, model, train_mtp = self._model()
@@ -221,7 +234,7 @@ class Trainer:
             row_capacity=RowCapacity(
                 model,
                 tconfig.num_layers,
-                collective=tconfig.moe_token_dispatcher_type == "allgather" and self._expert_group() > 1,
+                collective=tconfig.moe_token_dispatcher_type == "allgather" and self.layout.expert_group > 1,
                 routing_stats=telemetry.moe,
             ),
             start_step=start_step,
@@ -261,24 +274,15 @@ class Trainer:
         self._preflight(world)
         self._lock_output_dir()
         distributed.init_process_group(self.rt.device)
-        p = self.cfg.parallel
-        distributed.init_model_parallel(
-            tp=p.tensor_model_parallel_size,
-            pp=p.pipeline_model_parallel_size,
-            vpp=p.virtual_pipeline_model_parallel_size,
-            ep=p.expert_model_parallel_size,
-            etp=p.expert_tp,
-            cp=p.context_parallel_size,
-            seed=self.cfg.trainer.seed,
-        )
+        # the model's top-k completes it once the HF config is known (_model_source)
+        self.layout = Layout.from_config(self.cfg, world, device=self.rt.device)
+        lay = self.layout
+        distributed.init_layout(lay, seed=self.cfg.trainer.seed)
         dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        log.info(
-            f"world={world} tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} "
-            f"ep={p.expert_model_parallel_size} cp={p.context_parallel_size} dp={dp_size}"
-        )
-        if p.context_parallel_size > 1 and self.rt.backend == "torch":
+        log.info(f"world={world} tp={lay.tp} pp={lay.pp} ep={lay.ep} cp={lay.cp} dp={dp_size}")
+        if lay.cp > 1 and self.rt.backend == "torch":
             log.info(
-                f"context parallel: documents padded to a multiple of {2 * p.context_parallel_size}, "
+                f"context parallel: documents padded to a multiple of {2 * lay.cp}, "
                 f"load-balanced chunks, all-gathered K/V, {attention_kernel_name(self.rt.device)} "
                 f"with separate q/k cu_seqlens (bottom-right causal)"
             )
@@ -367,28 +371,20 @@ class Trainer:
         meta = {k: v for k, v in mcore_io.read_meta(resume_path).items() if k != "step"}
         return ModelSource(meta=meta, hf_side=hf_side, resume_path=resume_path)
 
-    def _batch_shape(self) -> BatchShape:
-        d, p = self.cfg.data, self.cfg.parallel
-        pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
-        # One shape for every micro-batch where megatron needs it: pipeline p2p, and the
-        # allgather token dispatcher (it gathers equal-sized slices across the TPxEP group).
-        expert_group = self._expert_group()
-        allgather = self._token_dispatcher(expert_group) == "allgather"
-        fixed_shape = p.pipeline_model_parallel_size > 1 or (allgather and expert_group > 1)
-        if fixed_shape or self.cfg.trainer.cuda_graphs:  # graphs: one micro-batch length
-            pad_to = d.pack_length
-        return BatchShape(seq_length=d.pack_length, fixed_shape=fixed_shape, pad_to=pad_to)
-
-    def _expert_group(self) -> int:
-        p = self.cfg.parallel
-        return p.expert_model_parallel_size * p.expert_tp
-
-    def _token_dispatcher(self, expert_group: int) -> str:
+    def _model_topk(self) -> int:
         from moe_sft.conversion.hf_source import load_hf_config
 
         family, hf_cfg = load_hf_config(self.source.hf_side)
-        topk = family.shape(hf_cfg).topk
-        return token_dispatcher(self.cfg.model.moe_token_dispatcher_type, self.rt.device, expert_group, topk)
+        return family.shape(hf_cfg).topk
+
+    def _batch_shape(self) -> BatchShape:
+        d, p = self.cfg.data, self.cfg.parallel
+        pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
+        # One shape for every micro-batch where megatron needs it (Layout.fixed_shape)
+        fixed_shape = self.layout.fixed_shape
+        if fixed_shape or self.cfg.trainer.cuda_graphs:  # graphs: one micro-batch length
+            pad_to = d.pack_length
+        return BatchShape(seq_length=d.pack_length, fixed_shape=fixed_shape, pad_to=pad_to)
 
     def _data(self, shape: BatchShape):
         from transformers import AutoTokenizer
@@ -451,17 +447,10 @@ class Trainer:
                     log.info(line)
                 fp8_loading.materialise_placeholders(chunks)
         # after the adapters: experts with them are left out
-        tokens = self.cfg.data.pack_length // p.context_parallel_size
-        static = permute.enable_static_rows(
-            chunks, tokens, graphed=self.cfg.trainer.cuda_graphs, capacity=m.moe_static_rows_capacity
-        )
-        if static:
-            log.info(f"{static} MoE layers permute a static row count per rank: no host wait in their dispatch")
-        if m.moe_combine_dtype != "fp32" and permute.set_combine_dtype(chunks, m.moe_combine_dtype):
-            log.info(
-                f"the allgather's combine reduce-scatters in {m.moe_combine_dtype} "
-                "(model.moe_combine_dtype; fp32 gives megatron's)"
-            )
+        for line in assemble.static_rows(chunks, self.layout, m.moe_static_rows_capacity):
+            log.info(line)
+        for line in assemble.combine_dtype(chunks, self.layout, m.moe_combine_dtype):
+            log.info(line)
         if m.moe_dispatch_chunks > 1:
             split, reasons = split_dispatch.enable(chunks, m.moe_dispatch_chunks)
             log.info(
@@ -540,6 +529,16 @@ class Trainer:
         if not self.cfg.checkpoint.load_optimizer:  # with it, the fp32 main params came with the optimizer state
             optimizer.reload_model_params()
         return start, consumed
+
+    def use_pack_length(self, pack_length: int) -> None:
+        """Micro-batches of `pack_length` tokens from the next step on, for the model already built
+        (the benchmark runs several lengths in one process): the batch shape, the static rows and
+        the CUDA graphs follow it as a run with this data.pack_length would have them."""
+        self.cfg.data.pack_length = pack_length
+        self.layout = dataclasses.replace(self.layout, tokens=pack_length)
+        self.state.shape = self._batch_shape()
+        assemble.static_rows(self.state.model, self.layout, self.cfg.model.moe_static_rows_capacity)
+        self._cuda_graphs()
 
     def _cuda_graphs(self) -> None:
         s = self.state

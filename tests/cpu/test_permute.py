@@ -5,6 +5,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+from moe_sft.config import layout
 from moe_sft.kernels import permute as ours
 
 
@@ -211,8 +212,9 @@ def test_static_rows_are_capped_at_twice_the_expected_rows():
     assert padding(2, 2, 4, capacity=1.0) == 1.0
     # eagerly up to 8192 gathered tokens per rank (EP2 x 4096; above it the step is GPU-bound and
     # measured slower: EP2 x 8192, EP4 x 4096), any size with CUDA graphs
-    assert ours.static_rows_apply(2 * 4096) and not ours.static_rows_apply(2 * 8192)
-    assert not ours.static_rows_apply(4 * 4096) and ours.static_rows_apply(4 * 4096, graphed=True)
+    apply = layout.static_rows_apply
+    assert apply(2 * 4096) and not apply(2 * 8192)
+    assert not apply(4 * 4096) and apply(4 * 4096, graphed=True)
 
 
 def test_bf16_merge_is_deterministic_and_no_less_accurate_than_megatron():

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moe_sft.config import ConfigError, load_config
+from moe_sft.config import layout as config_layout
 from moe_sft.plan import make_plan
 from moe_sft.plan.layout import Layout, chunk_layers, rank_coords
 from moe_sft.plan.shapes import known_models, load_shape, shape_from_hf_dict
@@ -841,7 +842,6 @@ def test_lora_memory_terms_for_a_small_config():
     """weights = frozen base (FP8 values + 4-byte scales + bf16 rest) + bf16 adapters; grads = 4 x
     trainable; optimizer = 12 x (dense / DP + per-expert / expert DP); FP8 dequantisation adds
     one layer's largest weight (bf16, + its fp32 temporaries) to the working set."""
-    from moe_sft.kernels import permute
     from moe_sft.models import deepseek_v3
     from moe_sft.plan import memory
     from moe_sft.plan.params import stage_params
@@ -875,7 +875,7 @@ def test_lora_memory_terms_for_a_small_config():
     padding = memory.static_rows_padding(shape, lay, full)
     assert padding == 2.0 and memory.static_rows_padding(shape, lay, lora) == 1.0
     # above the gathered-token bound only a graphed MoE half keeps them (it needs the static size)
-    long = memory.Training(tokens=2 * permute.STATIC_ROWS_MAX_GATHERED * lay.cp, micro_batches=2)
+    long = memory.Training(tokens=2 * config_layout.STATIC_ROWS_MAX_GATHERED * lay.cp, micro_batches=2)
     graphed = memory.Training(tokens=long.tokens, micro_batches=2, cuda_graphs=True)
     assert memory.static_rows_padding(shape, lay, long) == 1.0 < memory.static_rows_padding(shape, lay, graphed) == 2.0
     assert memory.stage_memory(shape, lay, 0, lora, imbalance=padding).activations == a.activations > b.activations
