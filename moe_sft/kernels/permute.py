@@ -103,6 +103,8 @@ class BoundedRows(int):
 
 
 STATIC_ROWS_CAPACITY = 2.0  # default cap of a rank's static rows, as a multiple of its expected routed rows
+
+
 def _known_rows(routing_map: torch.Tensor, num_out_tokens) -> tuple[int, bool] | None:
     """(width, every token has exactly width rows) when the row count is known on the host, else None."""
     if not routing_map.shape[0]:
