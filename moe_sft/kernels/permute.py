@@ -2,13 +2,13 @@
 
 megatron-core 0.16.1's unfused `permute` gathers each token's rows with `index_select`, whose
 backward is an `index_add_`, and `unpermute` merges the rows with `scatter_add_`: both are atomic
-adds of bf16 hidden vectors, one per (token, expert) row. On an H200 the permute/unpermute
-phase of the Qwen3-30B-A3B-shape benchmark took 137 ms of the 1.22 s step (docs/benchmarks.md).
+adds of bf16 hidden vectors, one per (token, expert) row, a sizeable part of the benchmark's step
+(docs/log.md).
 
 Here every direction is a gather: slot j of a token names the row of its j-th expert, and the
 combine sums each token's rows in slot order, reading them where they lie (on CUDA one Triton
 pass, moe_sft/kernels/gather_sum.py; copying them into a dense [tokens, k, hidden] buffer first
-cost 39 of the 51 ms this phase took at 4096 tokens on an H200). The rows come out in megatron's
+was most of this phase's time: docs/log.md). The rows come out in megatron's
 order (expert-major, tokens ascending), so the experts see exactly what they saw before, and the
 sum is deterministic (an fp32-accumulated reduction over k values instead of k rounded atomic adds).
 
@@ -19,8 +19,8 @@ No host syncs on the dropless path with EP x TP = 1. The alltoall dispatcher kno
 token has exactly top-k rows (`num_out_tokens = tokens x k`); it tags that count (`TopKRows`),
 and permute then orders the rows with a stable sort of static size instead of `masked_select`,
 whose output size the host must wait for (three waits per MoE layer; with the packed rope's,
-moe_sft/kernels/rope.py, and the batch copies' they left the H200 idle ~200 ms of a 1.04 s step;
-without any, 0.87 s: docs/benchmarks.md). Nothing needs the per-expert counts on the host
+moe_sft/kernels/rope.py, and the batch copies' they left the GPU idle for part of every step:
+docs/log.md). Nothing needs the per-expert counts on the host
 either (torch's grouped_mm takes device offsets), so the dispatcher's device-to-host copy and its
 wait are dropped too. With EP x TP > 1 the all-to-all split sizes need the host once per layer
 anyway (megatron's one device-to-host copy and wait); the local permutation is static there too.
@@ -34,10 +34,9 @@ Where a rank gathers few enough tokens for the host to be the limit (`Layout.sta
 moe_sft/config/layout.py), or the MoE half is a CUDA graph, the allgather's local permutation has
 no wait at all (`BoundedRows`, `enable_static_rows`): it always has the same row count, the routed rows first and
 padding after them. Why: with one wait per MoE layer the GPU runs the rest of the layer at the
-host's launch pace. Measured eagerly (Qwen3-30B-A3B shape, docs/benchmarks.md): EP2 on 2 x H100,
-8192 gathered tokens (4096 per micro-batch), 1.12x the step's throughput; 16,384 gathered, the
-step is GPU-bound and the padding's extra gather and activation traffic is what is left: 0.97x at
-EP2 (8192 per micro-batch), 0.89x at EP4 on 4 x H200 (4096 per micro-batch).
+host's launch pace. Where the step is GPU-bound instead (more gathered tokens), the padding's
+extra gather and activation traffic is what is left, hence the bound on gathered tokens (the
+measured gains and losses: docs/log.md).
 
 That count is the rank's worst case, tokens x min(top-k, local experts), capped at the capacity
 (`model.moe_static_rows_capacity`, 2 by default) times its expected routed rows, tokens x top-k x

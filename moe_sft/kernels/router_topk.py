@@ -3,10 +3,10 @@
 megatron-core 0.16.1 routes without TE through torch ops: for a Qwen3 softmax router the top-k,
 the softmax of the chosen logits, two zero fills and two scatters (probs and routing map); for
 the aux loss a second softmax, top-k, zero fill and scatter; and their backward passes. Each op
-is a kernel the host must launch: on an H200 the router phase of the Qwen3-30B-A3B-shape
-benchmark cost the host 136 ms per step (profiled) for 17 ms of GPU time, with the step
-host-bound (docs/benchmarks.md). TE's `moe_router_fusion` does each of the two functions in one
-kernel; these are the same two functions in Triton, with megatron's signatures and results:
+is a kernel the host must launch: the router phase costs the host far more time than the GPU,
+and the benchmark's step was host-bound (docs/log.md). TE's `moe_router_fusion` does each of the
+two functions in one kernel; these are the same two functions in Triton, with megatron's
+signatures and results:
 
 - `topk_routing_with_score_function`: softmax (top-k of the logits then softmax of the chosen,
   or softmax then top-k: `moe_router_pre_softmax`) or sigmoid (expert bias for the choice only,

@@ -100,9 +100,9 @@ def build_transformer_config(family: Family, hf_cfg, opts: ModelOptions) -> Tran
         perform_initialization=True,
         calculate_per_token_loss=False,  # we normalise by the global token count ourselves (step.py)
         # Batched p2p in the interleaved (VPP) schedule posts send-prev, recv-prev, send-next,
-        # recv-next; with PP=2 "prev" and "next" are the same peer, so messages pair up crossed.
-        # Measured: grad norm 625 (gloo) and 2429 (NCCL, 2 H200) instead of 7.1-7.2. Unbatched
-        # p2p orders sends/receives by rank parity and is correct on both.
+        # recv-next; with PP=2 "prev" and "next" are the same peer, so messages pair up crossed
+        # and the gradients come out wrong under gloo and NCCL (docs/log.md). Unbatched p2p
+        # orders sends/receives by rank parity and is correct on both.
         batch_p2p_comm=False,
     )
     if recipe.get("recompute_granularity") == "full":  # defaults; the recipe's recompute_* win

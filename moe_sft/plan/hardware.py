@@ -1,7 +1,7 @@
 """GPU kinds the planner knows, the kernels each has, and a throughput estimate (labelled as such).
 
 Memory is what `torch.cuda.get_device_properties(0).total_memory` reports on the SXM parts
-(H100 80GB HBM3: 79.1 GiB; H200 141GB HBM3e: 139.7 GiB), i.e. what the allocator can ever use.
+(the readings: docs/log.md), i.e. what the allocator can ever use.
 """
 
 from __future__ import annotations

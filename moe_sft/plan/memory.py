@@ -31,12 +31,12 @@ from moe_sft.plan.params import Count, stage_params
 GIB = 2**30
 # Assumptions beyond the model (docs/planner.md; refine them with benchmarks/gpu/plan_calibration.py).
 # reserved / allocated - 1 of torch's caching allocator under MoE churn, with the expandable segments
-# the trainer turns on: measured 1.01-1.03 on H200 (1.17-1.31 with the default allocator).
+# the trainer turns on; above what the GPU calibration read (docs/log.md).
 FRAGMENTATION = 0.10
-# Optimizer offload moves state between host and GPU each step through buffers of varying size:
-# measured 1.12 with expandable segments (1.19 default), more than FRAGMENTATION covers.
+# Optimizer offload moves state between host and GPU each step through buffers of varying size,
+# which fragments more than FRAGMENTATION covers (docs/log.md).
 FRAGMENTATION_OFFLOAD = 0.15
-RUNTIME_OVERHEAD_GIB = 1.5  # CUDA context (~0.5-0.7 GiB) + NCCL communicator buffers, outside torch
+RUNTIME_OVERHEAD_GIB = 1.5  # CUDA context + NCCL communicator buffers, outside torch
 LOGITS_BYTES = 4  # per token x padded vocab / TP on the last stage: see logits_bytes()
 
 
@@ -135,8 +135,7 @@ def logits_bytes(s: ModelShape, lay: Layout, t: int, depths: int = 0) -> int:
 
     The fused cross entropy (moe_sft/kernels/cross_entropy.py) keeps the bf16 logits (2 bytes) for
     its backward and writes their bf16 gradient (2): LOGITS_BYTES x t x vocab / TP at the peak, in
-    backward; padded vocab columns cost nothing extra. (megatron's unfused one took 6, plus 2 for a
-    padded vocabulary, calibrated on an H200: docs/planner.md.)
+    backward; padded vocab columns cost nothing extra.
     """
     return LOGITS_BYTES * t * (s.padded_vocab // lay.tp) * (1 + depths)
 
@@ -174,8 +173,7 @@ class StageMemory:
         """Peak bytes in torch's allocator (compare with torch.cuda.max_memory_allocated).
 
         The loss phase (logits, their fp32 copy, their gradient) ends before the last layer's
-        backward begins, so only the larger of the two counts. Calibrated on an H200: the sum
-        over-predicted every last stage by the smaller one (up to 4.3 GiB, 17%; docs/planner.md)."""
+        backward begins, so only the larger of the two counts (the GPU calibration: docs/log.md)."""
         return (
             self.weights
             + self.grads
