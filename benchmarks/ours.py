@@ -1,9 +1,9 @@
 """The moe-sft arm: the production Trainer (moe_sft/trainer/trainer.py), random weights, synthetic data.
 
-`BenchTrainer` changes four build phases of `Trainer` and nothing of the step: the model source
-is the preset's HF config written to a work directory (no checkpoint: megatron's random init,
-so `_resume` loads nothing and the checkpoint pre-flight is skipped), and the training batches are
-the workload's packed batches. Everything else is the trainer's: TransformerConfig and GPTModel from
+The trainer is given two of its build phases and changes nothing of the step: the model source is
+the preset's HF config written to a work directory (no checkpoint: megatron's random init, so
+nothing is loaded and the checkpoint pre-flight is skipped), and the training batches are the
+workload's packed batches. Everything else is the trainer's: TransformerConfig and GPTModel from
 the family (torch-native spec: varlen attention, grouped_mm experts, alltoall dispatcher on
 CUDA), megatron DDP, the distributed optimizer, and `Trainer.train_one_step` (schedule,
 loss normalisation, guarded optimizer step, LR scheduler, telemetry) is what gets timed.
@@ -11,6 +11,7 @@ loss normalisation, guarded optimizer step, LR scheduler, telemetry) is what get
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -27,9 +28,9 @@ from moe_sft.config import (
     PeftConfig,
     TrainConfig,
     TrainerConfig,
-    validate_config,
 )
 from moe_sft.data.pipeline import DataPipeline
+from moe_sft.runtime.patches import mcore_version
 from moe_sft.trainer import loss_rows
 from moe_sft.trainer import step as train_step
 from moe_sft.trainer.trainer import ModelSource, Trainer
@@ -92,29 +93,13 @@ def bench_config(
 BENCH_LORA = PeftConfig(method="lora", rank=16, alpha=32, target_modules=["attention", "experts"])
 
 
-class BenchTrainer(Trainer):
-    def __init__(self, cfg: TrainConfig, model: str, layers: int, workload: Workload):
-        super().__init__(cfg)
-        self.preset, self.layers, self.workload = model, layers, workload
-
-    def _preflight(self, world: int) -> None:
-        Path(self.cfg.model.mcore_path).mkdir(parents=True, exist_ok=True)  # holds hf/config.json only
-        validate_config(self.cfg, world)  # no checkpoint pre-flight: there is none (random init)
-
-    def _model_source(self) -> ModelSource:
-        hf_side = Path(self.cfg.model.mcore_path) / "hf"
-        if dist.get_rank() == 0:
-            _, cfg = hf_config(self.preset, self.layers)
-            hf_side.mkdir(parents=True, exist_ok=True)
-            cfg.to_json_file(str(hf_side / "config.json"))
-        dist.barrier()
-        return ModelSource(meta={}, hf_side=hf_side, resume_path=None)
-
-    def _data(self, shape) -> DataPipeline:
-        return DataPipeline(train=SyntheticPlan(self.workload), eval=None, summary=[])
-
-    def _resume(self, model, optimizer, scheduler, batches) -> tuple[int, int]:
-        return 0, 0  # random init: the fp32 main params were made from the same weights by the optimizer
+def random_init_source(preset: str, layers: int, work: Path) -> ModelSource:
+    """The preset's HF config in a directory of this rank's own (no rank waits for another's
+    write), and no weights to load: megatron's random initialisation."""
+    hf_side = work / "model" / f"hf.rank{os.environ.get('RANK', '0')}"
+    hf_side.mkdir(parents=True, exist_ok=True)
+    hf_config(preset, layers)[1].to_json_file(str(hf_side / "config.json"))
+    return ModelSource(meta={}, hf_side=hf_side, resume_path=None, random_init=True)
 
 
 class OursArm:
@@ -154,7 +139,9 @@ class OursArm:
             dispatch_chunks=dispatch_chunks,
             attention_kernel=attention_kernel,
         )
-        self.trainer = BenchTrainer(cfg, model, layers, first).setup()
+        source = random_init_source(model, layers, work)
+        data = DataPipeline(train=SyntheticPlan(first), eval=None, summary=[])
+        self.trainer = Trainer(cfg, source=source, data=data).setup()
         t = self.trainer
         self.device, self.world, self.rank = t.rt.device, dist.get_world_size(), dist.get_rank()
         self.run_mtp = t.state.train_mtp
@@ -218,7 +205,7 @@ class OursArm:
         )
         return dict(
             implementation="moe_sft Trainer.train_one_step (megatron-core "
-            f"{_mcore_version()}, torch-native spec, {t.state.tconfig.moe_token_dispatcher_type} dispatcher, "
+            f"{mcore_version()}, torch-native spec, {t.state.tconfig.moe_token_dispatcher_type} dispatcher, "
             f"static rows in {static} MoE layers, distributed optimizer)",
             params_rank0=params,
             ep=t.cfg.parallel.expert_model_parallel_size,
@@ -231,12 +218,6 @@ class OursArm:
 
     def close(self) -> None:
         self.trainer.close()
-
-
-def _mcore_version() -> str:
-    import megatron.core
-
-    return getattr(megatron.core, "__version__", "?")
 
 
 def _attention_kernel(device: str) -> str:

@@ -82,34 +82,43 @@ def planner_bytes(args, hf, fp8: bool) -> dict:
 
 
 def _build(args, hf, fp8: bool, device: str):
+    """The model as the trainer assembles it (moe_sft/trainer/assemble.py) for the recipe's
+    settings, plus the embedding hook full recompute of a frozen base needs."""
     import torch
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
 
-    from moe_sft.config.schema import PeftConfig
+    from moe_sft.config.layout import Layout
+    from moe_sft.config.schema import DataConfig, ModelConfig, PeftConfig, TrainConfig, TrainerConfig
     from moe_sft.models import registry
-    from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
-    from moe_sft.peft import fp8_base, fp8_loading, install
+    from moe_sft.peft import fp8_loading
+    from moe_sft.trainer import assemble
 
     family = registry.family_by_name("deepseek_v3")
+    cfg = TrainConfig(
+        model=ModelConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        data=DataConfig(train_files=[], pack_length=args.tokens),  # the script makes its own batches
+        trainer=TrainerConfig(output_dir="unused", max_steps=args.steps),
+        peft=PeftConfig(
+            method="lora", rank=args.rank, alpha=2 * args.rank, target_modules=["attention", "experts"], fp8_base=fp8
+        ),
+    )
+    cfg.parallel.use_distributed_optimizer = True
+    layout = Layout.from_config(cfg, 1, device=device).with_topk(family.shape(hf).topk)
+    steps = (*assemble.PRE_WRAP, ("input requires grad", _hook_embeddings))
     precision = "fp32" if args.tiny else "bf16"
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    opts = ModelOptions(precision=precision, backend="torch", device=device, transformer=recompute)
-    tconfig = build_transformer_config(family, hf, opts)
-    with fp8_loading.placeholder_base() if fp8 else _Nothing():
-        chunks = build_model_chunks(family, hf, tconfig, opts)
-    peft = PeftConfig(method="lora", rank=args.rank, alpha=2 * args.rank, target_modules=["attention", "experts"])
-    install.add_adapters(chunks, peft, tconfig, device)
-    for chunk in chunks:  # see _input_requires_grad
-        chunk.embedding.register_forward_hook(_input_requires_grad)
+    hf_model = assemble.HFModel(family, hf, family.shape(hf))
+    built = assemble.assemble(
+        cfg, hf_model, layout, precision=precision, backend="torch", device=device, pre_wrap=steps
+    )
     if fp8:
-        fp8_base.install(chunks)
-        fp8_loading.materialise_placeholders(chunks)
-        fp8_loading.load_quantised(chunks, lambda keep: _random_fill(chunks, keep))
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-    model = [DDP(config=tconfig, ddp_config=ddp, module=c) for c in chunks]
+        fp8_loading.load_quantised(built.chunks, lambda keep: _random_fill(built.chunks, keep))
     torch.cuda.empty_cache() if device == "cuda" else None
-    return model, tconfig
+    return built.model, built.tconfig
+
+
+def _hook_embeddings(a) -> list[str]:
+    for chunk in a.chunks:  # see _input_requires_grad
+        chunk.embedding.register_forward_hook(_input_requires_grad)
+    return []
 
 
 def _input_requires_grad(module, args, output):
@@ -117,14 +126,6 @@ def _input_requires_grad(module, args, output):
     does, and a frozen embedding's output does not, so the adapters inside would get none (what HF's
     enable_input_require_grads does for the same reason)."""
     return output.requires_grad_(True) if not output.requires_grad else output
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _random_fill(chunks, keep) -> None:

@@ -147,7 +147,7 @@ def split_forward(self, hidden_states, intermediate_tensors=None, padding_mask=N
     """megatron's `MoELayer.forward` (same arguments, same results) with the dispatch in chunks
     whose collectives overlap the other chunks' experts. Bound to a layer by `enable`."""
     dispatcher = self.token_dispatcher
-    if intermediate_tensors is not None or dispatcher.ep_size * dispatcher.tp_size == 1:
+    if intermediate_tensors is not None:  # (`enable` binds it only where the expert group has peers)
         return type(self).forward(self, hidden_states, intermediate_tensors, padding_mask)
     if padding_mask is not None:
         padding_mask = padding_mask.transpose(0, 1).bool()
@@ -210,12 +210,13 @@ def _moe_layers(chunks) -> list:
     return [layer.mlp for layer in layers if hasattr(getattr(layer, "mlp", None), "token_dispatcher")]
 
 
-def enable(chunks, pieces: int) -> tuple[int, list[str]]:
+def enable(chunks, pieces: int, expert_group: int) -> tuple[int, list[str]]:
     """Runs every splittable MoE layer of the model chunks with its dispatch in `pieces` token
-    chunks (`model.moe_dispatch_chunks`); returns (layers split, why others were not)."""
+    chunks (`model.moe_dispatch_chunks`); `expert_group`: the run's Layout.expert_group (EP x
+    expert-TP). Returns (layers split, why others were not)."""
     split, reasons = 0, set()
     for moe in _moe_layers(chunks):
-        if moe.token_dispatcher.ep_size * moe.token_dispatcher.tp_size == 1:
+        if expert_group == 1:
             reasons.add("EP x expert TP = 1: no collectives to overlap")
             continue
         reason = splittable(moe)

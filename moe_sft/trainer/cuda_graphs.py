@@ -132,17 +132,16 @@ def _trainable(modules) -> list:
     return out
 
 
-def dispatch_ineligible(chunks) -> list[str]:
-    """Why the MoE layers' dispatch cannot be captured (empty: it can). With EP > 1 the graph holds the
+def dispatch_ineligible(chunks, expert_group: int) -> list[str]:
+    """Why the MoE layers' dispatch cannot be captured (empty: it can). `expert_group`: the run's
+    Layout.expert_group (EP x expert-TP); alone (1) the dispatch is local. Past 1 the graph holds the
     allgather dispatcher's collectives, which have static sizes; its local permutation does too only
     with static rows (moe_sft/kernels/permute.py `enable_static_rows`), else it waits for the host."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     reasons = set()
-    for layer in moe_layers(chunks):
+    for layer in moe_layers(chunks) if expert_group > 1 else ():
         dispatcher = layer.mlp.token_dispatcher
-        if dispatcher.ep_size * dispatcher.tp_size == 1:
-            continue
         if not isinstance(dispatcher, MoEAllGatherTokenDispatcher):
             reasons.add(
                 f"the {type(dispatcher).__name__} needs its split sizes on the host in every MoE layer; "
@@ -156,11 +155,14 @@ def dispatch_ineligible(chunks) -> list[str]:
     return sorted(reasons)
 
 
-def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True) -> list[_LayerGraph]:
+def capture_moe_graphs(
+    chunks, tokens: int, expert_group: int, warmup: int = 2, replay: bool = True
+) -> list[_LayerGraph]:
     """Capture every MoE layer's `_forward_mlp` for `tokens`-token micro-batches and route the layer's
     training forward through the replay (`replay`=False: captured, but run eagerly); replaces the
-    graphs of an earlier call (one length at a time). Call `reset_after_capture` afterwards: the
-    warm-up iterations had side effects."""
+    graphs of an earlier call (one length at a time). `expert_group`: Layout.expert_group (past 1
+    the graphs hold collectives). Call `reset_after_capture` afterwards: the warm-up iterations had
+    side effects."""
     global REPLAY
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -211,8 +213,7 @@ def capture_moe_graphs(chunks, tokens: int, warmup: int = 2, replay: bool = True
     # With EP > 1 the graphs hold NCCL collectives, and NCCL's watchdog thread runs beside the
     # capture; the default "global" mode would make its unsafe calls an error. As megatron's
     # full-iteration graphs, capture "thread_local": only this thread's unsafe calls are refused.
-    collectives = any(layer.mlp.token_dispatcher.ep_size * layer.mlp.token_dispatcher.tp_size > 1 for layer in layers)
-    mode = "thread_local" if collectives else "global"
+    mode = "thread_local" if expert_group > 1 else "global"
     leaves = []
     for layer, graph in zip(layers, graphs):
         # Autograd runs a leaf's gradient on the stream its accumulator was made on: the input's on

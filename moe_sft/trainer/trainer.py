@@ -2,15 +2,16 @@
 a plain loop of `train_one_step`s over it.
 
 Phases (each a method returning what it built, in order): runtime → distributed (rank 0 locks the
-output directory first) → model source → data → model → optimizer → resume → telemetry and CUDA
+output directory first) → model source (its HF config read once: assemble.HFModel) → data → model
+(trainer/assemble.py, the one place a model is built) → optimizer → resume → telemetry and CUDA
 graphs; a run whose checkpoint already reached trainer.max_steps stops after distributed (nothing
 to train). Everything a phase needs from the recipe is validated before any process group exists
-(moe_sft.config.validate), and again against the model's dimensions once the HF config is known.
+(moe_sft.config.validate), and against the model's dimensions by `assemble` before it allocates.
+The benchmark gives its own model source (random initialisation) and data to the constructor.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import subprocess
@@ -22,45 +23,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel as DDP
-from megatron.core.distributed import DistributedDataParallelConfig
 
-from moe_sft.config import (
-    ConfigError,
-    TrainConfig,
-    format_errors,
-    save_resolved_config,
-    validate_against_model,
-    validate_config,
-)
+from moe_sft.config import ConfigError, TrainConfig, save_resolved_config, validate_config
 from moe_sft.config.layout import Layout
 from moe_sft.config.validate import doc_multiple_for, optimizer_offload_errors, resolve_global_batch
 from moe_sft.conversion import mcore_io
+from moe_sft.data.pipeline import DataPipeline
 from moe_sft.kernels import install as kernels
-from moe_sft.layers import split_dispatch
 from moe_sft.layers.attention import attention_kernel_name, set_attention_kernel
-from moe_sft.models.builder import ModelOptions, build_model_chunks, build_transformer_config
-from moe_sft.models.hf_config import num_experts
-from moe_sft.peft import fp8_base, fp8_loading
 from moe_sft.peft import install as peft_install
 from moe_sft.peft import run_meta as peft_meta
-from moe_sft.peft import targets as peft_targets
 from moe_sft.plan.preflight import trainer_preflight
 from moe_sft.runtime import device as rdevice
 from moe_sft.runtime import distributed
 from moe_sft.runtime.logs import get_logger
-from moe_sft.trainer import (
-    assemble,
-    checkpoint,
-    checkpoint_integrity,
-    cuda_graphs,
-    freeze,
-    guard,
-    offload,
-    overlap,
-    run_lock,
-)
+from moe_sft.trainer import checkpoint, checkpoint_integrity, cuda_graphs, guard, offload, overlap, run_lock
 from moe_sft.trainer import step as train_step
+from moe_sft.trainer.assemble import HFModel, assemble, static_rows
 from moe_sft.trainer.gc_control import ScheduledGC
 from moe_sft.trainer.hooks import TrainHooks
 from moe_sft.trainer.metrics import MetricsLogger, Throughput, moe_aux_losses, peak_memory_per_rank
@@ -136,6 +115,7 @@ class ModelSource:
     meta: dict
     hf_side: Path
     resume_path: Path | None  # the run's own checkpoint to resume, or None: model.mcore_path
+    random_init: bool = False  # load no weights: megatron's initialisation (the benchmark's source)
 
 
 @dataclass(frozen=True)
@@ -173,9 +153,19 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, hooks: TrainHooks | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        hooks: TrainHooks | None = None,
+        *,
+        source: ModelSource | None = None,
+        data: DataPipeline | None = None,
+    ):
+        """`source` and `data` replace the model source and data phases (the benchmark gives a
+        randomly initialised model and its synthetic batches); everything else is the run's."""
         self.cfg = cfg
         self.hooks = hooks or TrainHooks()
+        self.given_source, self.given_data = source, data
         self.out = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.lock: run_lock.RunLock | None = None
@@ -193,11 +183,14 @@ class Trainer:
         dp_rank, dp_size = self._distributed()
         if self._finished_already():
             return self
-        self.source = self._model_source()
-        self.layout = self.layout.with_topk(self._model_topk())
+        self.source = self.given_source or self._model_source()
+        self.hf = HFModel.read(self.source.hf_side)  # the one read of the model's HF config
+        self.layout = self.layout.with_topk(self.hf.shape.topk)
         shape = self._batch_shape()
-        data = self._data(shape)  # before the model: bad data fails in seconds, not after loading weights
-        family, hf_cfg, tconfig, model, train_mtp = self._model()
+        data = self.given_data or self._data(shape)  # before the model: bad data fails in seconds
+        rt = self.rt
+        built = assemble(self.cfg, self.hf, self.layout, precision=rt.precision, backend=rt.backend, device=rt.device)
+        tconfig, model, train_mtp = built.tconfig, built.model, built.train_mtp
         optimizer, scheduler = self._optimizer(model, tconfig)
         start_step, consumed = self._resume(model, optimizer, scheduler, data.train)
         # after loading: expert-bias drift starts here
@@ -205,7 +198,7 @@ class Trainer:
         telemetry = Telemetry(
             config=tconfig,
             model_chunks=model,
-            vocab_size=hf_cfg.vocab_size,
+            vocab_size=self.hf.config.vocab_size,
             run_mtp=train_mtp,
             device=self.rt.device,
             precision=self.rt.precision,
@@ -215,8 +208,8 @@ class Trainer:
         )
         self.gc = ScheduledGC(t.gc_interval, self.rt.device)
         self.state = TrainState(
-            family=family,
-            hf_cfg=hf_cfg,
+            family=self.hf.family,
+            hf_cfg=self.hf.config,
             tconfig=tconfig,
             model=model,
             optimizer=optimizer,
@@ -320,6 +313,8 @@ class Trainer:
 
     def _preflight(self, world: int) -> None:
         validate_config(self.cfg, world)
+        if self.given_source is not None and self.given_source.random_init:
+            return  # no checkpoint to check
         if self.cfg.checkpoint.resume == "auto":  # a garbled meta: resume an earlier step, not "reconvert"
             checkpoint_integrity.check_resume_meta(self.ckpt_root)
         trainer_preflight(self.cfg)  # partial / foreign checkpoints stop here, before any GPU work
@@ -371,12 +366,6 @@ class Trainer:
         meta = {k: v for k, v in mcore_io.read_meta(resume_path).items() if k != "step"}
         return ModelSource(meta=meta, hf_side=hf_side, resume_path=resume_path)
 
-    def _model_topk(self) -> int:
-        from moe_sft.conversion.hf_source import load_hf_config
-
-        family, hf_cfg = load_hf_config(self.source.hf_side)
-        return family.shape(hf_cfg).topk
-
     def _batch_shape(self) -> BatchShape:
         d, p = self.cfg.data, self.cfg.parallel
         pad_to = p.tensor_model_parallel_size if p.sequence_parallel else 1
@@ -386,10 +375,9 @@ class Trainer:
             pad_to = d.pack_length
         return BatchShape(seq_length=d.pack_length, fixed_shape=fixed_shape, pad_to=pad_to)
 
-    def _data(self, shape: BatchShape):
+    def _data(self, shape: BatchShape) -> DataPipeline:
         from transformers import AutoTokenizer
 
-        from moe_sft.conversion.hf_source import load_hf_config
         from moe_sft.data.pipeline import build_pipeline
 
         d, p = self.cfg.data, self.cfg.parallel
@@ -405,103 +393,11 @@ class Trainer:
             pad_token_id=tokenizer.pad_token_id or 0,
             doc_multiple=d.pad_documents_to
             or doc_multiple_for(p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel),
-            vocab_size=load_hf_config(self.source.hf_side)[1].vocab_size,  # ids past it would train silently
+            vocab_size=self.hf.config.vocab_size,  # ids past it would train silently
         )
         for line in data.summary:
             log.info(line)
         return data
-
-    def _model(self):
-        """(family, HF config, TransformerConfig, DDP-wrapped chunks, whether MTP trains)."""
-        from moe_sft.conversion.hf_source import load_hf_config
-
-        family, hf_cfg = load_hf_config(self.source.hf_side)
-        validate_against_model(
-            self.cfg,
-            hf_cfg.num_hidden_layers,
-            num_experts(hf_cfg) or None,
-            hf_cfg.num_attention_heads,
-            hf_cfg.num_key_value_heads,
-            hf_cfg.vocab_size,
-            expert_biases=family.shape(hf_cfg).linear_bias,
-            topk=family.shape(hf_cfg).topk,
-        )
-        m, p = self.cfg.model, self.cfg.parallel
-        opts = ModelOptions.from_recipe(m, p, self.rt.precision, self.rt.backend, self.rt.device)
-        tconfig = build_transformer_config(family, hf_cfg, opts)
-        if self.cfg.peft.method != "none":  # before any weight is allocated
-            errors = peft_targets.rank_errors(
-                self.cfg.peft.rank, list(self.cfg.peft.target_modules), family.shape(hf_cfg)
-            )
-            if errors:
-                raise ConfigError(format_errors(errors))
-        # an FP8 base is never whole in bf16: its weights are placeholders until loaded (peft/fp8_base.py)
-        with fp8_loading.placeholder_base() if self.cfg.peft.fp8_base else contextlib.nullcontext():
-            chunks = build_model_chunks(family, hf_cfg, tconfig, opts)
-        train_mtp = self._setup_mtp(chunks, tconfig)
-        if self.cfg.peft.method != "none":
-            for line in peft_install.add_adapters(chunks, self.cfg.peft, tconfig, self.rt.device):
-                log.info(line)
-            if self.cfg.peft.fp8_base:  # the frozen base in FP8 (peft/fp8_base.py), filled by _resume
-                for line in fp8_base.install(chunks):
-                    log.info(line)
-                fp8_loading.materialise_placeholders(chunks)
-        # after the adapters: experts with them are left out
-        for line in assemble.static_rows(chunks, self.layout, m.moe_static_rows_capacity):
-            log.info(line)
-        for line in assemble.combine_dtype(chunks, self.layout, m.moe_combine_dtype):
-            log.info(line)
-        if m.moe_dispatch_chunks > 1:
-            split, reasons = split_dispatch.enable(chunks, m.moe_dispatch_chunks)
-            log.info(
-                f"{split} MoE layers dispatch in {m.moe_dispatch_chunks} token chunks whose collectives overlap "
-                f"the experts (model.moe_dispatch_chunks)" + (f"; not: {'; '.join(reasons)}" if reasons else "")
-            )
-        patterns = list(m.freeze_patterns) + ([freeze.ROUTER_PATTERN] if m.freeze_router else [])
-        frozen, names = freeze.freeze(chunks, patterns, self.rt.device)
-        if patterns:
-            log.info(f"froze {patterns}: {len(names)} tensors, {frozen / 1e6:.2f}M parameters on rank 0")
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=p.overlap_grad_reduce,
-            overlap_param_gather=p.overlap_param_gather,
-            use_distributed_optimizer=p.use_distributed_optimizer,
-        )
-        # Only the first VPP chunk's buffers are bucketed (as Megatron-LM does): its grads are the
-        # last to be ready, so their reduction is what overlap can hide.
-        model = [
-            DDP(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
-        ]
-        overlap.install_sync_funcs(tconfig, model, ddp_config)
-        for line in kernels.install_on_model(self.cfg.kernels, model, self.rt.device):
-            log.info(line)
-        params = sum(x.numel() for c in chunks for x in c.parameters())
-        log.info(
-            f"model {family.name}: {params / 1e6:.2f}M parameters on rank 0's shard, "
-            f"{tconfig.num_layers} layers, {tconfig.num_moe_experts} experts"
-        )
-        return family, hf_cfg, tconfig, model, train_mtp
-
-    def _setup_mtp(self, chunks, tconfig) -> bool:
-        """MTP layers train with the recipe's loss weight, or stay frozen (before DDP sees them)."""
-        depths = tconfig.mtp_num_layers or 0
-        m = self.cfg.model
-        # A LoRA run trains adapters on the decoder only (as peft on transformers' model, which has
-        # no MTP layers): the MTP layers stay frozen and are not run.
-        adapted = self.cfg.peft.method != "none"
-        train_mtp = bool(depths) and not m.freeze_mtp and m.mtp_loss_weight > 0 and not adapted
-        if not depths:
-            return False
-        for chunk in chunks:
-            chunk.run_mtp = train_mtp
-            for param in chunk.mtp.parameters() if chunk.mtp_process and not train_mtp else ():
-                param.requires_grad_(False)
-        log.info(
-            f"multi-token prediction: {depths} layer(s), "
-            + (f"trained with loss weight {m.mtp_loss_weight}" if train_mtp else "frozen (exported unchanged)")
-            + (" (a LoRA/DoRA run: adapters on the decoder only)" if adapted else "")
-        )
-        return train_mtp
 
     def _optimizer(self, model, tconfig):
         optimizer, scheduler, lines = build_optimizer(self.cfg, model, tconfig, self.rt)
@@ -513,6 +409,9 @@ class Trainer:
         """Loads the weights (and for a resume everything else); returns (start step, consumed tokens)."""
         path = self.source.resume_path
         adapted = self.cfg.peft.method != "none"
+        if self.source.random_init:  # the optimizer made its fp32 main params from these same weights
+            log.info("random initialisation: no weights loaded")
+            return 0, 0
         if path is None or adapted:  # a LoRA checkpoint holds the adapters, not the base
             checkpoint.load_model_weights(Path(self.cfg.model.mcore_path), model)
             log.info(f"loaded {'the frozen base' if adapted else 'weights'} from {self.cfg.model.mcore_path}")
@@ -537,17 +436,21 @@ class Trainer:
         self.cfg.data.pack_length = pack_length
         self.layout = dataclasses.replace(self.layout, tokens=pack_length)
         self.state.shape = self._batch_shape()
-        assemble.static_rows(self.state.model, self.layout, self.cfg.model.moe_static_rows_capacity)
+        static_rows(self.state.model, self.layout, self.cfg.model.moe_static_rows_capacity)
         self._cuda_graphs()
 
     def _cuda_graphs(self) -> None:
         s = self.state
         if not self.cfg.trainer.cuda_graphs or cuda_graphs.captured_length(s.model) == s.shape.seq_length:
             return
-        errors = cuda_graphs.ineligible(self.rt.device, self.cfg) + cuda_graphs.dispatch_ineligible(s.model)
+        errors = cuda_graphs.ineligible(self.rt.device, self.cfg) + cuda_graphs.dispatch_ineligible(
+            s.model, self.layout.expert_group
+        )
         if errors:
             raise ConfigError("trainer.cuda_graphs=true: " + "; ".join(errors))
-        graphs = cuda_graphs.capture_moe_graphs(s.model, s.shape.seq_length, replay=self.cfg.trainer.cuda_graphs_replay)
+        graphs = cuda_graphs.capture_moe_graphs(
+            s.model, s.shape.seq_length, self.layout.expert_group, replay=self.cfg.trainer.cuda_graphs_replay
+        )
         cuda_graphs.reset_after_capture(s.model, s.telemetry.moe)
         log.info(
             f"CUDA graphs: the MoE half of {len(graphs)} layers captured for {s.shape.seq_length}-token "

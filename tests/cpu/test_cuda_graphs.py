@@ -103,7 +103,7 @@ def test_expert_parallel_dispatch_is_captured_only_with_static_rows():
     def reasons(dispatcher):
         layer = _Layer()
         layer.mlp.token_dispatcher = dispatcher
-        return cuda_graphs.dispatch_ineligible([_model([layer])])
+        return cuda_graphs.dispatch_ineligible([_model([layer])], expert_group=dispatcher.ep_size)
 
     assert reasons(_dispatcher(td.MoEAlltoAllTokenDispatcher, ep=1)) == []  # local dispatch
     assert reasons(_dispatcher(td.MoEAllGatherTokenDispatcher, ep=2, static=True)) == []

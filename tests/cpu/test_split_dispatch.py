@@ -155,12 +155,12 @@ def test_layers_that_cannot_split_say_why(one_rank_world):
     model.decoder = torch.nn.Module()
     model.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.decoder.layers[0].mlp = moe
-    assert split_dispatch.enable([model], 2) == (0, ["EP x expert TP = 1: no collectives to overlap"])
+    assert split_dispatch.enable([model], 2, expert_group=1) == (0, ["EP x expert TP = 1: no collectives to overlap"])
     moe.token_dispatcher.ep_size = 2
     moe.moe_layer_recompute = True
     assert split_dispatch.splittable(moe).startswith("MoE-layer recomputation")
     moe.moe_layer_recompute = False
-    assert split_dispatch.enable([model], 2) == (1, [])
+    assert split_dispatch.enable([model], 2, expert_group=2) == (1, [])
     assert moe.moe_sft_dispatch_chunks == 2 and moe.forward.__func__ is split_dispatch.split_forward
     a2a = _moe_layers("alltoall")[0]
     assert "MoEAlltoAllTokenDispatcher" in split_dispatch.splittable(a2a)
