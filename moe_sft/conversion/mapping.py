@@ -62,7 +62,12 @@ def _layer_ids(family: Family, hf_cfg, rule: Rule) -> list[dict]:
         return [{}]
     if rule.layers == "mtp":
         return [{"mtp": k, "layer": n + k} for k in mtp]
-    wanted = lambda i: rule.layers == "all" or family.is_moe_layer(hf_cfg, i) == (rule.layers == "moe")  # noqa: E731
+    if rule.layers in ("linear_attention", "full_attention"):  # hybrid models: by the layer's mixer
+        linear = family.is_linear_attention_layer
+        # MTP layers (i >= n) run full attention
+        wanted = lambda i: (i < n and linear(hf_cfg, i)) == (rule.layers == "linear_attention")  # noqa: E731
+    else:
+        wanted = lambda i: rule.layers == "all" or family.is_moe_layer(hf_cfg, i) == (rule.layers == "moe")  # noqa: E731
     return [{"layer": i} for i in range(n) if wanted(i)] + [{"mtp": k, "layer": n + k} for k in mtp if wanted(n + k)]
 
 

@@ -27,6 +27,10 @@ class SFTTransformerConfig(TransformerConfig):
     """Epsilon of MLA's q/kv latent norms (transformers' DeepSeek-V3 builds them with 1e-6
     whatever rms_norm_eps says). None: layernorm_epsilon."""
 
+    linear_attention_layers: list[int] | None = None
+    """Indices of the decoder layers whose mixer is Gated DeltaNet (moe_sft/layers/gated_delta_net.py,
+    sized by megatron's linear_* fields); the others run self-attention. None: none."""
+
     qk_norm_full_width: bool | None = None
     """q/k RMSNorm over all heads at once, with one weight of width heads * head_dim (MiniMax-M2's
     q_norm / k_norm; moe_sft/layers/full_width_qk_norm.py). None: megatron's per-head qk_layernorm."""
@@ -50,6 +54,11 @@ class SFTYarnTransformerConfig(SFTTransformerConfig):
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
+
+
+def is_linear_attention_layer(config, index: int) -> bool:
+    """Layer `index` (0-based, over the whole decoder) runs Gated DeltaNet."""
+    return index in (getattr(config, "linear_attention_layers", None) or ())
 
 
 def config_class(multi_latent_attention: bool, yarn: bool = False) -> type:

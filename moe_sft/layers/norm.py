@@ -85,11 +85,18 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.config = config
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Zero-centred (Qwen3-Next, Qwen3.5): the weight is stored around 0 and scales by 1 + w
+        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         if config.sequence_parallel:
             self.weight.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:  # transformers' order: fp32 normalised x times fp32 (1 + w), rounded once
+            xf = x.float()
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
 

@@ -34,9 +34,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from moe_sft.layers.attention import VarlenCoreAttention
-from moe_sft.layers.config import is_moe_layer_of_config
+from moe_sft.layers.config import is_linear_attention_layer, is_moe_layer_of_config
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.layers.full_width_qk_norm import FullWidthKNorm, FullWidthQNorm
+from moe_sft.layers.gated_delta_net import GatedDeltaNet
 from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
 from moe_sft.layers.router import FamilyRouter
 
@@ -94,23 +95,28 @@ def _mla_attention(config: TransformerConfig) -> ModuleSpec:
     )
 
 
-def torch_layer_spec(config: TransformerConfig, is_moe: bool) -> ModuleSpec:
-    """One decoder layer built from torch-native modules (GQA or MLA attention)."""
+def torch_layer_spec(config: TransformerConfig, is_moe: bool, linear_attention: bool = False) -> ModuleSpec:
+    """One decoder layer built from torch-native modules (GQA, MLA or Gated DeltaNet mixer)."""
     mla = config.multi_latent_attention
-    if mla:  # TE fuses the MLA norms into the up projections
+    if linear_attention:  # megatron's TE spec fuses the input norm into the GDN's in_proj
+        keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+        mixer = ModuleSpec(module=GatedDeltaNet)
+    elif mla:  # TE fuses the MLA norms into the up projections
         keys_map = {
             "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
             "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
         }
     else:
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not linear_attention:
+        mixer = _mla_attention(config) if mla else _gqa_attention(config)
     if not is_moe:  # TE fuses the pre-MLP norm into linear_fc1 only for dense MLPs
         keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
-            self_attention=_mla_attention(config) if mla else _gqa_attention(config),
+            self_attention=mixer,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=_moe_spec() if is_moe else _dense_mlp_spec(),
@@ -129,6 +135,7 @@ def _check_te_covers(config: TransformerConfig) -> None:
             "moe_router_normalize_topk",
             "mla_latent_layernorm_epsilon",
             "qk_norm_full_width",
+            "linear_attention_layers",
         )
         if getattr(config, name, None) is not None
     ]
@@ -147,7 +154,10 @@ def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, p
         return gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
-    specs = [torch_layer_spec(config, is_moe_layer_of_config(config, i)) for i in range(config.num_layers)]
+    specs = [
+        torch_layer_spec(config, is_moe_layer_of_config(config, i), is_linear_attention_layer(config, i))
+        for i in range(config.num_layers)
+    ]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)

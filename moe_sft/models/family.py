@@ -24,7 +24,9 @@ class Rule:
     mcore: str  # megatron state_dict name (TP=PP=EP=1 module layout)
     hf: tuple[str, ...]  # HF names; with "{expert}", repeated for every expert in order
     transform: Transform = IDENTITY
-    layers: str = "none"  # none (global tensor) | all | dense | moe | mtp
+    # none (global tensor) | all | dense | moe | mtp | linear_attention | full_attention (decoder
+    # layers by their mixer: Family.is_linear_attention_layer)
+    layers: str = "none"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Family:
     # for trust_remote_code), as moe-sft writes them (models/remote_code/): the tiny model ships
     # them as the release does, and conversion and export carry them (mcore_io.remote_code_files).
     remote_code: Path | None = None
+    # Hybrid models (Qwen3-Next, Qwen3.5): decoder layer i's mixer is Gated DeltaNet, not attention.
+    is_linear_attention_layer: Callable[[object, int], bool] = lambda cfg, i: False
 
 
 class UnsupportedConfigError(ValueError):

@@ -114,6 +114,26 @@ def common_shape_fields(c, name: str) -> dict:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet sizes of a hybrid model (Qwen3-Next, Qwen3.5) and which layers run it."""
+
+    layers: tuple[bool, ...]  # per decoder layer: Gated DeltaNet (True) or attention
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def in_proj_width(self) -> int:  # q, k, v, z, b, a
+        return 2 * self.key_heads * self.key_dim + 2 * self.value_heads * self.value_dim + 2 * self.value_heads
+
+    @property
+    def conv_width(self) -> int:  # q, k, v
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True)
 class MLA:
     """DeepSeek multi-latent attention sizes (q_lora None: plain q projection)."""
 
@@ -153,6 +173,13 @@ class ModelShape:
     attention_sinks: bool = False
     # per decoder layer: the most keys a query sees (sliding-window attention), None: all before it
     attention_windows: tuple[int | None, ...] = ()
+    # a sigmoid output gate per query channel, made by the q projection (Qwen3-Next, Qwen3.5)
+    attention_gate: bool = False
+    shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert's output
+    linear_attention: LinearAttention | None = None
+
+    def is_linear_layer(self, i: int) -> bool:
+        return self.linear_attention is not None and i < self.num_layers and self.linear_attention.layers[i]
 
     @property
     def padded_vocab(self) -> int:

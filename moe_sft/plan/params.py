@@ -41,11 +41,24 @@ class Count:
         return self.dense + self.expert + self.frozen
 
 
-def attention_params(s: ModelShape, tp: int, backend: str = "torch") -> int:
+def linear_attention_params(s: ModelShape, tp: int) -> int:
+    """One Gated DeltaNet mixer with its input norm: in_proj, conv1d, dt_bias, A_log (split over TP
+    by head), the gated output norm (one head's width, whole) and out_proj."""
+    la, h = s.linear_attention, s.hidden
+    split = h * la.in_proj_width + la.conv_width * la.conv_kernel + 2 * la.value_heads
+    return h + split // tp + la.value_dim + la.value_heads * la.value_dim * h // tp
+
+
+def attention_params(s: ModelShape, tp: int, backend: str = "torch", layer: int | None = None) -> int:
+    """One layer's mixer with its input norm; `layer` (a decoder layer index) picks Gated DeltaNet
+    for a hybrid model's linear-attention layers."""
+    if layer is not None and s.is_linear_layer(layer):
+        return linear_attention_params(s, tp)
     h = s.hidden
     norms = h  # input_layernorm
     if s.mla is None:
-        qkv = (h + s.qkv_bias) * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // tp
+        q_heads = s.num_heads * (2 if s.attention_gate else 1)
+        qkv = (h + s.qkv_bias) * (q_heads + 2 * s.num_kv_heads) * s.head_dim // tp
         proj = s.num_heads * s.head_dim * h // tp
         qk_norm = 2 * s.head_dim if s.qk_norm else 0
         if s.qk_norm_full_width:  # one weight per q and k channel, split over TP with the heads
@@ -72,7 +85,7 @@ def mlp_params(s: ModelShape, moe: bool, lay: Layout) -> tuple[int, int]:
         return h + 3 * h * s.ffn // lay.tp, 0
     dense = h + s.num_experts * h  # norm + router (replicated)
     if s.shared_ffn:
-        dense += 3 * h * s.shared_ffn // lay.tp
+        dense += 3 * h * s.shared_ffn // lay.tp + (h if s.shared_expert_gate else 0)
     expert = (s.num_experts // lay.ep) * 3 * h * s.moe_ffn // lay.etp
     if s.linear_bias:  # router bias; fc1 bias split like fc1, fc2 bias whole on every expert-TP rank
         dense += s.num_experts
@@ -106,7 +119,7 @@ def chunk_params(
         if not (s.tie_embeddings and first):
             c.add("output_layer", vocab_part)
     for i in stage_layers(s.num_layers, lay, pp_rank)[vp_stage]:
-        _add_layer(c, s, lay, s.moe_layers[i], backend, "layer")
+        _add_layer(c, s, lay, s.moe_layers[i], backend, "layer", index=i)
     if mtp_here:
         for _ in range(s.mtp_layers):  # megatron: the MTP layer has the spec of the last layer
             c.add("mtp", mtp_extra_params(s, lay), frozen=mtp_frozen)
@@ -115,9 +128,9 @@ def chunk_params(
 
 
 def _add_layer(
-    c: Count, s: ModelShape, lay: Layout, moe: bool, backend: str, prefix: str, frozen: bool = False
+    c: Count, s: ModelShape, lay: Layout, moe: bool, backend: str, prefix: str, frozen: bool = False, index=None
 ) -> None:
-    c.add(f"{prefix}.attention", attention_params(s, lay.tp, backend), frozen=frozen)
+    c.add(f"{prefix}.attention", attention_params(s, lay.tp, backend, index), frozen=frozen)
     dense, expert = mlp_params(s, moe, lay)
     c.add(f"{prefix}.mlp", dense, frozen=frozen)
     if expert:
@@ -142,8 +155,8 @@ def active_params_per_token(s: ModelShape) -> int:
     """Matmul parameters one token passes through (for FLOPs): top-k experts, not all of them."""
     h, total = s.hidden, 0
     one = Layout(world=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1)
-    for moe in list(s.moe_layers) + [s.moe_layers[-1]] * s.mtp_layers:
-        total += attention_params(s, 1) - h
+    for i, moe in enumerate(list(s.moe_layers) + [s.moe_layers[-1]] * s.mtp_layers):
+        total += attention_params(s, 1, layer=i) - h
         if moe:
             total += s.num_experts * h + 3 * h * s.shared_ffn + s.topk * 3 * h * s.moe_ffn
         else:

@@ -1,0 +1,228 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5 / 3.6 MoE linear-attention layers) for the torch-native
+spec, over packed THD micro-batches.
+
+megatron-core 0.16.1's `GatedDeltaNet` needs fla at construction, allocates on CUDA and refuses
+`packed_seq_params`; this module keeps its parameter layout and dist-checkpoint keys (`in_proj`
+= [q, k, v, z, b, a] each split over TP, `conv1d.weight` = [q, k, v], `dt_bias`, `A_log`,
+`out_norm`, `out_proj`, so a checkpoint reshards across TP as megatron's does) and adds packing:
+neither the causal convolution nor the recurrent state crosses a document boundary (cu_seqlens),
+so a packed micro-batch gives each document's result alone, as transformers computes it.
+
+Computation (transformers' `Qwen3NextGatedDeltaNet`): in_proj → depthwise causal conv1d (kernel
+`linear_conv_kernel_dim`, SiLU) over q, k, v → L2-normed q, k (value heads > key heads: each q/k
+head serves value_heads / key_heads consecutive value heads) → the gated delta rule with
+g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) → RMSNorm(out) * weight * silu(z) →
+out_proj. Kernels: on CUDA fla's varlen `chunk_gated_delta_rule` and `causal_conv1d` (per-document
+state reset through cu_seqlens) when fla imports; else (CPU, or no fla) megatron's torch
+`torch_chunk_gated_delta_rule` per document in fp32 and a masked convolution: the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.ssm.gated_delta_net import _split_tensor_factory, torch_chunk_gated_delta_rule
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from megatron.core.utils import divide
+
+try:  # the CUDA kernels (optional: pip install fla-core)
+    from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except ImportError:  # CPU, or fla not installed: the torch reference runs
+    fla_causal_conv1d = fla_chunk_gated_delta_rule = None
+
+# fla on CUDA when it imports; tests set it False to compare the kernels with the torch path.
+USE_FLA = True
+
+
+def fla_available() -> bool:
+    return fla_chunk_gated_delta_rule is not None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim in fp32 (transformers' and fla's l2norm)."""
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv_per_document(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution + SiLU of x [T, C] with weight [C, K]; a token sees only the
+    earlier tokens of its own document (cu_seqlens: document starts, int32 [n + 1])."""
+    tokens, kernel = x.shape[0], weight.shape[-1]
+    if cu_seqlens is None:
+        starts = torch.zeros(tokens, dtype=torch.long, device=x.device)
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=tokens)
+    position = torch.arange(tokens, device=x.device)
+    padded = F.pad(x, (0, 0, kernel - 1, 0))
+    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+    for shift in range(kernel):  # tap `shift` reads the token `shift` steps back
+        same_document = (position - shift >= starts).unsqueeze(-1)
+        tap = padded[kernel - 1 - shift : kernel - 1 - shift + tokens]
+        out = out + torch.where(same_document, tap, torch.zeros_like(tap)) * weight[:, kernel - 1 - shift]
+    return F.silu(out).to(x.dtype)
+
+
+def gated_delta_rule_per_document(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The chunked gated delta rule (megatron's torch implementation, fp32) over each document
+    alone: q, k [T, H, Dk] (already L2-normed, one per value head), v [T, H, Dv], g, beta [T, H];
+    returns [T, H, Dv] in v's dtype."""
+    bounds = [0, q.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            continue
+        out, _ = torch_chunk_gated_delta_rule(
+            q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g=g[None, lo:hi], beta=beta[None, lo:hi]
+        )
+        outs.append(out[0])
+    return torch.cat(outs).to(v.dtype)
+
+
+class GatedDeltaNet(MegatronModule):
+    """A decoder layer's mixer in place of self-attention: [s, b, h] in, ([s, b, h], None) out."""
+
+    def __init__(self, config, submodules=None, layer_number: int = 1, pg_collection=None, **kwargs):
+        super().__init__(config)
+        self.config, self.layer_number = config, layer_number
+        from megatron.core import parallel_state
+
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.qk_dim = self.key_head_dim * self.num_key_heads
+        self.v_dim = self.value_head_dim * self.num_value_heads
+        self.in_proj_dim = 2 * self.qk_dim + 2 * self.v_dim + 2 * self.num_value_heads
+        self.local_key_heads = divide(self.num_key_heads, self.tp_size)
+        self.local_value_heads = divide(self.num_value_heads, self.tp_size)
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size,
+            self.in_proj_dim,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+        )
+        self.conv_dim = 2 * self.qk_dim + self.v_dim
+        local_conv = self.conv_dim // self.tp_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        kernel = config.linear_conv_kernel_dim
+        self.conv1d = torch.nn.Conv1d(
+            local_conv, local_conv, kernel, groups=local_conv, bias=False, device=device, dtype=config.params_dtype
+        )
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.local_value_heads, device=device, dtype=config.params_dtype))
+        a_init = torch.empty(self.local_value_heads, device=device, dtype=torch.float32).uniform_(1, 16)
+        self.A_log = torch.nn.Parameter(torch.log(a_init).to(config.params_dtype))
+        for param in (self.conv1d.weight, self.dt_bias, self.A_log):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+        self.out_norm = GatedRMSNorm(config, self.value_head_dim, config.layernorm_epsilon)
+        self.out_proj = RowParallelLinear(
+            self.v_dim,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+        )
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
+        mixed, _ = self.in_proj(hidden_states)  # [s, b, local]; s: the full sequence under SP
+        seq, batch = mixed.shape[:2]
+        tp = self.tp_size
+        sizes = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp]
+        sizes += [self.local_value_heads, self.local_value_heads]
+        # THD: one row of packed documents; BSHD: each batch row is a document
+        tokens = mixed.transpose(0, 1).reshape(batch * seq, -1)
+        cu_seqlens = _cu_seqlens(packed_seq_params, batch, seq, tokens.device)
+        q, k, v, z, b, a = torch.split(tokens, sizes, dim=-1)
+        qkv = self._conv(torch.cat([q, k, v], dim=-1), cu_seqlens)
+        q, k, v = torch.split(qkv, sizes[:3], dim=-1)
+        heads, ratio = self.local_value_heads, self.num_value_heads // self.num_key_heads
+        q = l2norm(q.reshape(-1, self.local_key_heads, self.key_head_dim)).repeat_interleave(ratio, dim=1)
+        k = l2norm(k.reshape(-1, self.local_key_heads, self.key_head_dim)).repeat_interleave(ratio, dim=1)
+        v = v.reshape(-1, heads, self.value_head_dim)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = b.float().sigmoid()
+        out = self._delta_rule(q, k, v, g, beta, cu_seqlens)  # [T, H, Dv]
+        out = self.out_norm(out, z.reshape(-1, heads, self.value_head_dim))
+        out = out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+        return self.out_proj(out)
+
+    def _conv(self, x, cu_seqlens):
+        weight = self.conv1d.weight.squeeze(1)
+        if _use_fla(x):
+            return fla_causal_conv1d(x[None], weight=weight, activation="silu", cu_seqlens=cu_seqlens)[0][0]
+        return causal_conv_per_document(x, weight, cu_seqlens)
+
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens):
+        if _use_fla(v):
+            out, _ = fla_chunk_gated_delta_rule(
+                q[None].to(v.dtype), k[None].to(v.dtype), v[None], g=g[None], beta=beta[None], cu_seqlens=cu_seqlens
+            )
+            return out[0]
+        return gated_delta_rule_per_document(q, k, v, g, beta, cu_seqlens)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's GatedDeltaNet keys: in_proj and conv1d split into their parts, each over TP."""
+        out = {}
+        self._save_to_state_dict(out, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(out, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets)
+        for name, module in self.named_children():
+            if name == "conv1d":
+                part = make_sharded_tensors_for_checkpoint(
+                    module.state_dict(prefix="", keep_vars=True), f"{prefix}{name}.", {"weight": 0}, sharded_offsets
+                )
+            else:
+                part = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+            out.update(part)
+        tp = self.tp_size
+        qk, v, heads = self.qk_dim // tp, self.v_dim // tp, self.local_value_heads
+        out[f"{prefix}in_proj.weight"] = _split_tensor_factory(
+            out[f"{prefix}in_proj.weight"],
+            [qk, qk, v, v, heads, heads],
+            ["query", "key", "value", "z", "beta", "alpha"],
+            0,
+        )
+        out[f"{prefix}conv1d.weight"] = _split_tensor_factory(
+            out[f"{prefix}conv1d.weight"], [qk, qk, v], ["query", "key", "value"], 0
+        )
+        return out
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """RMSNorm(x) * weight * silu(gate) per value head (transformers' `Qwen3NextRMSNormGated`: the
+    normalised x rounded to x's dtype, times the weight, times silu(gate) in fp32)."""
+
+    def __init__(self, config, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(width, device=device, dtype=config.params_dtype))
+
+    def forward(self, x, gate):
+        dtype = gate.dtype
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(dtype)
+
+
+def _use_fla(t: torch.Tensor) -> bool:
+    return USE_FLA and t.is_cuda and fla_available()
+
+
+def _cu_seqlens(packed_seq_params, batch: int, seq: int, device) -> torch.Tensor | None:
+    if packed_seq_params is not None:
+        cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
+        total = batch * seq
+        # a fixed-shape micro-batch's padding after the last document: a segment of its own
+        return cu if int(cu[-1]) >= total else torch.cat([cu, cu.new_tensor([total])])
+    if batch == 1:
+        return None
+    return torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
