@@ -145,8 +145,8 @@ class LayerParity:
 
 
 def choose_layers(family, hf_cfg, choice: str) -> list[int]:
-    """HF layer indices from `auto` (first dense, first MoE, last decoder layer and the first MTP
-    layer, those that exist), `all`, or a comma list such as `0,3,61` (MTP k: num_hidden_layers + k)."""
+    """HF layer indices from `auto` (first dense, first MoE, the first linear-attention layer of a
+    hybrid model, last decoder layer and the first MTP layer, those that exist), `all`, or a comma list such as `0,3,61` (MTP k: num_hidden_layers + k)."""
     n, mtp = hf_cfg.num_hidden_layers, family.num_mtp_layers(hf_cfg)
     choice = choice.strip().lower()
     if choice == "all":
@@ -154,7 +154,8 @@ def choose_layers(family, hf_cfg, choice: str) -> list[int]:
     if choice == "auto":
         dense = [i for i in range(n) if not family.is_moe_layer(hf_cfg, i)]
         moe = [i for i in range(n) if family.is_moe_layer(hf_cfg, i)]
-        picked = dense[:1] + moe[:1] + [n - 1] + ([n] if mtp else [])
+        linear = [i for i in range(n) if family.is_linear_attention_layer(hf_cfg, i)]
+        picked = dense[:1] + moe[:1] + linear[:1] + [n - 1] + ([n] if mtp else [])
         return sorted(set(picked))
     try:
         layers = [int(part) for part in choice.split(",") if part.strip()]
@@ -230,6 +231,8 @@ def verify_layers(
 def _kind(family, hf_cfg, index: int) -> str:
     n = hf_cfg.num_hidden_layers
     mlp = "moe" if family.is_moe_layer(hf_cfg, index) else "dense"
+    if index < n and family.is_linear_attention_layer(hf_cfg, index):
+        mlp = f"linear attention, {mlp}"
     return f"mtp {index - n} ({mlp})" if index >= n else mlp
 
 
@@ -289,7 +292,8 @@ class _HFLayers:
                         causal = causal + torch.full_like(causal, torch.finfo(x.dtype).min).tril(-window)
                     out = layer(
                         x,
-                        attention_mask=causal[None, None],
+                        # a linear-attention layer reads a [batch, tokens] padding mask; none: no padding
+                        attention_mask=None if self._linear_attention(index) else causal[None, None],
                         position_ids=positions,
                         position_embeddings=self.rotary(x, positions),
                     )
@@ -297,6 +301,10 @@ class _HFLayers:
                 return torch.cat(outs)
             finally:
                 layer.to("meta")  # back to no storage: one layer at a time
+
+    def _linear_attention(self, index: int) -> bool:
+        types = getattr(self.model.config, "layer_types", None) or []
+        return index < len(types) and types[index] == "linear_attention"
 
     def _sliding_window(self, index: int) -> int | None:
         """The window of a layer transformers runs with sliding-window attention (`layer_types`)."""

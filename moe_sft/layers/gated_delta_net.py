@@ -110,7 +110,9 @@ class GatedDeltaNet(MegatronModule):
         )
         self.conv_dim = 2 * self.qk_dim + self.v_dim
         local_conv = self.conv_dim // self.tp_size
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = (
+            None if config.use_cpu_initialization else torch.cuda.current_device()
+        )  # None: the default (meta in meta_model)
         kernel = config.linear_conv_kernel_dim
         self.conv1d = torch.nn.Conv1d(
             local_conv, local_conv, kernel, groups=local_conv, bias=False, device=device, dtype=config.params_dtype
@@ -203,7 +205,9 @@ class GatedRMSNorm(torch.nn.Module):
     def __init__(self, config, width: int, eps: float):
         super().__init__()
         self.eps = eps
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = (
+            None if config.use_cpu_initialization else torch.cuda.current_device()
+        )  # None: the default (meta in meta_model)
         self.weight = torch.nn.Parameter(torch.ones(width, device=device, dtype=config.params_dtype))
 
     def forward(self, x, gate):

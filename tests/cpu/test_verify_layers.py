@@ -49,6 +49,13 @@ LAYERS = {
     "kimi_k2": [(0, "dense"), (1, "moe")],
     "glm4_moe": [(0, "dense"), (1, "moe")],
     "gpt_oss": [(0, "moe"), (1, "moe")],
+    # Gated DeltaNet x 3, then gated attention; `auto` compares layers 0 and 3
+    "qwen3_next": [
+        (0, "linear attention, moe"),
+        (1, "linear attention, moe"),
+        (2, "linear attention, moe"),
+        (3, "moe"),
+    ],
     "minimax_m2": [(0, "moe"), (1, "moe")],
 }
 
@@ -79,7 +86,9 @@ def test_every_layer_matches_transformers_as_the_whole_model_does(converted):
     for r in results:
         print(f"{name}: {r.line(LAYER_TOL)}")
     assert [(r.layer, r.kind) for r in results] == LAYERS[name]
-    assert all(r.max_abs_diff <= LAYER_TOL and r.rel_diff <= LAYER_TOL for r in results)
+    # the delta rule's chunked recurrence sums fp32 roundings over a document (measured 1.2e-5 at scale 4)
+    abs_tol = 5e-5 if name == "qwen3_next" else LAYER_TOL
+    assert all(r.max_abs_diff <= abs_tol and r.rel_diff <= LAYER_TOL for r in results)
     assert all(r.scale > 1e-2 for r in results)  # the layers do add something to the residual
     assert all(r.experts_routed[0] >= 1 for r in results if "moe" in r.kind)
     logits = verify(tmp / "hf", tmp / "mcore")
@@ -164,6 +173,10 @@ CORRUPTIONS = {  # family → [(description, edit, the layer it must fail)]
         ("sinks scaled by 1.5 in the full-attention layer", _scale("model.layers.1.self_attn.sinks", 1.5), 1),
         ("experts reversed in the sliding-window layer", _flip_experts("model.layers.0.mlp.experts.down_proj"), 0),
     ],
+    "qwen3_next": [  # layers 0-2 Gated DeltaNet, layer 3 gated attention
+        ("the GDN's A_log shifted in layer 1", _scale("model.layers.1.linear_attn.A_log", 1.5), 1),
+        ("o_proj scaled by 1.05 in the attention layer 3", _scale("model.layers.3.self_attn.o_proj.weight", 1.05), 3),
+    ],
     "minimax_m2": [
         (
             "experts swapped in layer 1",
@@ -204,7 +217,7 @@ def test_a_bf16_checkpoint_is_compared_in_fp32(tmp_path):
     assert all(r.rel_diff <= LAYER_TOL for r in results), [r.line(LAYER_TOL) for r in results]
 
 
-def test_a_rope_the_conversion_got_wrong_fails_every_layer(converted):
+def test_a_rope_the_conversion_got_wrong_fails_every_layer(converted):  # every attention layer
     """The converted checkpoint's config says rope_theta=10000; the HF source now says 20000."""
     name, tmp = converted
     source = tmp / "rope"
@@ -217,7 +230,9 @@ def test_a_rope_the_conversion_got_wrong_fails_every_layer(converted):
     results = verify_layers(source, tmp / "mcore", "all")
     lines = "\n".join(r.line(CLI_TOL) for r in results)
     print(f"{name}, rope_theta x2 in the HF source:\n{lines}")
-    assert not any(r.passed(CLI_TOL) for r in results), lines
+    roped = [r for r in results if "linear attention" not in r.kind]  # Gated DeltaNet has no rope
+    assert roped and not any(r.passed(CLI_TOL) for r in roped), lines
+    assert all(r.passed(CLI_TOL) for r in results if r not in roped), lines
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,7 +260,8 @@ def test_only_the_compared_layer_is_ever_materialised(converted, monkeypatch):
     monkeypatch.setattr(verify_module, "_load_megatron_layer", ours)
     monkeypatch.setattr(verify_module._HFLayers, "_load", theirs)
     verify_layers(tmp / "hf", tmp / "mcore", "auto")
-    assert len(seen) == 2 * len(LAYERS[name])
+    # auto: every layer of the tiny models, but of the hybrid one layer 0 (Gated DeltaNet) and 3 (attention)
+    assert len(seen) == 2 * {"qwen3_next": 2}.get(name, len(LAYERS[name]))
     for side, prefix, real in seen:
         assert real and all(n.startswith(prefix) for n in real), (side, prefix, real[:5])
 
