@@ -58,6 +58,11 @@ def check_supported(cfg) -> None:
             f"config.json: rope_parameters.rope_type={rope_type!r} is not supported (the releases use default RoPE)."
         )
     check_no_attention_bias(cfg, "Qwen3-Next (it biases q, k, v and o_proj)")
+    if not getattr(cfg, "shared_expert_intermediate_size", 0):
+        raise UnsupportedConfigError(
+            "config.json: shared_expert_intermediate_size=0 is not supported (transformers still builds the "
+            "shared expert's gate; the releases have a shared expert)"
+        )
     unknown = sorted(set(layer_types(cfg)) - {"linear_attention", "full_attention"})
     if unknown or len(layer_types(cfg)) != cfg.num_hidden_layers:
         raise UnsupportedConfigError(
@@ -98,8 +103,8 @@ def transformer_config_kwargs(cfg) -> dict:
         attention_output_gate=True,
         num_moe_experts=num_experts(cfg),
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
-        moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or None,
-        moe_shared_expert_gate=bool(cfg.shared_expert_intermediate_size),
+        moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        moe_shared_expert_gate=True,
         **common.softmax_routing_config(cfg.num_experts_per_tok, bool(cfg.norm_topk_prob)),
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(cfg.num_hidden_layers)],
         moe_aux_loss_coeff=cfg.router_aux_loss_coef,
@@ -254,7 +259,7 @@ def block_rules(cfg) -> list[Rule]:
             Rule(DECODER + "input_layernorm.weight", (LAYER + "input_layernorm.weight",), layers="all"),
             Rule(DECODER + "pre_mlp_layernorm.weight", (LAYER + "post_attention_layernorm.weight",), layers="all"),
         ]
-        + (shared if cfg.shared_expert_intermediate_size else [])
+        + shared
         + common.routed_expert_rules(
             "mlp.gate.weight",
             "mlp.experts.{expert}.gate_proj.weight",
@@ -327,7 +332,7 @@ def sample_hf_config(rng, vocab_size: int) -> Qwen3NextConfig:
         linear_conv_kernel_dim=rng.choice([2, 3, 4]),
         intermediate_size=16 * rng.randint(1, 8),
         moe_intermediate_size=16 * rng.randint(1, 6),
-        shared_expert_intermediate_size=rng.choice([0, 16, 32]),
+        shared_expert_intermediate_size=rng.choice([16, 32]),
         num_experts=experts,
         num_experts_per_tok=rng.randint(1, experts),
         norm_topk_prob=rng.random() < 0.5,

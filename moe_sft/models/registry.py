@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from moe_sft.models import deepseek_v3, glm4_moe, gpt_oss, kimi_k2, minimax_m2, mixtral, qwen3_moe, qwen3_next
+from moe_sft.models import (
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    kimi_k2,
+    minimax_m2,
+    mixtral,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from moe_sft.models.family import Family, UnsupportedConfigError
 
 FAMILIES: tuple[Family, ...] = (
@@ -14,6 +24,7 @@ FAMILIES: tuple[Family, ...] = (
     minimax_m2.FAMILY,
     gpt_oss.FAMILY,
     qwen3_next.FAMILY,
+    qwen3_5_moe.FAMILY,
 )
 
 
