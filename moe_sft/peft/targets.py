@@ -91,3 +91,21 @@ def rank_errors(rank: int, entries: list[str], shape) -> list[str]:
         for entry in entries
         if entry in dims and rank > dims[entry]
     ]
+
+
+def unsupported_target_errors(entries: list[str], shape) -> list[str]:
+    """Targets whose adapters moe-sft cannot yet export as transformers' modules: the mixers of
+    hybrid models (Gated DeltaNet's in_proj / out_proj, the gated attention's linear_qkv whose rows
+    interleave each head's query and gate as q_proj does)."""
+    if shape.linear_attention is None and not shape.attention_gate:
+        return []
+    mixers = [e for e in entries if e in ("attention", "all_linear") or "self_attention" in e]
+    return (
+        [
+            f"peft.target_modules={mixers}: adapters on the attention / Gated DeltaNet projections of "
+            f"{shape.model_type} are not supported yet (their PEFT export to transformers' q_proj / in_proj_* "
+            "is not written); target the MoE instead: [experts, shared_experts]"
+        ]
+        if mixers
+        else []
+    )

@@ -93,7 +93,10 @@ def check_against_model(cfg: TrainConfig, hf: HFModel) -> None:
         topk=shape.topk,
     )
     if cfg.peft.method != "none":
-        errors = peft_targets.rank_errors(cfg.peft.rank, list(cfg.peft.target_modules), shape)
+        entries = list(cfg.peft.target_modules)
+        errors = peft_targets.unsupported_target_errors(entries, shape) + peft_targets.rank_errors(
+            cfg.peft.rank, entries, shape
+        )
         if errors:
             raise ConfigError(format_errors(errors))
 
