@@ -664,12 +664,14 @@ def validate_against_model(
     vocab_size: int,
     expert_biases: bool = False,
     topk: int = 0,
+    linear_attention: bool = False,
 ) -> None:
     """Checks that need the HF config's sizes; raise one ConfigError listing all failures.
 
     num_query_groups=None means plain multi-head attention (= num_attention_heads);
     num_experts=None means a dense model (no expert checks); expert_biases: the experts' GEMMs
-    have biases (gpt-oss); topk: experts per token.
+    have biases (gpt-oss); topk: experts per token; linear_attention: Gated DeltaNet layers
+    (Qwen3-Next, Qwen3.5).
     """
     p = cfg.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
@@ -697,6 +699,12 @@ def validate_against_model(
             f"[vocab] parallel.tensor_model_parallel_size={tp} does not divide vocab_size="
             f"{vocab_size} (the embedding is split evenly over TP); use one of "
             f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}"
+        )
+    if linear_attention and p.context_parallel_size > 1:
+        errors.append(
+            f"[context_parallel] parallel.context_parallel_size={p.context_parallel_size}: this model's Gated "
+            "DeltaNet layers carry a recurrent state along each document, which moe-sft does not yet pass "
+            "from one CP rank to the next; use context_parallel_size=1 (TP, PP, EP and DP work)"
         )
     if cfg.trainer.cuda_graphs and num_experts and ep > 1 and topk:
         errors += [f"[cuda_graphs] {m}" for m in _graphed_dispatch_errors(cfg, num_experts, topk, expert_biases)]

@@ -96,3 +96,19 @@ def test_lora_on_the_hybrid_mixers_is_refused_before_the_model_is_built():
         assert targets.unsupported_target_errors(["experts", "shared_experts"], shape) == []
     qwen3 = registry.family_by_name("qwen3_moe")
     assert targets.unsupported_target_errors(["all_linear"], qwen3.shape(qwen3.tiny_hf_config())) == []
+
+
+def test_context_parallel_is_refused_for_the_hybrid_models():
+    import pytest
+
+    from moe_sft.config import ConfigError, load_config
+    from moe_sft.trainer.assemble import HFModel, check_against_model
+    from tests.cpu.test_plan import REPO
+
+    family = registry.family_by_name("qwen3_5_moe")
+    cfg = family.tiny_hf_config()
+    hf = HFModel(family, cfg, family.shape(cfg))
+    recipe = ["--config-path", str(REPO / "recipes"), "--config-name", "quickstart"]
+    check_against_model(load_config(recipe), hf)  # CP1: fine
+    with pytest.raises(ConfigError, match=r"context_parallel_size=2: this model's Gated DeltaNet"):
+        check_against_model(load_config([*recipe, "parallel.context_parallel_size=2"]), hf)
