@@ -13,19 +13,29 @@ Computation (transformers' `Qwen3NextGatedDeltaNet`): in_proj → depthwise caus
 head serves value_heads / key_heads consecutive value heads) → the gated delta rule with
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) → RMSNorm(out) * weight * silu(z) →
 out_proj. Kernels: on CUDA fla's varlen `chunk_gated_delta_rule` and `causal_conv1d` (per-document
-state reset through cu_seqlens) when fla imports; else (CPU, or no fla) megatron's torch
+state reset through cu_seqlens) when fla imports and its backward is right on the GPU
+(`fla_trains`); else (CPU, no fla, or fla's Hopper/Triton refusal) megatron's torch
 `torch_chunk_gated_delta_rule` per document in fp32 and a masked convolution: the reference.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import _split_tensor_factory, torch_chunk_gated_delta_rule
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
 from megatron.core.utils import divide
+
+from moe_sft.runtime.logs import get_logger
 
 try:  # the CUDA kernels (optional: pip install fla-core)
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
@@ -33,12 +43,32 @@ try:  # the CUDA kernels (optional: pip install fla-core)
 except ImportError:  # CPU, or fla not installed: the torch reference runs
     fla_causal_conv1d = fla_chunk_gated_delta_rule = None
 
+log = get_logger(__name__)
+
 # fla on CUDA when it imports; tests set it False to compare the kernels with the torch path.
 USE_FLA = True
 
 
 def fla_available() -> bool:
     return fla_chunk_gated_delta_rule is not None
+
+
+@functools.cache
+def fla_trains() -> bool:
+    """fla's backward is right on this GPU. fla 0.6 refuses its gated backward on Hopper with
+    Triton 3.4 - 3.7.0 (wrong results: fla issue #640) unless tilelang is installed; torch 2.11 pins
+    such a Triton, so there the torch path runs (logged once)."""
+    if not fla_available():
+        return False
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and not importlib.util.find_spec("tilelang"):
+        log.info(
+            "Gated DeltaNet: the torch path, not fla's kernels: fla refuses its backward on Hopper with this "
+            "Triton (< 3.7.1, fla issue #640); install tilelang or a Triton >= 3.7.1 for the fast path"
+        )
+        return False
+    return True
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -173,16 +203,23 @@ class GatedDeltaNet(MegatronModule):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """megatron's GatedDeltaNet keys: in_proj and conv1d split into their parts, each over TP."""
+        from megatron.core import parallel_state
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        groups = dict(tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=metadata["dp_cp_group"])
         out = {}
         self._save_to_state_dict(out, "", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(out, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets)
+        out = make_sharded_tensors_for_checkpoint(out, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets, **groups)
         for name, module in self.named_children():
             if name == "conv1d":
+                module_sd = module.state_dict(prefix="", keep_vars=True)
                 part = make_sharded_tensors_for_checkpoint(
-                    module.state_dict(prefix="", keep_vars=True), f"{prefix}{name}.", {"weight": 0}, sharded_offsets
+                    module_sd, f"{prefix}{name}.", {"weight": 0}, sharded_offsets, **groups
                 )
-            else:
-                part = sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata)
+            else:  # in_proj / out_proj (TP-sharded linears), out_norm (replicated: one head's width)
+                part = sharded_state_dict_default(
+                    module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=groups["tp_group"]
+                )
             out.update(part)
         tp = self.tp_size
         qk, v, heads = self.qk_dim // tp, self.v_dim // tp, self.local_value_heads
@@ -218,7 +255,7 @@ class GatedRMSNorm(torch.nn.Module):
 
 
 def _use_fla(t: torch.Tensor) -> bool:
-    return USE_FLA and t.is_cuda and fla_available()
+    return USE_FLA and t.is_cuda and fla_trains()
 
 
 def _cu_seqlens(packed_seq_params, batch: int, seq: int, device) -> torch.Tensor | None:
