@@ -140,9 +140,7 @@ class GatedDeltaNet(MegatronModule):
         )
         self.conv_dim = 2 * self.qk_dim + self.v_dim
         local_conv = self.conv_dim // self.tp_size
-        device = (
-            None if config.use_cpu_initialization else torch.cuda.current_device()
-        )  # None: the default (meta in meta_model)
+        device = _param_device(config)
         kernel = config.linear_conv_kernel_dim
         self.conv1d = torch.nn.Conv1d(
             local_conv, local_conv, kernel, groups=local_conv, bias=False, device=device, dtype=config.params_dtype
@@ -237,21 +235,34 @@ class GatedDeltaNet(MegatronModule):
 
 class GatedRMSNorm(torch.nn.Module):
     """RMSNorm(x) * weight * silu(gate) per value head (transformers' `Qwen3NextRMSNormGated`: the
-    normalised x rounded to x's dtype, times the weight, times silu(gate) in fp32)."""
+    normalised x rounded to x's dtype, times the weight, times silu(gate) in fp32).
+
+    One weight serves every head, and TP ranks hold different heads: the weight enters through
+    megatron's copy-to-TP-region (identity forward, all-reduce of its gradient backward), so each
+    rank's gradient is the sum over all heads, as at one rank."""
 
     def __init__(self, config, width: int, eps: float):
         super().__init__()
         self.eps = eps
-        device = (
-            None if config.use_cpu_initialization else torch.cuda.current_device()
-        )  # None: the default (meta in meta_model)
-        self.weight = torch.nn.Parameter(torch.ones(width, device=device, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(width, device=_param_device(config), dtype=config.params_dtype))
 
     def forward(self, x, gate):
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        weight = self.weight
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            weight = copy_to_tensor_model_parallel_region(weight)
         dtype = gate.dtype
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(dtype)
+        return (weight * normed * F.silu(gate.float())).to(dtype)
+
+
+def _param_device(config):
+    """Where parameters are made: None (the default device, meta inside meta_model) with CPU
+    initialisation, else the current CUDA device (as megatron's modules)."""
+    return None if config.use_cpu_initialization else torch.cuda.current_device()
 
 
 def _use_fla(t: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from tests.cpu.test_families import _hf_model
 from tests.dist.launch import REPO, step_metrics, torchrun
 from tests.glm4_moe_mtp import write_tiny_glm4_moe_with_mtp
 
-NEW_FAMILY_LAYOUTS = ["glm4_moe", "minimax_m2", "gpt_oss"]
+NEW_FAMILY_LAYOUTS = ["glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe"]
 # family -> writer(path, vocab) of its tiny HF checkpoint with MTP layers; others: no MTP layer.
 # GLM's expert bias (spread 0.5) steers whole micro-batches away from one EP rank's experts: EP2
 # first crashed there (gather_sum of no rows), then deadlocked (that rank's backward skipped the
@@ -38,6 +38,9 @@ LAYOUTS = {
 }
 # gpt-oss's experts have biases, which megatron-core 0.16.1 allows only at expert TP 1
 FAMILY_OVERRIDES = {"gpt_oss": {"tp2_sp": ["parallel.expert_tensor_parallel_size=1"]}}
+# Gated DeltaNet carries no recurrent state across CP ranks yet: CP is refused (test_gated_delta_net.py).
+# Qwen3-Next shares every module with Qwen3.5 but the GDN projections' HF layout (conversion tests).
+SKIPPED_LAYOUTS = {"qwen3_5_moe": {"cp2"}}
 
 
 def _write_tiny(family_name: str, path, vocab: int) -> bool:
@@ -87,6 +90,8 @@ def one_rank(source):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_one_rank(source, one_rank, layout):
+    if layout in SKIPPED_LAYOUTS.get(source[2], ()):
+        pytest.skip(f"{source[2]}: {layout} is refused by the trainer (see SKIPPED_LAYOUTS)")
     metrics = _train(source, layout, LAYOUTS[layout] + FAMILY_OVERRIDES.get(source[2], {}).get(layout, []))
     print(source[0].name, layout, metrics)
     assert sorted(metrics) == sorted(one_rank) == list(range(1, STEPS + 1))
