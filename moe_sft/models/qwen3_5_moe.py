@@ -82,64 +82,12 @@ def rules(cfg) -> list[Rule]:
 
 
 def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3_5MoeTextConfig:
-    """A few-MB Qwen3.5 MoE: three GDN layers and one gated-attention layer (the released pattern)."""
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
-        num_experts=8,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=0.01,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        use_cache=False,  # transformers' hybrid cache fails a forward of linear-attention layers only
-    )
-    kwargs.update(overrides)
-    if "layer_types" not in overrides:
-        kwargs["layer_types"] = None  # the config's own pattern for this many layers
-    return Qwen3_5MoeTextConfig(**kwargs)
+    """A few-MB Qwen3.5 MoE: the tiny hybrid stack of qwen3_next.TINY_HYBRID."""
+    return qwen3_next.tiny_config(Qwen3_5MoeTextConfig, vocab_size, 1e7, overrides)
 
 
 def sample_hf_config(rng, vocab_size: int) -> Qwen3_5MoeTextConfig:
-    layers = rng.randint(1, 4)
-    experts = rng.randint(2, 10)
-    key_heads = rng.choice([1, 2, 4])
-    attention = common.sample_attention_shape(rng)
-    return Qwen3_5MoeTextConfig(
-        vocab_size=vocab_size,
-        num_hidden_layers=layers,
-        **dict(attention, head_dim=rng.choice([8, 16, 32])),
-        layer_types=[rng.choice(["linear_attention", "full_attention"]) for _ in range(layers)],
-        linear_num_key_heads=key_heads,
-        linear_num_value_heads=key_heads * rng.choice([1, 2, 3]),
-        linear_key_head_dim=rng.choice([8, 16, 32]),
-        linear_value_head_dim=rng.choice([8, 16, 32]),
-        linear_conv_kernel_dim=rng.choice([2, 3, 4]),
-        moe_intermediate_size=16 * rng.randint(1, 6),
-        shared_expert_intermediate_size=rng.choice([16, 32]),
-        num_experts=experts,
-        num_experts_per_tok=rng.randint(1, experts),
-        router_aux_loss_coef=0.01,
-        use_cache=False,
-        rms_norm_eps=rng.choice([1e-6, 1e-5]),
-        tie_word_embeddings=rng.random() < 0.3,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": rng.choice([10000.0, 1e7]),
-            "partial_rotary_factor": rng.choice([0.25, 0.5, 1.0]),
-        },
-    )
+    return Qwen3_5MoeTextConfig(**qwen3_next.sample_hybrid(rng, vocab_size, rng.randint(1, 4)))
 
 
 FAMILY = Family(

@@ -282,62 +282,65 @@ def rules(cfg) -> list[Rule]:
 # ----------------------------------------------------------------------------- tiny and sampled configs
 
 
-def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3NextConfig:
-    """A few-MB Qwen3-Next: three GDN layers and one gated-attention layer (the released pattern)."""
+# The tiny hybrid model's dims (Qwen3.5's tiny config shares them): three GDN layers and one
+# gated-attention layer (the released pattern).
+TINY_HYBRID = dict(
+    hidden_size=128,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.01,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    use_cache=False,  # transformers' hybrid cache fails a forward of linear-attention layers only
+)
+
+
+def tiny_config(config_class, vocab_size: int, rope_theta: float, overrides: dict):
     kwargs = dict(
+        TINY_HYBRID,
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        router_aux_loss_coef=0.01,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-        use_cache=False,  # transformers' hybrid cache fails a forward of linear-attention layers only
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.25},
     )
     kwargs.update(overrides)
     if "layer_types" not in overrides:
         kwargs["layer_types"] = None  # the config's own pattern for this many layers
-    return Qwen3NextConfig(**kwargs)
+    return config_class(**kwargs)
 
 
-def sample_hf_config(rng, vocab_size: int) -> Qwen3NextConfig:
-    layers = rng.randint(1, 4)
+def tiny_hf_config(vocab_size: int = 512, **overrides) -> Qwen3NextConfig:
+    """A few-MB Qwen3-Next (TINY_HYBRID, dense MLP width 256 for dense layers)."""
+    return tiny_config(Qwen3NextConfig, vocab_size, 1e6, dict(intermediate_size=256, norm_topk_prob=True) | overrides)
+
+
+def sample_hybrid(rng, vocab_size: int, layers: int) -> dict:
+    """A random legal hybrid stack of `layers` layers (the fields Qwen3-Next and Qwen3.5 share)."""
     experts = rng.randint(2, 10)
     key_heads = rng.choice([1, 2, 4])
-    attention = common.sample_attention_shape(rng)
-    head_dim = rng.choice([8, 16, 32])
-    return Qwen3NextConfig(
+    return dict(
         vocab_size=vocab_size,
         num_hidden_layers=layers,
-        **dict(attention, head_dim=head_dim),
+        **dict(common.sample_attention_shape(rng), head_dim=rng.choice([8, 16, 32])),
         layer_types=[rng.choice(["linear_attention", "full_attention"]) for _ in range(layers)],
         linear_num_key_heads=key_heads,
         linear_num_value_heads=key_heads * rng.choice([1, 2, 3]),
         linear_key_head_dim=rng.choice([8, 16, 32]),
         linear_value_head_dim=rng.choice([8, 16, 32]),
         linear_conv_kernel_dim=rng.choice([2, 3, 4]),
-        intermediate_size=16 * rng.randint(1, 8),
         moe_intermediate_size=16 * rng.randint(1, 6),
         shared_expert_intermediate_size=rng.choice([16, 32]),
         num_experts=experts,
         num_experts_per_tok=rng.randint(1, experts),
-        norm_topk_prob=rng.random() < 0.5,
-        decoder_sparse_step=rng.choice([1, 1, 2]),
-        mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))),
         router_aux_loss_coef=0.01,
         use_cache=False,
         rms_norm_eps=rng.choice([1e-6, 1e-5]),
@@ -347,6 +350,17 @@ def sample_hf_config(rng, vocab_size: int) -> Qwen3NextConfig:
             "rope_theta": rng.choice([10000.0, 1e6]),
             "partial_rotary_factor": rng.choice([0.25, 0.5, 1.0]),
         },
+    )
+
+
+def sample_hf_config(rng, vocab_size: int) -> Qwen3NextConfig:
+    layers = rng.randint(1, 4)
+    return Qwen3NextConfig(
+        **sample_hybrid(rng, vocab_size, layers),
+        intermediate_size=16 * rng.randint(1, 8),
+        norm_topk_prob=rng.random() < 0.5,
+        decoder_sparse_step=rng.choice([1, 1, 2]),
+        mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))),
     )
 
 
