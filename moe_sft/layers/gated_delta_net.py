@@ -55,9 +55,9 @@ def fla_available() -> bool:
 
 @functools.cache
 def fla_trains() -> bool:
-    """fla's backward is right on this GPU. fla 0.6 refuses its gated backward on Hopper with
-    Triton 3.4 - 3.7.0 (wrong results: fla issue #640) unless tilelang is installed; torch 2.11 pins
-    such a Triton, so there the torch path runs (logged once)."""
+    """fla's backward is right on this GPU. fla refuses its gated backward on Hopper with the Triton
+    versions its issue #640 names (wrong results) unless tilelang is installed; its own flags are
+    read here, so where it would refuse, the torch path runs (logged once; docs/families.md)."""
     if not fla_available():
         return False
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
