@@ -80,6 +80,8 @@ PRESETS = {
     "gpt_oss_20b": Preset("gpt_oss", "gpt_oss_20b", layers=2, hf_arm=True),
     # 5 layers (GDN x 3, gated attention, GDN): the hybrid pattern in 5.1 B parameters on one H200
     "qwen3_5_35b": Preset("qwen3_5_moe", "qwen3_5_35b_a3b_text", layers=5, hf_arm=True),
+    # 4 layers (GDN x 3, gated attention): Qwen3-Next-80B's pattern at 512 experts of 512
+    "qwen3_next_80b": Preset("qwen3_next", "qwen3_next_80b_a3b", layers=4, hf_arm=True),
     "tiny": Preset("qwen3_moe", None, layers=2, hf_arm=True),
     "tiny_dsv3": Preset(
         "deepseek_v3", None, layers=2, overrides=dict(num_nextn_predict_layers=1), model_options=DSV3_ROUTER

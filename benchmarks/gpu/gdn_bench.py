@@ -69,7 +69,25 @@ def main() -> None:
     def kernel_step():
         chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=params.cu_seqlens_q)[0].sum().backward()
 
+    mixed = torch.randn(tokens, 1, layer.in_proj.weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    attended = torch.randn(tokens, 1, layer.out_proj.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    mixed.requires_grad_(), attended.requires_grad_()
+
+    def projections_step():  # the layer's two GEMMs, fwd + bwd: what no linear-attention kernel does
+        (layer.in_proj(x)[0].float() * mixed).sum().backward()
+        layer.out_proj(attended)[0].sum().backward()
+
+    # transformers' own layer (fla's kernels, no cu_seqlens: one 4096-token sequence) on the same widths
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_modeling
+
+    hf_layer = hf_modeling.Qwen3_5MoeGatedDeltaNet(hf, layer_idx=0).cuda().bfloat16()
+    x_hf = x.detach().transpose(0, 1).clone().requires_grad_()
+
+    def hf_step():
+        hf_layer(x_hf).sum().backward()
+
     layer_ms, kernel_ms = _time(layer_step), _time(kernel_step)
+    projections_ms, hf_ms = _time(projections_step), _time(hf_step)
     print(
         json.dumps(
             dict(
@@ -77,7 +95,12 @@ def main() -> None:
                 device=torch.cuda.get_device_name(),
                 tokens=tokens,
                 layer_fwd_bwd_ms=layer_ms,
+                transformers_layer_fwd_bwd_ms=hf_ms,
+                projections_fwd_bwd_ms=projections_ms,
                 fla_kernel_fwd_bwd_ms=kernel_ms,
+                # the layer's time past its GEMMs against the bare kernel: the cost of everything
+                # the layer wraps around fla (conv, norms, gates, layout)
+                kernel_share_past_gemms=kernel_ms / max(layer_ms - projections_ms, 1e-9),
             )
         )
     )

@@ -39,9 +39,10 @@ from moe_sft.runtime.logs import get_logger
 
 try:  # the CUDA kernels (optional: pip install fla-core)
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 except ImportError:  # CPU, or fla not installed: the torch reference runs
-    fla_causal_conv1d = fla_chunk_gated_delta_rule = None
+    fla_causal_conv1d = fla_chunk_gated_delta_rule = fla_rms_norm_gated = None
 
 log = get_logger(__name__)
 
@@ -174,13 +175,11 @@ class GatedDeltaNet(MegatronModule):
         q, k, v, z, b, a = torch.split(tokens, sizes, dim=-1)
         qkv = self._conv(torch.cat([q, k, v], dim=-1), cu_seqlens)
         q, k, v = torch.split(qkv, sizes[:3], dim=-1)
-        heads, ratio = self.local_value_heads, self.num_value_heads // self.num_key_heads
-        q = l2norm(q.reshape(-1, self.local_key_heads, self.key_head_dim)).repeat_interleave(ratio, dim=1)
-        k = l2norm(k.reshape(-1, self.local_key_heads, self.key_head_dim)).repeat_interleave(ratio, dim=1)
+        heads = self.local_value_heads
+        q = q.reshape(-1, self.local_key_heads, self.key_head_dim)
+        k = k.reshape(-1, self.local_key_heads, self.key_head_dim)
         v = v.reshape(-1, heads, self.value_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        beta = b.float().sigmoid()
-        out = self._delta_rule(q, k, v, g, beta, cu_seqlens)  # [T, H, Dv]
+        out = self._delta_rule(q, k, v, a, b, cu_seqlens)  # [T, H, Dv]
         out = self.out_norm(out, z.reshape(-1, heads, self.value_head_dim))
         out = out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
         return self.out_proj(out)
@@ -191,13 +190,30 @@ class GatedDeltaNet(MegatronModule):
             return fla_causal_conv1d(x[None], weight=weight, activation="silu", cu_seqlens=cu_seqlens)[0][0]
         return causal_conv_per_document(x, weight, cu_seqlens)
 
-    def _delta_rule(self, q, k, v, g, beta, cu_seqlens):
+    def _delta_rule(self, q, k, v, a, b, cu_seqlens):
+        """q, k [T, Hk, Dk] before their L2 norm, v [T, Hv, Dv], a and b [T, Hv] raw."""
         if _use_fla(v):
+            # fla fuses what the torch path spells out: the q/k L2 norm, each q/k head serving
+            # Hv / Hk value heads (its GVA), the decay from A_log and dt_bias, and beta's sigmoid
             out, _ = fla_chunk_gated_delta_rule(
-                q[None].to(v.dtype), k[None].to(v.dtype), v[None], g=g[None], beta=beta[None], cu_seqlens=cu_seqlens
+                q[None],
+                k[None],
+                v[None],
+                g=a[None],
+                beta=b[None],
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                A_log=self.A_log,
+                dt_bias=self.dt_bias,
+                use_beta_sigmoid_in_kernel=True,
+                cu_seqlens=cu_seqlens,
             )
             return out[0]
-        return gated_delta_rule_per_document(q, k, v, g, beta, cu_seqlens)
+        ratio = self.num_value_heads // self.num_key_heads
+        q = l2norm(q).repeat_interleave(ratio, dim=1)
+        k = l2norm(k).repeat_interleave(ratio, dim=1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return gated_delta_rule_per_document(q, k, v, g, b.float().sigmoid(), cu_seqlens)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """megatron's GatedDeltaNet keys: in_proj and conv1d split into their parts, each over TP."""
@@ -253,6 +269,8 @@ class GatedRMSNorm(torch.nn.Module):
         weight = self.weight
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             weight = copy_to_tensor_model_parallel_region(weight)
+        if _use_fla(x):  # one fused kernel each way; fp32 inside, rounded once
+            return fla_rms_norm_gated(x, gate, weight, None, activation="swish", eps=self.eps)
         dtype = gate.dtype
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
@@ -266,7 +284,10 @@ def _param_device(config):
 
 
 def _use_fla(t: torch.Tensor) -> bool:
-    return USE_FLA and t.is_cuda and fla_trains()
+    """fla for bf16 / fp16 activations on CUDA. fp32 runs the torch path, the reference: fla's fp32
+    kernels take TF32 dot products, and its fp32 backward of the decay (A_log, dt_bias) was off by
+    two orders of magnitude on an H200 with Triton 3.7.1 while bf16 matched (docs/log.md)."""
+    return USE_FLA and t.is_cuda and t.dtype != torch.float32 and fla_trains()
 
 
 def _cu_seqlens(packed_seq_params, batch: int, seq: int, device) -> torch.Tensor | None:
