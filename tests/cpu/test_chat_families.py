@@ -1,18 +1,22 @@
 """Chat templates of today's MoE families masked exactly: GLM-4.5 (turns closed by the next role tag),
-Kimi-K2, DeepSeek-V3.1 (thinking / non-thinking turns, history without reasoning) and MiniMax-M2
-(reasoning kept). Each template below is written here after the structure of the family's released
-chat_template (role tags, reasoning and tool-call layout); the role tags are added special tokens on
-a copy of the demo tokenizer. For each: the token ids equal `apply_chat_template` (for GLM, plus the
+Kimi-K2, DeepSeek-V3.1 (thinking / non-thinking turns, history without reasoning), MiniMax-M2
+(reasoning kept) and Qwen3.5 / Qwen3.6 (thinking on, history without reasoning, XML tool calls). Each
+template below is written here after the structure of the family's released chat_template (role tags,
+reasoning and tool-call layout), except Qwen3.5's and Qwen3.6's, which are the release files
+themselves (tests/cpu/fixtures/chat_templates/); the role tags are added special tokens on a copy of
+the demo tokenizer. For each: the token ids equal `apply_chat_template` (for GLM, plus the
 stop token `<|user|>` appended after a trained last turn, which its template leaves open), and the
 loss weights lie on every token of every trained assistant turn (its closing token included) and on
 nothing of system/user/tool turns, under all_assistant, last_assistant and per-message weights."""
 
 from __future__ import annotations
 
+import hashlib
 from itertools import groupby
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from moe_sft.data.chat import tokenize_conversation
@@ -394,6 +398,36 @@ HARMONY_TWO_CALLS = [
     {"role": "assistant", "content": "Sunny, then rainy.", "thinking": "Both known."},
 ]
 
+# Qwen3.5 / Qwen3.6 (qwen3_5_moe, Qwen3-Next's successors): the release templates themselves, not a
+# pattern written here. tests/cpu/fixtures/chat_templates/qwen3_5.jinja and qwen3_6.jinja are Qwen's
+# chat_template.jinja (Apache-2.0; provenance in docs/data.md). ChatML turns closed by `<|im_end|>`; the
+# generation prompt opens `<think>\n` (thinking on by default); turns after the last user query are
+# written `<think>\nREASONING\n</think>\n\n` + content (an empty block when there is no reasoning), earlier
+# turns with their reasoning dropped; tool calls as `<tool_call>\n<function=NAME>` with `<parameter=K>`
+# blocks; tool results as `<tool_response>` blocks in one user turn. Qwen3.6 adds `preserve_thinking`
+# (unset here, as in every render of the pipeline) and writes non-string arguments as JSON.
+CHAT_TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+QWEN35_TEMPLATE = (CHAT_TEMPLATES / "qwen3_5.jinja").read_text(encoding="utf-8")
+QWEN36_TEMPLATE = (CHAT_TEMPLATES / "qwen3_6.jinja").read_text(encoding="utf-8")
+QWEN35_TOKENS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+QWEN35_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+# Earlier turns lose their reasoning (a history turn is trained from right after `<|im_start|>assistant\n`);
+# the last turn's `<think>\n` is the generation prompt's, so its reasoning is trained from its first token.
+QWEN35_AGENT_TRAINED = [
+    f"{QWEN35_CALL}<|im_end|>",
+    "It is sunny in Paris.<|im_end|>",
+    "No forecast tool.\n</think>\n\nI cannot forecast.<|im_end|>",
+]
+
 # name: (added tokens, template, eos, bos, messages, tools, the trained text of each assistant turn).
 FAMILIES = {
     "glm45_agent": (
@@ -587,6 +621,34 @@ FAMILIES = {
         None,
         ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more\n</think>\n8<|im_end|>"],
     ),
+    "qwen3_5_agent": (
+        QWEN35_TOKENS,
+        QWEN35_TEMPLATE,
+        "<|im_end|>",
+        None,
+        AGENT,
+        [WEATHER_TOOL],
+        QWEN35_AGENT_TRAINED,
+    ),
+    "qwen3_6_agent": (
+        QWEN35_TOKENS,
+        QWEN36_TEMPLATE,
+        "<|im_end|>",
+        None,
+        AGENT,
+        [WEATHER_TOOL],
+        QWEN35_AGENT_TRAINED,
+    ),
+    # Reasoning written inline in the content: the template splits it off, and drops it from history.
+    "qwen3_5_chat": (
+        QWEN35_TOKENS,
+        QWEN35_TEMPLATE,
+        "<|im_end|>",
+        None,
+        R_CHAT,
+        None,
+        ["4<|im_end|>", "6<|im_end|>", "once more\n</think>\n\n8<|im_end|>"],
+    ),
 }
 # Families whose template leaves the last turn open: the stop token appended after it (close_last_turn).
 LAST_TURN_STOP = {"glm45_agent": "<|user|>", "glm45_chat": "<|user|>", "glm47_chat": "<|user|>"}
@@ -753,6 +815,13 @@ EMPTY_THINK_CASES = {
         ["</think>4<|im_end|>", "</think>6<|im_end|>", "once more\n</think>\n8<|im_end|>"],
         ["4<|im_end|>", "6<|im_end|>", "once more\n</think>\n8<|im_end|>"],
     ),
+    # Qwen3.5 / 3.6: a last turn without reasoning is written `<think>\n\n</think>\n\n`; the prompt's `<think>\n`
+    # is not trained, the rest of the empty block is (default) or is masked with it.
+    "qwen3_5_chat": (
+        [*R_CHAT[:-1], {"role": "assistant", "content": "8"}],
+        ["4<|im_end|>", "6<|im_end|>", "\n</think>\n\n8<|im_end|>"],
+        ["4<|im_end|>", "6<|im_end|>", "8<|im_end|>"],
+    ),
 }
 
 
@@ -908,3 +977,133 @@ def test_glm_like_last_turn_without_a_stop_tag_is_an_error():
         tokenize_conversation(plain, R_CHAT[:3], 4096, source="g.jsonl:1")
     doc = tokenize_conversation(plain, R_CHAT[:3], 4096, close_last_turn=False)
     assert list(doc.input_ids) == list(plain.apply_chat_template(R_CHAT[:3], tokenize=True, return_dict=False))
+
+
+# The Qwen3.5 / 3.6 release templates on a longer agent row: two parallel calls after text (one with
+# non-string arguments, which Qwen3.5 writes with Python's str and Qwen3.6 as JSON), two tool results in
+# one user turn, a second user query, a call without text, and an answer without reasoning.
+QWEN35_CALLS = [
+    AGENT[0],
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {
+        "role": "assistant",
+        "content": "Checking both.",
+        "reasoning_content": "Two cities, two calls.",
+        "tool_calls": [
+            CALL,
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Rome", "days": 2, "metric": True}},
+            },
+        ],
+    },
+    {"role": "tool", "content": '{"sky": "sunny"}'},
+    {"role": "tool", "content": '{"sky": "rainy"}'},
+    {"role": "assistant", "content": "Paris: sun. Rome: rain.", "reasoning_content": "Both known."},
+    {"role": "user", "content": "And Oslo?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "One more call.",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+    },
+    {"role": "tool", "content": '{"sky": "snow"}'},
+    {"role": "assistant", "content": "Oslo: snow."},
+]
+
+
+def _qwen_turns_as_rendered(text: str) -> list[str]:
+    """Oracle read off the template's own render, independent of moe_sft.data.chat: per assistant turn, its
+    text after `<|im_start|>assistant\\n` (and after the `<think>\\n` the generation prompt writes, which a
+    turn after the last user query opens with) through its `<|im_end|>`; not the newline after that."""
+    turns = []
+    for block in text.split("<|im_start|>")[1:]:
+        if block.startswith("assistant\n"):
+            body = block.removeprefix("assistant\n").removeprefix("<think>\n")
+            turns.append(body[: body.index("<|im_end|>") + len("<|im_end|>")])
+    return turns
+
+
+@pytest.mark.parametrize("template", ["qwen3_5", "qwen3_6"])
+def test_qwen3_5_release_templates_train_each_turn_as_rendered(template):
+    tok = _tokenizer(f"{template}_agent")
+    # Thinking is on by default: the generation prompt opens the reasoning block, so it is not trained.
+    prompt = tok.apply_chat_template(AGENT[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    metric = "true" if template == "qwen3_6" else "True"
+    rome = "<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+    calls = f"{QWEN35_CALL}\n<tool_call>\n<function=get_weather>\n{rome}<parameter=metric>\n{metric}\n</parameter>\n</function>\n</tool_call>"
+    oslo = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    expected = {
+        # One user query so far: both turns are rendered, and trained, with their reasoning.
+        6: [
+            f"Two cities, two calls.\n</think>\n\nChecking both.\n\n{calls}<|im_end|>",
+            "Both known.\n</think>\n\nParis: sun. Rome: rain.<|im_end|>",
+        ],
+        # After the second query the same two turns are rendered without it, and trained as rendered; the
+        # answer without reasoning gets the template's empty block, less the prompt's `<think>\n`.
+        len(QWEN35_CALLS): [
+            f"Checking both.\n\n{calls}<|im_end|>",
+            "Paris: sun. Rome: rain.<|im_end|>",
+            f"One more call.\n</think>\n\n{oslo}<|im_end|>",
+            "\n</think>\n\nOslo: snow.<|im_end|>",
+        ],
+    }
+    for n in (3, 6, 8, len(QWEN35_CALLS)):
+        rows = QWEN35_CALLS[:n]
+        text = tok.apply_chat_template(rows, tools=[WEATHER_TOOL], tokenize=False)
+        ids = tok.apply_chat_template(rows, tools=[WEATHER_TOOL], tokenize=True, return_dict=False)
+        doc = tokenize_conversation(tok, rows, 4096, tools=[WEATHER_TOOL])
+        assert list(doc.input_ids) == list(ids), n
+        runs = masked_runs(tok, doc)
+        assert runs == [(t, 1.0) for t in _qwen_turns_as_rendered(text)], n
+        if n in expected:
+            assert [t for t, _ in runs] == expected[n]
+        trained = "".join(t for t, _ in runs)
+        for untrained in ("<|im_start|>", "<tool_response>", "You are a weather bot.", "Weather of a city", "Oslo?"):
+            assert untrained not in trained, (n, untrained)
+
+
+def test_qwen3_5_rows_the_template_refuses_name_the_row():
+    """The release template raises for a row without a user query (and for a system message that is not
+    first): the row fails with its file:line and the template's own message, nothing is guessed."""
+    tok = _tokenizer("qwen3_5_agent")
+    with pytest.raises(RowError, match=r"^q\.jsonl:4: the chat template rejected this row: No user query found"):
+        tokenize_conversation(tok, [AGENT[0], {"role": "assistant", "content": "Hi."}], 4096, source="q.jsonl:4")
+    late_system = [AGENT[1], {"role": "assistant", "content": "Hi."}, AGENT[0], AGENT[5], AGENT[6]]
+    with pytest.raises(RowError, match=r"^q\.jsonl:5: .*System message must be at the beginning"):
+        tokenize_conversation(tok, late_system, 4096, source="q.jsonl:5")
+
+
+def test_qwen3_5_newlines_merged_across_the_prompt_end_are_trained():
+    """Qwen's tokenizer writes the two newlines of an empty `<think>\\n\\n</think>` as one token: it holds the
+    generation prompt's last character and the turn's first. It is trained (a token is trained when it
+    overlaps a turn): it is what the model must produce after `<think>`, and the ids are the template's."""
+    tok = _tokenizer("qwen3_5_chat")
+    tok.add_tokens([AddedToken("\n\n", normalized=False)])  # the merge Qwen's BPE makes
+    rows = [*R_CHAT[:-1], {"role": "assistant", "content": "8"}]
+    doc = tokenize_conversation(tok, rows, 4096)
+    text = tok.apply_chat_template(rows, tokenize=False)
+    assert list(doc.input_ids) == list(tok.apply_chat_template(rows, tokenize=True, return_dict=False))
+    assert "<think>\n\n</think>" in text
+    assert [t for t, _ in masked_runs(tok, doc)] == ["4<|im_end|>", "6<|im_end|>", "\n\n</think>\n\n8<|im_end|>"]
+    masked = tokenize_conversation(tok, rows, 4096, empty_think="mask")
+    assert [t for t, _ in masked_runs(tok, masked)][-1] == "8<|im_end|>"
+
+
+def test_qwen3_5_and_3_6_release_templates_are_the_pinned_files():
+    """The fixtures are the release files byte for byte (sha256, sizes 7,756 / 7,764 B as released; see
+    docs/data.md for where they come from), and differ in the two lines Qwen3.6 changed: the
+    `preserve_thinking` switch and non-string tool arguments written as JSON."""
+    assert hashlib.sha256(QWEN35_TEMPLATE.encode()).hexdigest() == (
+        "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"
+    )
+    assert hashlib.sha256(QWEN36_TEMPLATE.encode()).hexdigest() == (
+        "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259"
+    )
+    old, new = QWEN35_TEMPLATE.splitlines(), QWEN36_TEMPLATE.splitlines()
+    assert len(old) == len(new)
+    changed = [i + 1 for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    assert changed == [100, 122]
+    assert "preserve_thinking" in new[99] and "preserve_thinking" not in QWEN35_TEMPLATE
+    assert "args_value | string if args_value is string" in new[121]
