@@ -197,7 +197,7 @@ class GatedDeltaNet(MegatronModule):
         return self.out_proj(out)
 
     def _mix_context_parallel(self, q, k, v, b, a, packed_seq_params):
-        """The mixer under CP (docs/layouts.md, "Gated DeltaNet"): an all-to-all gives this rank
+        """The mixer under CP (docs/layouts.md, "Gated DeltaNet under CP"): an all-to-all gives this rank
         every token of the micro-batch for 1/cp of its heads, in document order; the gated norm
         (per head, elementwise in z) runs after the way back, so z is never sent."""
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
@@ -223,15 +223,16 @@ class GatedDeltaNet(MegatronModule):
         rows hold that group's channels only; the per-channel weights are sliced to match)."""
         key_heads, heads = self.local_key_heads // groups, self.local_value_heads // groups
         qk, vw = key_heads * self.key_head_dim, heads * self.value_head_dim
-        conv = self.conv1d.weight.squeeze(1)
-        qk_local = self.qk_dim // self.tp_size
-        weight = torch.cat(
-            [
-                conv[group * qk : (group + 1) * qk],
-                conv[qk_local + group * qk : qk_local + (group + 1) * qk],
-                conv[2 * qk_local + group * vw : 2 * qk_local + (group + 1) * vw],
-            ]
-        )
+        weight = self.conv1d.weight.squeeze(1)
+        if groups > 1:  # this group's channels of each conv part (q, k, v)
+            qk_local = self.qk_dim // self.tp_size
+            weight = torch.cat(
+                [
+                    weight[group * qk : (group + 1) * qk],
+                    weight[qk_local + group * qk : qk_local + (group + 1) * qk],
+                    weight[2 * qk_local + group * vw : 2 * qk_local + (group + 1) * vw],
+                ]
+            )
         qkv = self._conv(torch.cat([q, k, v], dim=-1), weight, cu_seqlens)
         q, k, v = torch.split(qkv, [qk, qk, vw], dim=-1)
         ratio = self.num_value_heads // self.num_key_heads
