@@ -664,14 +664,14 @@ def validate_against_model(
     vocab_size: int,
     expert_biases: bool = False,
     topk: int = 0,
-    linear_attention: bool = False,
+    linear_key_heads: int = 0,
 ) -> None:
     """Checks that need the HF config's sizes; raise one ConfigError listing all failures.
 
     num_query_groups=None means plain multi-head attention (= num_attention_heads);
     num_experts=None means a dense model (no expert checks); expert_biases: the experts' GEMMs
-    have biases (gpt-oss); topk: experts per token; linear_attention: Gated DeltaNet layers
-    (Qwen3-Next, Qwen3.5).
+    have biases (gpt-oss); topk: experts per token; linear_key_heads: the Gated DeltaNet layers'
+    key heads (Qwen3-Next, Qwen3.5; 0: no such layers).
     """
     p = cfg.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
@@ -700,11 +700,14 @@ def validate_against_model(
             f"{vocab_size} (the embedding is split evenly over TP); use one of "
             f"{_fmt(_divisors(math.gcd(vocab_size, num_attention_heads, groups)))}"
         )
-    if linear_attention and p.context_parallel_size > 1:
+    cp = p.context_parallel_size
+    if linear_key_heads and linear_key_heads % (tp * cp):
+        # TP splits the heads; CP's all-to-all gives each CP rank whole documents for 1/cp of a TP
+        # rank's key heads and the value heads they serve (moe_sft/layers/context_parallel.py)
         errors.append(
-            f"[context_parallel] parallel.context_parallel_size={p.context_parallel_size}: this model's Gated "
-            "DeltaNet layers carry a recurrent state along each document, which moe-sft does not yet pass "
-            "from one CP rank to the next; use context_parallel_size=1 (TP, PP, EP and DP work)"
+            f"[linear_attention] parallel.tensor_model_parallel_size={tp} x parallel.context_parallel_size={cp} "
+            f"does not divide linear_num_key_heads={linear_key_heads} (the Gated DeltaNet layers split their "
+            f"key heads over TP, then over CP); use TP x CP in {_fmt(_divisors(linear_key_heads))}"
         )
     if cfg.trainer.cuda_graphs and num_experts and ep > 1 and topk:
         errors += [f"[cuda_graphs] {m}" for m in _graphed_dispatch_errors(cfg, num_experts, topk, expert_biases)]

@@ -29,6 +29,15 @@ any activation, in every layer (the ring saves only the local K/V and re-sends i
 the collective is not overlapped with compute.
 With GQA, K/V are h_q/h_kv times smaller than Q, which keeps this cheap; megatron-LM's
 "all_gather" cp_comm_type makes the same trade.
+
+Gated DeltaNet (linear attention, moe_sft/layers/gated_delta_net.py) cannot use this: its causal
+convolution and recurrent state run along the whole document, token after token. Its heads are
+independent, so an all-to-all over the CP group trades "my tokens, all heads" for "all tokens,
+my heads" (`heads_to_sequences`): CP rank j receives head group j of every rank's tokens, stacked
+rank-major, and `document_order` puts them back into the packed sequence's order (undoing the
+chunk pairing), so each rank runs the convolution and the delta rule on whole documents for
+1/cp of the heads; `sequences_to_heads` is the way back. Equal-split all-to-all is its own
+adjoint, so the backward is the same collective on the gradient.
 """
 
 from __future__ import annotations
@@ -57,14 +66,20 @@ class CPAttentionPlan:
     cu_seqlens_k: torch.Tensor  # [2n+1] int32: their causal key prefixes within kv_index
     max_seqlen_q: int
     max_seqlen_k: int
+    # [T] int64 each, the same on every rank (Gated DeltaNet's head all-to-all, below):
+    document_order: torch.Tensor  # rows of the rank-major stacked tokens, in packed-sequence order
+    rank_order: torch.Tensor  # its inverse: rows of the packed sequence, rank-major
 
     def to(self, device) -> CPAttentionPlan:
+        move = lambda t: host_to_device(t, device)  # noqa: E731
         return CPAttentionPlan(
-            host_to_device(self.kv_index, device),
-            host_to_device(self.cu_seqlens_q, device),
-            host_to_device(self.cu_seqlens_k, device),
+            move(self.kv_index),
+            move(self.cu_seqlens_q),
+            move(self.cu_seqlens_k),
             self.max_seqlen_q,
             self.max_seqlen_k,
+            move(self.document_order),
+            move(self.rank_order),
         )
 
 
@@ -87,13 +102,14 @@ def plan_cp_attention(cu_seqlens: Sequence[int], cp: int, rank: int) -> CPAttent
 
     Every segment length must be a multiple of 2·cp. The all-gathered K/V is rank-major: rows
     [j·T_local, (j+1)·T_local) are rank j's local rows, where each document d (global start s_d)
-    occupies local rows [s_d/cp, s_d/cp + 2c_d): chunk j then chunk 2cp-1-j.
+    occupies local rows [s_d/cp, s_d/cp + 2c_d): chunk j then chunk 2cp-1-j. The same rows, taken
+    in document order for every segment, are `document_order` (Gated DeltaNet's all-to-all).
     """
     bounds = [int(x) for x in cu_seqlens]
     if bounds[-1] % cp:
         raise ValueError(f"packed length {bounds[-1]} is not a multiple of context_parallel_size={cp}")
     local_total = bounds[-1] // cp
-    rows, q_lens, k_lens = [], [], []
+    rows, q_lens, k_lens, order = [], [], [], []
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start
         if length % (2 * cp):
@@ -107,18 +123,24 @@ def plan_cp_attention(cu_seqlens: Sequence[int], cp: int, rank: int) -> CPAttent
         pos = torch.arange(length)
         owner, half = chunk_owner(pos // c, cp)
         full = owner * local_total + start // cp + half * c + pos % c  # the document in order
+        order.append(full)
         for chunk in (rank, 2 * cp - 1 - rank):
             keys = (chunk + 1) * c
             rows.append(full[:keys])
             q_lens.append(c)
             k_lens.append(keys)
     cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    document_order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
+    rank_order = torch.empty_like(document_order)
+    rank_order[document_order] = torch.arange(len(document_order))
     return CPAttentionPlan(
         torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
         cu(q_lens),
         cu(k_lens),
         max(q_lens, default=0),
         max(k_lens, default=0),
+        document_order,
+        rank_order,
     )
 
 
@@ -201,3 +223,49 @@ def context_parallel_attention(
     """CP attention of the local q/k/v rows ([t_local, heads, dim]) over the CP `group`."""
     k_all, v_all = all_gather_kv(k, v, group)
     return attention_on_gathered_kv(q, k_all, v_all, plan, scale, kernel)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0 ([cp, ...]: block j goes to rank j, block r of the
+    output came from rank r). Its adjoint is the same all-to-all, so backward repeats it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()  # first: empty_like keeps a view's strides, all_to_all_single writes linearly
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def received_to_sequences(received: torch.Tensor, plan: CPAttentionPlan) -> torch.Tensor:
+    """[cp, T_local, w] (block r: rank r's tokens, this rank's head group) → [T, w] in the packed
+    sequence's order. Pure: the unit tests feed it blocks exchanged by hand."""
+    return received.reshape(-1, received.shape[-1]).index_select(0, plan.document_order)
+
+
+def sequences_to_sent(x: torch.Tensor, plan: CPAttentionPlan, cp: int) -> torch.Tensor:
+    """[T, w] in the packed sequence's order → [cp, T_local, w] (block r: rank r's tokens, in its
+    local order). Pure: the inverse of received_to_sequences."""
+    return x.index_select(0, plan.rank_order).reshape(cp, -1, x.shape[-1])
+
+
+def heads_to_sequences(x: torch.Tensor, plan: CPAttentionPlan, group) -> torch.Tensor:
+    """This rank's tokens with every head group, [T_local, cp, w] (group j: the channels CP rank j
+    will own) → every token of the micro-batch with this rank's head group, [T, w], in order."""
+    return received_to_sequences(_AllToAll.apply(x.transpose(0, 1), group), plan)
+
+
+def sequences_to_heads(x: torch.Tensor, plan: CPAttentionPlan, group) -> torch.Tensor:
+    """The inverse of heads_to_sequences: [T, w] (this rank's head group) → [T_local, cp, w]
+    (this rank's tokens, head group j from CP rank j)."""
+    cp = dist.get_world_size(group)
+    return _AllToAll.apply(sequences_to_sent(x, plan, cp), group).transpose(0, 1)

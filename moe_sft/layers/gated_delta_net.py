@@ -16,6 +16,11 @@ out_proj. Kernels: on CUDA fla's varlen `chunk_gated_delta_rule` and `causal_con
 state reset through cu_seqlens) when fla imports and its backward is right on the GPU
 (`fla_trains`); else (CPU, no fla, or fla's Hopper/Triton refusal) megatron's torch
 `torch_chunk_gated_delta_rule` per document in fp32 and a masked convolution: the reference.
+
+Context parallel: an all-to-all over the CP group gives each CP rank every token of the
+micro-batch, in document order, for 1/cp of the TP rank's heads (moe_sft/layers/context_parallel.py),
+so the convolution and the delta rule run on whole documents as at cp=1; the way back returns the
+heads to the ranks that hold the tokens (docs/layouts.md, "Gated DeltaNet under CP").
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import functools
 import importlib.util
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import _split_tensor_factory, torch_chunk_gated_delta_rule
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -35,6 +41,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import divide
 
+from moe_sft.layers.context_parallel import heads_to_sequences, plan_cp_attention, sequences_to_heads
 from moe_sft.runtime.logs import get_logger
 
 try:  # the CUDA kernels (optional: pip install fla-core)
@@ -129,6 +136,15 @@ class GatedDeltaNet(MegatronModule):
         self.in_proj_dim = 2 * self.qk_dim + 2 * self.v_dim + 2 * self.num_value_heads
         self.local_key_heads = divide(self.num_key_heads, self.tp_size)
         self.local_value_heads = divide(self.num_value_heads, self.tp_size)
+        self.cp_size = config.context_parallel_size
+        self.cp_group = getattr(pg_collection, "cp", None)
+        if self.cp_size > 1 and self.cp_group is None:
+            self.cp_group = parallel_state.get_context_parallel_group()
+        if self.local_key_heads % self.cp_size:  # validate_against_model names the fields first
+            raise ValueError(
+                f"context_parallel_size={self.cp_size} must divide the {self.local_key_heads} Gated DeltaNet "
+                "key heads of a TP rank (linear_num_key_heads / tensor_model_parallel_size)"
+            )
         self.in_proj = ColumnParallelLinear(
             config.hidden_size,
             self.in_proj_dim,
@@ -166,32 +182,74 @@ class GatedDeltaNet(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
         mixed, _ = self.in_proj(hidden_states)  # [s, b, local]; s: the full sequence under SP
         seq, batch = mixed.shape[:2]
-        tp = self.tp_size
+        tp, cp = self.tp_size, self.cp_size
         sizes = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp]
         sizes += [self.local_value_heads, self.local_value_heads]
         # THD: one row of packed documents; BSHD: each batch row is a document
         tokens = mixed.transpose(0, 1).reshape(batch * seq, -1)
-        cu_seqlens = _cu_seqlens(packed_seq_params, batch, seq, tokens.device)
         q, k, v, z, b, a = torch.split(tokens, sizes, dim=-1)
-        qkv = self._conv(torch.cat([q, k, v], dim=-1), cu_seqlens)
-        q, k, v = torch.split(qkv, sizes[:3], dim=-1)
-        heads = self.local_value_heads
-        q = q.reshape(-1, self.local_key_heads, self.key_head_dim)
-        k = k.reshape(-1, self.local_key_heads, self.key_head_dim)
-        v = v.reshape(-1, heads, self.value_head_dim)
-        out = self._delta_rule(q, k, v, a, b, cu_seqlens)  # [T, H, Dv]
-        out = self.out_norm(out, z.reshape(-1, heads, self.value_head_dim))
+        if cp == 1:
+            cu_seqlens = _cu_seqlens(packed_seq_params, batch, seq, tokens.device)
+            out = self._mix(q, k, v, b, a, cu_seqlens, group=0, groups=1)
+        else:
+            out = self._mix_context_parallel(q, k, v, b, a, packed_seq_params)
+        out = self.out_norm(out, z.reshape(-1, self.local_value_heads, self.value_head_dim))
         out = out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
         return self.out_proj(out)
 
-    def _conv(self, x, cu_seqlens):
+    def _mix_context_parallel(self, q, k, v, b, a, packed_seq_params):
+        """The mixer under CP (docs/layouts.md, "Gated DeltaNet under CP"): an all-to-all gives this rank
+        every token of the micro-batch for 1/cp of its heads, in document order; the gated norm
+        (per head, elementwise in z) runs after the way back, so z is never sent."""
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("context parallel needs packed THD batches (packed_seq_params with qkv_format='thd')")
+        cp, local = self.cp_size, q.shape[0]
+        cu = packed_seq_params.cu_seqlens_q_padded  # global and padded for CP (cp_sharding.py)
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        cu_seqlens = _extend_to(cu.to(device=q.device, dtype=torch.int32), cp * local)
+        plan = getattr(packed_seq_params, "cp_plan", None) or plan_cp_attention(
+            cu_seqlens.tolist(), cp, dist.get_rank(self.cp_group)
+        ).to(q.device)
+        # head group j of every part goes to CP rank j: q/k split by key heads, v/b/a by the value
+        # heads those key heads serve (consecutive), so rank j's q/k heads match its v heads
+        parts = [t.reshape(local, cp, -1) for t in (q, k, v, b, a)]
+        widths = [p.shape[-1] for p in parts]
+        mine = heads_to_sequences(torch.cat(parts, dim=-1), plan, self.cp_group)
+        out = self._mix(*torch.split(mine, widths, dim=-1), cu_seqlens, dist.get_rank(self.cp_group), cp)
+        back = sequences_to_heads(out.reshape(out.shape[0], -1), plan, self.cp_group)  # [local, cp, w]
+        return back.reshape(local, self.local_value_heads, self.value_head_dim)
+
+    def _mix(self, q, k, v, b, a, cu_seqlens, group: int, groups: int):
+        """Convolution, delta rule: [T, H/groups, Dv] for head group `group` of `groups` (the
+        rows hold that group's channels only; the per-channel weights are sliced to match)."""
+        key_heads, heads = self.local_key_heads // groups, self.local_value_heads // groups
+        qk, vw = key_heads * self.key_head_dim, heads * self.value_head_dim
         weight = self.conv1d.weight.squeeze(1)
+        if groups > 1:  # this group's channels of each conv part (q, k, v)
+            qk_local = self.qk_dim // self.tp_size
+            weight = torch.cat(
+                [
+                    weight[group * qk : (group + 1) * qk],
+                    weight[qk_local + group * qk : qk_local + (group + 1) * qk],
+                    weight[2 * qk_local + group * vw : 2 * qk_local + (group + 1) * vw],
+                ]
+            )
+        qkv = self._conv(torch.cat([q, k, v], dim=-1), weight, cu_seqlens)
+        q, k, v = torch.split(qkv, [qk, qk, vw], dim=-1)
+        q = q.reshape(-1, key_heads, self.key_head_dim)
+        k = k.reshape(-1, key_heads, self.key_head_dim)
+        v = v.reshape(-1, heads, self.value_head_dim)
+        mine = slice(group * heads, (group + 1) * heads)
+        return self._delta_rule(q, k, v, a, b, self.A_log[mine], self.dt_bias[mine], cu_seqlens)  # [T, H/groups, Dv]
+
+    def _conv(self, x, weight, cu_seqlens):
         if _use_fla(x):
             return fla_causal_conv1d(x[None], weight=weight, activation="silu", cu_seqlens=cu_seqlens)[0][0]
         return causal_conv_per_document(x, weight, cu_seqlens)
 
-    def _delta_rule(self, q, k, v, a, b, cu_seqlens):
-        """q, k [T, Hk, Dk] before their L2 norm, v [T, Hv, Dv], a and b [T, Hv] raw."""
+    def _delta_rule(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens):  # noqa: N803 (megatron's names)
+        """q, k [T, Hk, Dk] before their L2 norm, v [T, Hv, Dv], a and b [T, Hv] raw; A_log and
+        dt_bias [Hv] of these heads."""
         if _use_fla(v):
             # fla fuses what the torch path spells out: the q/k L2 norm, each q/k head serving
             # Hv / Hk value heads (its GVA), the decay from A_log and dt_bias, and beta's sigmoid
@@ -203,8 +261,8 @@ class GatedDeltaNet(MegatronModule):
                 beta=b[None],
                 use_qk_l2norm_in_kernel=True,
                 use_gate_in_kernel=True,
-                A_log=self.A_log,
-                dt_bias=self.dt_bias,
+                A_log=A_log,
+                dt_bias=dt_bias,
                 use_beta_sigmoid_in_kernel=True,
                 cu_seqlens=cu_seqlens,
             )
@@ -212,7 +270,7 @@ class GatedDeltaNet(MegatronModule):
         ratio = self.num_value_heads // self.num_key_heads
         q = l2norm(q).repeat_interleave(ratio, dim=1)
         k = l2norm(k).repeat_interleave(ratio, dim=1)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
         return gated_delta_rule_per_document(q, k, v, g, b.float().sigmoid(), cu_seqlens)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -292,10 +350,13 @@ def _use_fla(t: torch.Tensor) -> bool:
 
 def _cu_seqlens(packed_seq_params, batch: int, seq: int, device) -> torch.Tensor | None:
     if packed_seq_params is not None:
-        cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
-        total = batch * seq
-        # a fixed-shape micro-batch's padding after the last document: a segment of its own
-        return cu if int(cu[-1]) >= total else torch.cat([cu, cu.new_tensor([total])])
+        return _extend_to(packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32), batch * seq)
     if batch == 1:
         return None
     return torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
+
+
+def _extend_to(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """cu_seqlens ending at `total`: a fixed-shape micro-batch's padding after the last document
+    is a segment of its own."""
+    return cu if int(cu[-1]) >= total else torch.cat([cu, cu.new_tensor([total])])

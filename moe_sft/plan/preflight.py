@@ -43,7 +43,7 @@ def layout_problems(
             shape.vocab,
             expert_biases=shape.linear_bias,
             topk=shape.topk,
-            linear_attention=shape.linear_attention is not None,
+            linear_key_heads=shape.linear_attention.key_heads if shape.linear_attention else 0,
         )
     except ConfigError as err:
         errors.extend(line.strip()[2:] for line in str(err).splitlines()[1:])

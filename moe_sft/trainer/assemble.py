@@ -91,7 +91,7 @@ def check_against_model(cfg: TrainConfig, hf: HFModel) -> None:
         c.vocab_size,
         expert_biases=shape.linear_bias,
         topk=shape.topk,
-        linear_attention=shape.linear_attention is not None,
+        linear_key_heads=shape.linear_attention.key_heads if shape.linear_attention else 0,
     )
     if cfg.peft.method != "none":
         entries = list(cfg.peft.target_modules)

@@ -5,6 +5,7 @@ than the convolution kernel."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -98,17 +99,90 @@ def test_lora_on_the_hybrid_mixers_is_refused_before_the_model_is_built():
     assert targets.unsupported_target_errors(["all_linear"], qwen3.shape(qwen3.tiny_hf_config())) == []
 
 
-def test_context_parallel_is_refused_for_the_hybrid_models():
-    import pytest
+def test_head_all_to_all_gives_whole_documents_and_back():
+    """CP's all-to-all (simulated: rank j receives head group j of every rank's tokens) gives every
+    rank the packed sequence in document order for its head group, exactly; the way back restores
+    each rank's tokens in its load-balanced chunk order. Taking the blocks rank-major as they
+    arrive (no reorder) is the failing control."""
+    from moe_sft.layers.context_parallel import (
+        local_token_index,
+        plan_cp_attention,
+        received_to_sequences,
+        sequences_to_sent,
+    )
 
+    g = torch.Generator().manual_seed(3)
+    for cp in (2, 3, 4):
+        lengths = [-(-n // (2 * cp)) * 2 * cp for n in LENGTHS]
+        bounds = _cu(lengths).tolist()
+        full = torch.randn(bounds[-1], cp, 5, generator=g)  # [T, head group, channels]
+        local = [full[local_token_index(bounds, cp, r)] for r in range(cp)]
+        plans = [plan_cp_attention(bounds, cp, r) for r in range(cp)]
+        for j in range(cp):
+            received = torch.stack([local[r][:, j] for r in range(cp)])  # [cp, T_local, w]
+            assert torch.equal(received_to_sequences(received, plans[j]), full[:, j])
+            assert not torch.equal(received.reshape(-1, 5), full[:, j])
+        sent = [sequences_to_sent(full[:, j], plans[j], cp) for j in range(cp)]  # from each rank j
+        for r in range(cp):
+            assert torch.equal(torch.stack([sent[j][r] for j in range(cp)], dim=1), local[r])
+
+
+def test_context_parallel_needs_key_heads_divisible_by_tp_times_cp():
     from moe_sft.config import ConfigError, load_config
     from moe_sft.trainer.assemble import HFModel, check_against_model
     from tests.cpu.test_plan import REPO
 
     family = registry.family_by_name("qwen3_5_moe")
-    cfg = family.tiny_hf_config()
+    cfg = family.tiny_hf_config()  # 2 key heads, 4 value heads
     hf = HFModel(family, cfg, family.shape(cfg))
     recipe = ["--config-path", str(REPO / "recipes"), "--config-name", "quickstart"]
-    check_against_model(load_config(recipe), hf)  # CP1: fine
-    with pytest.raises(ConfigError, match=r"context_parallel_size=2: this model's Gated DeltaNet"):
-        check_against_model(load_config([*recipe, "parallel.context_parallel_size=2"]), hf)
+    check_against_model(load_config(recipe), hf)  # CP1
+    check_against_model(load_config([*recipe, "parallel.context_parallel_size=2"]), hf)  # 1 key head per CP rank
+    with pytest.raises(ConfigError, match=r"context_parallel_size=4 does not divide linear_num_key_heads=2"):
+        check_against_model(load_config([*recipe, "parallel.context_parallel_size=4"]), hf)
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-rank fake process group (the layer reads the TP group at construction)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.cpu.test_plan import _reset_world
+
+    _reset_world()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
+    yield
+    _reset_world()
+
+
+def test_each_head_group_alone_gives_its_heads_of_the_whole_mixer(one_rank_world):
+    """What a CP rank computes after the all-to-all: head group j of cp (its q/k key heads, the
+    value heads they serve, their conv channels, A_log and dt_bias) on whole documents equals
+    those heads of the mixer over all heads; the wrong group's weights are the failing control."""
+    from moe_sft.models.builder import ModelOptions, build_transformer_config
+
+    family = registry.family_by_name("qwen3_5_moe")
+    hf = family.tiny_hf_config(linear_num_key_heads=4, linear_num_value_heads=8)
+    config = build_transformer_config(family, hf, ModelOptions(precision="fp32", backend="torch", device="cpu"))
+    torch.manual_seed(0)
+    layer = gdn.GatedDeltaNet(config, layer_number=1)
+    with torch.no_grad():  # distinct per-head decays, so a wrong slice shows
+        layer.A_log.copy_(torch.linspace(-1, 1, layer.A_log.numel()))
+        layer.dt_bias.copy_(torch.linspace(0.5, 2, layer.dt_bias.numel()))
+    g = torch.Generator().manual_seed(4)
+    cu = _cu(LENGTHS)
+    tokens = torch.randn(int(cu[-1]), layer.in_proj_dim, generator=g)
+    qk, v_dim, heads = layer.qk_dim, layer.v_dim, layer.local_value_heads
+    q, k, v, _, b, a = torch.split(tokens, [qk, qk, v_dim, v_dim, heads, heads], dim=-1)
+    with torch.no_grad():
+        whole = layer._mix(q, k, v, b, a, cu, group=0, groups=1)  # [T, H, Dv]
+        for cp in (2, 4):
+            parts = [t.reshape(len(t), cp, -1) for t in (q, k, v, b, a)]
+            mine = lambda j: [p[:, j] for p in parts]  # noqa: E731
+            split = torch.cat([layer._mix(*mine(j), cu, group=j, groups=cp) for j in range(cp)], dim=1)
+            torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
+            wrong = layer._mix(*mine(0), cu, group=1, groups=cp)
+            assert not torch.allclose(wrong, whole[:, : heads // cp], atol=1e-3)

@@ -38,9 +38,8 @@ LAYOUTS = {
 }
 # gpt-oss's experts have biases, which megatron-core 0.16.1 allows only at expert TP 1
 FAMILY_OVERRIDES = {"gpt_oss": {"tp2_sp": ["parallel.expert_tensor_parallel_size=1"]}}
-# Gated DeltaNet carries no recurrent state across CP ranks yet: CP is refused (test_gated_delta_net.py).
-# Qwen3-Next shares every module with Qwen3.5 but the GDN projections' HF layout (conversion tests).
-SKIPPED_LAYOUTS = {"qwen3_5_moe": {"cp2"}}
+# Qwen3-Next shares every module with Qwen3.5 but the GDN projections' HF layout (conversion tests);
+# Qwen3.5's CP2 runs its Gated DeltaNet layers through the head all-to-all (layers/context_parallel.py).
 
 
 def _write_tiny(family_name: str, path, vocab: int) -> bool:
@@ -90,8 +89,6 @@ def one_rank(source):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_one_rank(source, one_rank, layout):
-    if layout in SKIPPED_LAYOUTS.get(source[2], ()):
-        pytest.skip(f"{source[2]}: {layout} is refused by the trainer (see SKIPPED_LAYOUTS)")
     metrics = _train(source, layout, LAYOUTS[layout] + FAMILY_OVERRIDES.get(source[2], {}).get(layout, []))
     print(source[0].name, layout, metrics)
     assert sorted(metrics) == sorted(one_rank) == list(range(1, STEPS + 1))
