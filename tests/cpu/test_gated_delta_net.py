@@ -173,8 +173,8 @@ def test_each_head_group_alone_gives_its_heads_of_the_whole_mixer(one_rank_world
         layer.A_log.copy_(torch.linspace(-1, 1, layer.A_log.numel()))
         layer.dt_bias.copy_(torch.linspace(0.5, 2, layer.dt_bias.numel()))
     g = torch.Generator().manual_seed(4)
-    cu = _cu(LENGTHS)
-    tokens = torch.randn(int(cu[-1]), layer.in_proj_dim, generator=g)
+    cu = gdn.Documents(_cu(LENGTHS), _cu(LENGTHS))
+    tokens = torch.randn(int(cu.host[-1]), layer.in_proj_dim, generator=g)
     qk, v_dim, heads = layer.qk_dim, layer.v_dim, layer.local_value_heads
     q, k, v, _, b, a = torch.split(tokens, [qk, qk, v_dim, v_dim, heads, heads], dim=-1)
     with torch.no_grad():
