@@ -112,7 +112,8 @@ def prepare(hf_path: str | Path) -> Job:
     declares_mtp = family.num_mtp_layers(hf_cfg) > 0
     if not declares_mtp:
         family.check_supported(hf_cfg)  # before any shard is opened
-    reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
+    # a multimodal config.json keeps quantization_config at its top, not in text_config
+    reader = StreamingHFReader(hf_path, fp8_block=fp8_block(whole.config if whole is not None else hf_cfg))
     # A checkpoint saved by transformers declares MTP layers without their tensors: convert it
     # without MTP (set on hf_cfg, which everything below and the written hf/config.json follow).
     rename = whole.hf_name if whole is not None else (lambda name: name)

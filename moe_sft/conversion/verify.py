@@ -84,7 +84,8 @@ def reference_model(family, hf_cfg, hf_path: str | Path, whole=None):
     tiny FP8 DeepSeek-V3 that reference was 2.6e-3 away from a correct conversion (docs/families.md).
     """
     model_class = whole.spec.hf_model_class if whole is not None else family.hf_model_class
-    if not getattr(whole.config if whole is not None else hf_cfg, "quantization_config", None):
+    hf_cfg = whole.config if whole is not None else hf_cfg  # quantization_config is at its top
+    if not getattr(hf_cfg, "quantization_config", None):
         return model_class.from_pretrained(str(hf_path), dtype=torch.float32).eval()
     log.info(
         "verify: %s is quantised; the reference is transformers' model of its weights dequantised in "
@@ -201,7 +202,7 @@ def verify_layers(
     lengths = document_lengths(tokens)
     hidden = torch.randn(sum(lengths), hf_cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
     ours = meta_model(family, hf_cfg, "fp32").eval()  # also sets up megatron's single-rank runtime
-    theirs = _HFLayers(family, source_cfg, hf_path, whole.hf_name if whole is not None else None)
+    theirs = _HFLayers(family, source_cfg, hf_path, whole)
     stored = DistCheckpointReader(mcore_path)
     entries = mapping.expand(family, hf_cfg)
     results = []
@@ -253,15 +254,15 @@ def _megatron_prefix(index: int, num_layers: int) -> str:
 class _HFLayers:
     """transformers' model of this config on the meta device; `run` materialises one layer."""
 
-    def __init__(self, family, hf_cfg, hf_path, rename=None):
-        """`rename`: a multimodal source's names of the language model's tensors (its layers are
-        the text model's, which is built here)."""
+    def __init__(self, family, hf_cfg, hf_path, whole=None):
+        """`whole`: a multimodal source's composite view (its language model's tensors are named
+        as it names them; its layers are the text model's, which is built here)."""
         from moe_sft.runtime import cpu_compat
 
-        self.rename = rename or (lambda name: name)
+        self.rename = whole.hf_name if whole is not None else (lambda name: name)
         cfg = copy.deepcopy(hf_cfg)
         cfg._attn_implementation = "eager"  # the plain softmax(QK^T)V reference, with our mask
-        self.reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
+        self.reader = StreamingHFReader(hf_path, fp8_block=fp8_block(whole.config if whole is not None else hf_cfg))
         with cpu_compat.suspended():
             with torch.device("meta"):
                 self.model = family.hf_model_class(cfg)

@@ -36,7 +36,6 @@ class Composite:
     through untouched and written back at export (moe_sft/conversion/composite.py)."""
 
     model_type: str  # config.json's model_type of the whole checkpoint
-    hf_config_class: type
     hf_model_class: type  # what loads the export (no missing or unexpected keys)
     text_config: Callable[[object], object]  # the whole config (object or config.json dict) -> the LM's
     # (text-only checkpoint's HF name prefix, the same tensor's prefix in this checkpoint); a name

@@ -132,7 +132,6 @@ def tiny_vl_hf_config(vocab_size: int = 512, **overrides) -> Qwen3_5MoeConfig:
 COMPOSITE_TYPE = "qwen3_5_moe"
 COMPOSITE = Composite(
     model_type=COMPOSITE_TYPE,
-    hf_config_class=Qwen3_5MoeConfig,
     hf_model_class=Qwen3_5MoeForConditionalGeneration,
     text_config=text_config,
     # transformers' Qwen3_5MoeModel holds the language model as `language_model`; lm_head stays

@@ -168,3 +168,49 @@ def test_an_export_without_the_carried_tensors_is_refused(vl, tmp_path):
     with pytest.raises(CheckpointError, match=r"hf/carried: missing .* reconvert the source"):
         export(tmp_path / "mcore", tmp_path / "out", dtype="fp32")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_vision_tower_is_dequantised_like_the_language_model(vl, tmp_path):
+    """An FP8 release (scales beside the weights, `quantization_config` at the top of the VL
+    config.json, here with 32x32 blocks): the carried vision weights are dequantised with the
+    config's block size, as the language model is, since the export has no quantization_config."""
+    from moe_sft.conversion import fp8
+
+    src, _ = vl
+    block = (32, 32)
+    tensors, expected = {}, {}
+    for name, t in _tensors(src / "hf").items():
+        t = t.to(torch.bfloat16)
+        if t.dim() == 2 and name.startswith("model.visual.") and name.endswith("proj.weight"):
+            q, s = fp8.quantize_blocks(t, block)
+            tensors[name], tensors[fp8.scale_name(name)] = q, s
+            expected[name] = fp8.dequantize_blocks(q, s, block)
+        else:
+            tensors[name] = expected[name] = t
+    assert any(n.endswith("_scale_inv") for n in tensors)
+    (tmp_path / "fp8").mkdir()
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    config = json.loads((src / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    convert(tmp_path / "fp8", tmp_path / "mcore")
+    out = export(tmp_path / "mcore", tmp_path / "out", dtype="bf16")
+    written = _tensors(out)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[n], expected[n]) for n in expected)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_the_peft_adapter_export_of_a_vl_run_is_refused_naming_the_merged_export(vl, tmp_path):
+    """The PEFT-format adapter would target the text-only class: refused before anything is read
+    (the end-of-training export logs it and writes the merged VL model)."""
+    from moe_sft.peft.hf_adapter import AdapterExportError, check_adapter_export
+
+    src, _ = vl
+    run = tmp_path / "checkpoints" / "step_0000001"
+    shutil.copytree(src / "mcore", run)
+    (run / "checksums.json").unlink(missing_ok=True)
+    base = {"path": str(src / "mcore"), "id": mcore_io.base_identity(src / "mcore")}
+    mcore_io.write_meta(run, dict(mcore_io.read_meta(src / "mcore"), peft={"method": "lora"}, peft_base=base))
+    with pytest.raises(AdapterExportError, match=r"Qwen3_5MoeForConditionalGeneration.*merged export"):
+        check_adapter_export(run, tmp_path / "adapter")
