@@ -25,9 +25,15 @@ log = get_logger(__name__)
 
 
 def check_hf_coverage(
-    family: Family, entries: list[Entry], hf_names: set[str], hf_cfg=None, empty: set[str] = frozenset()
+    family: Family,
+    entries: list[Entry],
+    hf_names: set[str],
+    hf_cfg=None,
+    empty: set[str] = frozenset(),
+    carried: set[str] = frozenset(),
 ) -> None:
-    """Every HF tensor is consumed exactly once or deliberately dropped, and none is missing.
+    """Every HF tensor is consumed exactly once, carried through (`carried`: a multimodal
+    checkpoint's other parts, composite.py) or deliberately dropped, and none is missing.
 
     With tied embeddings an HF file may still carry `lm_head.weight`: it is the embedding, so it
     counts as dropped for every family. Tensors with no elements (`empty`: transformers builds
@@ -52,7 +58,7 @@ def check_hf_coverage(
         )
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     dropped = [re.compile(p) for p in family.dropped + ((r"lm_head\.weight",) if tied else ())]
-    left = hf_names - set(wanted) - set(empty)
+    left = hf_names - set(wanted) - set(empty) - set(carried)
     by_config = family.dropped_for_config(hf_cfg) if family.dropped_for_config and hf_cfg is not None else {}
     for pattern, why in by_config.items():
         matched = {n for n in left if re.fullmatch(pattern, n)}
@@ -80,30 +86,34 @@ def check_produced(entries: list[Entry], state: dict) -> None:
         raise MappingError(f"no HF tensor produces these megatron parameters: {mapping._list(unproduced)}")
 
 
-def hf_expected(family, hf_cfg) -> dict[str, tuple[int, ...]]:
+def hf_expected(family, hf_cfg, whole=None) -> dict[str, tuple[int, ...]]:
     """{name: shape} of what transformers' `save_pretrained` writes for this config, from the HF
     model built on the meta device: its state dict without tied copies, with its in-memory
-    fusions (transformers 5 stacks experts) reverted to the on-disk names."""
+    fusions (transformers 5 stacks experts) reverted to the on-disk names. `whole`: a multimodal
+    checkpoint's composite view (composite.CompositeSource): its whole model's tensors."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     from moe_sft.runtime import cpu_compat
 
-    cfg = copy.deepcopy(hf_cfg)  # building a model writes into its config
+    cfg = copy.deepcopy(whole.config if whole is not None else hf_cfg)  # building a model writes into its config
     if hasattr(cfg, "quantization_config"):  # exported dequantised
         del cfg.quantization_config
+    model_class = whole.spec.hf_model_class if whole is not None else family.hf_model_class
     with cpu_compat.suspended(), torch.device("meta"):
-        model = family.hf_model_class(cfg)
+        model = model_class(cfg)
         state = remove_tied_weights_from_state_dict(model.state_dict(), model)
         state = revert_weight_conversion(model, state)
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_save", None) or [])]
     return {k: tuple(v.shape) for k, v in state.items() if not any(p.search(k) for p in ignored)}
 
 
-def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -> None:
+def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]], whole=None) -> None:
     """The export writes every tensor transformers expects, in its shape; nothing else but the
-    MTP layers (`model.layers.{N + k}.*`, which transformers' model does not hold)."""
-    expected = hf_expected(family, hf_cfg)
+    MTP layers (`model.layers.{N + k}.*`, which transformers' model does not hold). `whole`: a
+    multimodal checkpoint's composite view: its whole model is expected (the carried tensors
+    planned beside the language model)."""
+    expected = hf_expected(family, hf_cfg, whole)
     written = dict(planned)
     if len(written) != len(planned):
         twice = sorted({n for n, _ in planned if sum(m == n for m, _ in planned) > 1})
@@ -118,7 +128,8 @@ def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -
     if shapes:
         raise MappingError(f"{family.name} export shapes differ from transformers': {'; '.join(shapes[:10])}")
     n = hf_cfg.num_hidden_layers
-    mtp = tuple(f"model.layers.{n + k}." for k in range(family.num_mtp_layers(hf_cfg)))
+    rename = whole.hf_name if whole is not None else (lambda name: name)
+    mtp = tuple(rename(f"model.layers.{n + k}.") for k in range(family.num_mtp_layers(hf_cfg)))
     extra = {name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",))}
     if extra:
         raise MappingError(

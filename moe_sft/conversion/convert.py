@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moe_sft.conversion import completeness, mapping, mcore_io, streaming
+import torch
+
+from moe_sft.conversion import completeness, composite, mapping, mcore_io, streaming
 from moe_sft.conversion import workers as conversion_workers
 from moe_sft.conversion.hf_source import load_hf_config, prepare
 from moe_sft.conversion.meta_model import meta_model
@@ -89,9 +91,11 @@ def convert(
         if spec.index > 0:  # another node's part: node 0 publishes
             return dict(written_bytes=written, seconds=time.time() - started, node_rank=node_rank)
         mcore_io.copy_hf_side_files(hf_path, tmp / mcore_io.HF_SUBDIR, {field: 0 for field in job.mtp_dropped or {}})
+        if job.carried:
+            written += _carry(job, tmp)
         meta = dict(
             family=job.family.name,
-            model_type=job.hf_cfg.model_type,
+            model_type=(job.whole.config if job.whole else job.hf_cfg).model_type,
             vocab_size=job.hf_cfg.vocab_size,
             padded_vocab_size=job.ctx["padded_vocab_size"],
             source=str(hf_path.resolve()),
@@ -103,6 +107,8 @@ def convert(
             meta["mtp_dropped_from_config"] = job.mtp_dropped
         if job.copies_absent:  # export writes back exactly what the source stored
             meta[mcore_io.COPIES_ABSENT] = job.copies_absent
+        if job.carried:
+            meta["carried_tensors"] = {what: len(names) for what, names in job.carried.items()}
         mcore_io.write_meta(tmp, meta)
         (tmp / conversion_workers.RUN_STAMP).unlink()
         mcore_io.commit_dir(tmp, out_path)
@@ -126,3 +132,16 @@ def convert(
     )
     meta["written_bytes"], meta["seconds"] = written, seconds
     return meta
+
+
+def _carry(job, tmp: Path) -> int:
+    """The source's tensors outside the language model, into `<tmp>/hf/carried/` (composite.py);
+    the bytes written."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[job.precision]
+    written = composite.write_carried(job.reader, composite.carried_names(job.carried), tmp / mcore_io.HF_SUBDIR, dtype)
+    log.info(
+        "%s carried through, not trained: written back unchanged by the export (%s)",
+        composite.describe(job.carried),
+        job.whole.spec.hf_model_class.__name__,
+    )
+    return written

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from moe_sft.conversion import adapter_merge, checksums, export_plan, hf_writer, mcore_io
+from moe_sft.conversion import adapter_merge, checksums, composite, export_plan, hf_writer, mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 from moe_sft.conversion.export_plan import ParamPlan
 from moe_sft.conversion.hf_reader import CheckpointError
-from moe_sft.conversion.hf_source import load_hf_config
+from moe_sft.conversion.hf_source import load_hf_config, load_hf_source
 from moe_sft.conversion.hf_writer import StreamingSafetensorsWriter
 from moe_sft.conversion.meta_model import View
 from moe_sft.conversion.single_rank import single_rank_model
@@ -277,11 +277,15 @@ def export_with_stats(
 
 def _export(ckpt_dir, out_dir, model_dir, meta, max_shard_bytes, dtype, read_bytes, progress, started):
     """`export_with_stats` once its inputs and output are checked: plan, stream, publish."""
-    family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
+    family, hf_cfg, whole = load_hf_source(ckpt_dir / mcore_io.HF_SUBDIR)
     torch_dtype = DTYPES[dtype]
     reader = DistCheckpointReader(model_dir)
     copies_absent = mcore_io.read_meta(model_dir).get(mcore_io.COPIES_ABSENT, ())
-    plan = export_plan.build(family, hf_cfg, reader, read_bytes, copies_absent)
+    # a multimodal source: its other parts (vision tower), carried through since the conversion
+    carried = composite.CarriedTensors(ckpt_dir) if whole is not None else None
+    plan = export_plan.build(
+        family, hf_cfg, reader, read_bytes, copies_absent, whole, carried.specs() if carried else ()
+    )
     adapters = None
     if model_dir != ckpt_dir:
         adapters = adapter_merge.RunAdapters(ckpt_dir, meta, plan.ctx)
@@ -307,7 +311,9 @@ def _export(ckpt_dir, out_dir, model_dir, meta, max_shard_bytes, dtype, read_byt
                     progress(writer.written_bytes, writer.total_bytes)
         for name, shape in plan.empty:
             writer.write(name, torch.empty(shape, dtype=torch_dtype))
-        copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir)
+        if carried is not None:
+            carried.write_into(writer)
+        copied = mcore_io.copy_hf_side_files(ckpt_dir / mcore_io.HF_SUBDIR, writer.staging_dir, with_carried=False)
         if "generation_config.json" not in copied:  # generate() and serving stacks read it
             GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(writer.staging_dir))
         hf_writer.finish_config(writer.staging_dir / "config.json", torch_dtype)  # the source's own, kept

@@ -97,10 +97,12 @@ class ExportPlan:
     # Tensors transformers expects with no elements and no megatron parameter behind them
     # (zero-width modules, e.g. DeepSeek-V3's shared experts when n_shared_experts=0).
     empty: list[tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    # A multimodal source's tensors carried through (composite.py), written after the rest.
+    carried: list[tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     def hf_specs(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of every tensor written, in mapping order (the shard order)."""
-        return [spec for p in self.params for spec in p.hf] + self.empty
+        return [spec for p in self.params for spec in p.hf] + self.empty + self.carried
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,13 +252,23 @@ def _param_plan_whole(entry, shape, dtype, pairs, hf_shapes) -> ParamPlan:
 
 
 def build(
-    family, hf_cfg, reader: DistCheckpointReader, read_bytes: int = DEFAULT_READ_BYTES, copies_absent=()
+    family,
+    hf_cfg,
+    reader: DistCheckpointReader,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    copies_absent=(),
+    whole=None,
+    carried: list[tuple[str, tuple[int, ...]]] = (),
 ) -> ExportPlan:
     """Plan the export of the checkpoint `reader` reads; every gate runs here, before any read.
     `copies_absent`: the HF copies the converted source did not store (mapping.without_copies),
-    left out of the export too."""
+    left out of the export too. `whole`: a multimodal source's composite view (the language
+    model's names as it spells them) and `carried`: (name, shape) of the tensors carried through."""
     model = meta_model(family, hf_cfg, "fp32")
-    entries = mapping.without_copies(mapping.expand(family, hf_cfg), copies_absent)
+    entries = mapping.expand(family, hf_cfg)
+    if whole is not None:
+        entries = whole.rename(entries)
+    entries = mapping.without_copies(entries, copies_absent)
     completeness.check_produced(entries, model.state_dict(keep_vars=True))  # every megatron parameter exported
     found, tensors = _pieces_by_param(model)
     stored = reader.tensors()
@@ -266,12 +278,12 @@ def build(
     if unexported:
         raise MappingError(f"checkpoint tensors of no mapped parameter: {mapping._list(unexported)}")
     params = [_param_plan(e, tensors[e.mcore], found[e.mcore], stored, ctx, read_bytes) for e in entries]
-    mapped = {name for p in params for name, _ in p.hf}
+    mapped = {name for p in params for name, _ in p.hf} | {name for name, _ in carried}
     empty = [
         (name, shape)
-        for name, shape in completeness.hf_expected(family, hf_cfg).items()
+        for name, shape in completeness.hf_expected(family, hf_cfg, whole).items()
         if 0 in shape and name not in mapped
     ]
-    plan = ExportPlan(params, ctx, empty)
-    completeness.check_hf_names(family, hf_cfg, plan.hf_specs())
+    plan = ExportPlan(params, ctx, empty, list(carried))
+    completeness.check_hf_names(family, hf_cfg, plan.hf_specs(), whole)
     return plan

@@ -96,6 +96,10 @@ class HFCheckpointReader(ABC):
     def _stored_dtype(self, stored: str) -> str:
         return self._open(self._name_to_file[stored]).get_slice(stored).get_dtype()
 
+    def stored_dtype(self, name: str) -> str:
+        """safetensors' dtype name ("BF16", "F8_E4M3", ...) of `name` as stored."""
+        return self._stored_dtype(self.stored_name(name))
+
     def names(self) -> set[str]:
         """Tensor names as the model sees them: FP8 scales are consumed by their weights, MXFP4
         `X_blocks` + `X_scales` are presented as the one parameter `X`."""

@@ -89,20 +89,21 @@ def expand(family: Family, hf_cfg) -> list[Entry]:
     return entries
 
 
-def drop_absent_mtp(family: Family, hf_cfg, hf_names: set[str]) -> dict | None:
+def drop_absent_mtp(family: Family, hf_cfg, hf_names: set[str], rename=lambda name: name) -> dict | None:
     """Set the config's MTP layer count to 0 when the checkpoint holds none of those layers' tensors;
     returns {config field: the count it declared}, or None when nothing changed.
 
     transformers' models have no MTP module, so a checkpoint they saved declares MTP layers (the
     config class's default, e.g. DeepSeek-V3's `num_nextn_predict_layers=1`) without their tensors.
     Some of them but not all is left to the completeness gate, which names the missing ones.
+    `rename`: the HF names as the checkpoint spells them (composite.CompositeSource.hf_name).
     """
     declared, field = family.num_mtp_layers(hf_cfg), family.mtp_config_field
     if not declared or field is None:
         return None
     without = copy.deepcopy(hf_cfg)
     setattr(without, field, 0)
-    names = lambda cfg: {n for e in expand(family, cfg) for n in e.hf}  # noqa: E731
+    names = lambda cfg: {rename(n) for e in expand(family, cfg) for n in e.hf}  # noqa: E731
     if (names(hf_cfg) - names(without)) & set(hf_names):
         return None
     setattr(hf_cfg, field, 0)

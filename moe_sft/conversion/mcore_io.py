@@ -5,6 +5,8 @@ Layout of a converted (or trained) checkpoint directory:
     <dir>/                      torch_dist files written by megatron.core.dist_checkpointing
     <dir>/moe_sft_meta.json     family, vocab sizes, what wrote it
     <dir>/hf/                   config.json, generation_config.json, tokenizer files (copied)
+    <dir>/hf/carried/           a multimodal source's tensors outside the language model (its vision
+                                tower), carried through untrained for the export (composite.py)
 
 Directories are written to `<dir>.tmp` and renamed, so a crash never leaves a half checkpoint; a
 conversion that fails removes its `<dir>.tmp` (with the files of all its worker processes).
@@ -40,7 +42,12 @@ HF_SIDE_FILES = (
     "chat_template.json",
     "added_tokens.json",
     "tiktoken.model",  # Kimi-K2's tokenizer (tokenization_kimi.py, named by tokenizer_config's auto_map)
+    # a vision-language release's processors (Qwen3.5): the export is that model again
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
 )
+CARRIED_DIR = "carried"  # in HF_SUBDIR: composite.py
 # Stamps in a staging dir `<out>.tmp` (removed before it is renamed): an interrupted conversion's
 # (first line: its run id, second: the HF source) and an interrupted export's (the checkpoint).
 CONVERT_STAMP = ".moe_sft_run"
@@ -109,11 +116,15 @@ def _not_a_checkpoint(ckpt: Path) -> str:
     )
 
 
-def copy_hf_side_files(src: Path, dst: Path, config_changes: dict | None = None) -> list[str]:
+def copy_hf_side_files(
+    src: Path, dst: Path, config_changes: dict | None = None, with_carried: bool = True
+) -> list[str]:
     """config, generation config and tokenizer files: training and export need nothing else.
 
     `config_changes` ({field: value}) are written into the copied config.json, the one every later
     reader (trainer, export, planner) takes the model from; the other fields are kept as they are.
+    `with_carried`: also the tensors carried through (`CARRIED_DIR`, hard-linked where the
+    filesystem allows: they are never written in place); the export writes them into its shards.
     """
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -124,11 +135,22 @@ def copy_hf_side_files(src: Path, dst: Path, config_changes: dict | None = None)
     for name in remote_code_files(Path(src)):
         shutil.copy2(Path(src) / name, dst / name)
         copied.append(name)
+    if with_carried and (Path(src) / CARRIED_DIR).is_dir():
+        shutil.rmtree(dst / CARRIED_DIR, ignore_errors=True)
+        shutil.copytree(Path(src) / CARRIED_DIR, dst / CARRIED_DIR, copy_function=_link_or_copy)
+        copied.append(CARRIED_DIR)
     if config_changes and "config.json" in copied:
         config = json.loads((dst / "config.json").read_text())
         config.update(config_changes)
         (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return copied
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(src, dst)
 
 
 def remote_code_files(src: Path) -> list[str]:
@@ -358,10 +380,12 @@ def checkpoint_problems(ckpt_dir: str | Path, field: str = "model.mcore_path") -
         hf = json.loads(hf_config.read_text())
     except (OSError, json.JSONDecodeError) as err:
         return problems + [f"{where}: {HF_SUBDIR}/config.json is not valid JSON ({err}); reconvert"]
-    for key, hf_key in (("model_type", "model_type"), ("vocab_size", "vocab_size")):
-        if key in meta and meta[key] != hf.get(hf_key):
+    # a multimodal config.json holds the language model's fields in its text_config
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    for key, found in (("model_type", hf.get("model_type")), ("vocab_size", text.get("vocab_size"))):
+        if key in meta and meta[key] != found:
             problems.append(
                 f"{where}: {META_FILE} says {key}={meta[key]!r} but {HF_SUBDIR}/config.json says "
-                f"{hf.get(hf_key)!r}; the directory mixes two models, reconvert it"
+                f"{found!r}; the directory mixes two models, reconvert it"
             )
     return problems

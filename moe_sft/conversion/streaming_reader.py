@@ -81,6 +81,10 @@ class StreamingHFReader(HFCheckpointReader):
     def _stored_shape(self, stored: str) -> list[int]:
         return self._header(self._name_to_file[stored])[1][stored]["shape"]
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape `get` returns for an unquantised or FP8 tensor (FP8 blocks keep the shape)."""
+        return tuple(self._stored_shape(self.stored_name(name)))
+
     def row_shape(self, name: str) -> tuple[int, ...] | None:
         """The tensor's shape when `get_rows` can read it (stored unquantised, at least 1-D)."""
         if self.is_mxfp4(name):

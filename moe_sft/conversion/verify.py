@@ -35,7 +35,7 @@ import torch
 from moe_sft.conversion import mapping, mcore_io
 from moe_sft.conversion.dcp_reader import DistCheckpointReader
 from moe_sft.conversion.export import load_model_from_checkpoint
-from moe_sft.conversion.hf_source import fp8_block, load_hf_config
+from moe_sft.conversion.hf_source import fp8_block, load_hf_config, load_hf_source
 from moe_sft.conversion.meta_model import meta_model
 from moe_sft.conversion.streaming_reader import StreamingHFReader
 from moe_sft.runtime.logs import get_logger
@@ -58,12 +58,12 @@ def verify(
     from moe_sft.models.forward import packed_logits
     from moe_sft.runtime import cpu_compat
 
-    family, hf_cfg = load_hf_config(Path(hf_path))
+    family, hf_cfg, whole = load_hf_source(Path(hf_path))
     if sequences is None:
         g = torch.Generator().manual_seed(0)
         sequences = [torch.randint(0, hf_cfg.vocab_size, (n,), generator=g).tolist() for n in VERIFY_LENGTHS]
     with cpu_compat.suspended(), torch.no_grad():
-        hf_model = reference_model(family, hf_cfg, hf_path)
+        hf_model = reference_model(family, hf_cfg, hf_path, whole)
         refs = [hf_model(torch.tensor([seq])).logits[0].float() for seq in sequences]
     del hf_model
     model = load_model_from_checkpoint(mcore_path, precision="fp32").eval()
@@ -71,8 +71,9 @@ def verify(
     return max((ref - mine).abs().max().item() for ref, mine in zip(refs, ours))
 
 
-def reference_model(family, hf_cfg, hf_path: str | Path):
-    """transformers' whole model of the source, in fp32.
+def reference_model(family, hf_cfg, hf_path: str | Path, whole=None):
+    """transformers' whole model of the source, in fp32 (a multimodal source, `whole`: its own
+    class, run on text alone).
 
     A quantised source (FP8 blocks, MXFP4) is loaded from a dequantised copy: each weight
     dequantised in fp32 by the converter's reader and rounded once to bf16, the values the
@@ -82,8 +83,10 @@ def reference_model(family, hf_cfg, hf_path: str | Path):
     rows, 2 scale rows: 96-row blocks), and at fp32 it keeps the unrounded weights; on the tests'
     tiny FP8 DeepSeek-V3 that reference was 2.6e-3 away from a correct conversion (docs/families.md).
     """
+    model_class = whole.spec.hf_model_class if whole is not None else family.hf_model_class
+    hf_cfg = whole.config if whole is not None else hf_cfg  # quantization_config is at its top
     if not getattr(hf_cfg, "quantization_config", None):
-        return family.hf_model_class.from_pretrained(str(hf_path), dtype=torch.float32).eval()
+        return model_class.from_pretrained(str(hf_path), dtype=torch.float32).eval()
     log.info(
         "verify: %s is quantised; the reference is transformers' model of its weights dequantised in "
         "fp32 and rounded to bf16 (as the converted checkpoint stores them), run in fp32",
@@ -91,7 +94,7 @@ def reference_model(family, hf_cfg, hf_path: str | Path):
     )
     with tempfile.TemporaryDirectory(prefix="moe_sft_verify_") as copy_dir:
         _write_dequantised_copy(Path(hf_path), hf_cfg, Path(copy_dir))
-        return family.hf_model_class.from_pretrained(copy_dir, dtype=torch.float32).eval()
+        return model_class.from_pretrained(copy_dir, dtype=torch.float32).eval()
 
 
 def _write_dequantised_copy(hf_path: Path, hf_cfg, out: Path) -> None:
@@ -194,12 +197,12 @@ def verify_layers(
     mcore_path = Path(mcore_path)
     mcore_io.read_meta(mcore_path)
     family, hf_cfg = load_hf_config(mcore_path / mcore_io.HF_SUBDIR)
-    _, source_cfg = load_hf_config(Path(hf_path), check_supported=False)
+    _, source_cfg, whole = load_hf_source(Path(hf_path), check_supported=False)
     chosen = choose_layers(family, hf_cfg, layers)
     lengths = document_lengths(tokens)
     hidden = torch.randn(sum(lengths), hf_cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
     ours = meta_model(family, hf_cfg, "fp32").eval()  # also sets up megatron's single-rank runtime
-    theirs = _HFLayers(family, source_cfg, hf_path)
+    theirs = _HFLayers(family, source_cfg, hf_path, whole)
     stored = DistCheckpointReader(mcore_path)
     entries = mapping.expand(family, hf_cfg)
     results = []
@@ -251,12 +254,15 @@ def _megatron_prefix(index: int, num_layers: int) -> str:
 class _HFLayers:
     """transformers' model of this config on the meta device; `run` materialises one layer."""
 
-    def __init__(self, family, hf_cfg, hf_path):
+    def __init__(self, family, hf_cfg, hf_path, whole=None):
+        """`whole`: a multimodal source's composite view (its language model's tensors are named
+        as it names them; its layers are the text model's, which is built here)."""
         from moe_sft.runtime import cpu_compat
 
+        self.rename = whole.hf_name if whole is not None else (lambda name: name)
         cfg = copy.deepcopy(hf_cfg)
         cfg._attn_implementation = "eager"  # the plain softmax(QK^T)V reference, with our mask
-        self.reader = StreamingHFReader(hf_path, fp8_block=fp8_block(hf_cfg))
+        self.reader = StreamingHFReader(hf_path, fp8_block=fp8_block(whole.config if whole is not None else hf_cfg))
         with cpu_compat.suspended():
             with torch.device("meta"):
                 self.model = family.hf_model_class(cfg)
@@ -323,7 +329,7 @@ class _HFLayers:
         from transformers.utils import logging as hf_logging
 
         layer = self.base.layers[index]
-        tensors = {name: self.reader.get(name) for name in names}  # FP8 sources come dequantised
+        tensors = {name: self.reader.get(self.rename(name)) for name in names}  # FP8 sources come dequantised
         config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(self.model))
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per layer says nothing here

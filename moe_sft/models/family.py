@@ -30,6 +30,24 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Composite:
+    """A multimodal release whose checkpoint holds the family's language model beside other parts
+    (Qwen3.5's vision tower): the language model is converted and trained, the rest is carried
+    through untouched and written back at export (moe_sft/conversion/composite.py)."""
+
+    model_type: str  # config.json's model_type of the whole checkpoint
+    hf_model_class: type  # what loads the export (no missing or unexpected keys)
+    text_config: Callable[[object], object]  # the whole config (object or config.json dict) -> the LM's
+    # (text-only checkpoint's HF name prefix, the same tensor's prefix in this checkpoint); a name
+    # matching none is the same in both (Qwen3.5: `lm_head.weight`)
+    renames: tuple[tuple[str, str], ...]
+    # {regex: what it is, in words}: the tensors carried through (a tensor neither mapped, dropped
+    # nor carried fails the completeness gate)
+    carried: dict[str, str]
+    tiny_hf_config: Callable[..., object]  # the tiny model's whole config (tests, demos)
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -68,6 +86,8 @@ class Family:
     remote_code: Path | None = None
     # Hybrid models (Qwen3-Next, Qwen3.5): decoder layer i's mixer is Gated DeltaNet, not attention.
     is_linear_attention_layer: Callable[[object, int], bool] = lambda cfg, i: False
+    # A multimodal checkpoint type holding this family's language model (Qwen3.5's VL release).
+    composite: Composite | None = None
 
 
 class UnsupportedConfigError(ValueError):

@@ -8,16 +8,26 @@ separate, `in_proj_qkv` ([q, k, v] whole), `in_proj_z`, `in_proj_b`, `in_proj_a`
 in_proj concatenates; every layer is MoE and the router always renormalises its top-k; the rotary
 embedding is multimodal (`mrope_section`), which for text (every section at the token's position)
 is the 1-D partial RoPE.
+
+The vision-language releases (`Qwen3_5MoeForConditionalGeneration`, model_type `qwen3_5_moe`) hold
+this language model under `model.language_model.*` beside the vision tower `model.visual.*`
+(`COMPOSITE`): the language model is converted and trained on text, the vision tower carried
+through and written back at export.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers import (
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+)
 
 from moe_sft.models import common, qwen3_next
 from moe_sft.models import transforms as T
-from moe_sft.models.family import Family, Rule, UnsupportedConfigError
+from moe_sft.models.family import Composite, Family, Rule, UnsupportedConfigError
 from moe_sft.models.hf_config import num_experts
 
 
@@ -51,7 +61,15 @@ def _with_qwen3_next_fields(cfg):
 
 
 def shape(cfg, name: str = "model"):
-    return qwen3_next.shape(_with_qwen3_next_fields(cfg), name)
+    return qwen3_next.shape(_with_qwen3_next_fields(text_config(cfg)), name)
+
+
+def text_config(cfg):
+    """The language model's config of a vision-language config (object or config.json dict); a
+    text-only one is its own."""
+    if isinstance(cfg, dict):
+        return cfg.get("text_config", cfg) if cfg.get("model_type") == COMPOSITE_TYPE else cfg
+    return cfg.text_config if getattr(cfg, "model_type", None) == COMPOSITE_TYPE else cfg
 
 
 def gpt_model_kwargs(cfg) -> dict:
@@ -90,6 +108,39 @@ def sample_hf_config(rng, vocab_size: int) -> Qwen3_5MoeTextConfig:
     return Qwen3_5MoeTextConfig(**qwen3_next.sample_hybrid(rng, vocab_size, rng.randint(1, 4)))
 
 
+# A vision tower as small as transformers builds one (one block), for the tiny VL model.
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    num_position_embeddings=16,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+
+
+def tiny_vl_hf_config(vocab_size: int = 512, **overrides) -> Qwen3_5MoeConfig:
+    """The tiny model as a vision-language release: tiny_hf_config's language model and a
+    one-block vision tower."""
+    text = tiny_hf_config(vocab_size, **overrides)
+    vision = dict(TINY_VISION, out_hidden_size=text.hidden_size)  # the merger feeds the language model
+    return Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+
+
+COMPOSITE_TYPE = "qwen3_5_moe"
+COMPOSITE = Composite(
+    model_type=COMPOSITE_TYPE,
+    hf_model_class=Qwen3_5MoeForConditionalGeneration,
+    text_config=text_config,
+    # transformers' Qwen3_5MoeModel holds the language model as `language_model`; lm_head stays
+    # at the top (and the releases' `mtp.*` too)
+    renames=(("model.", "model.language_model."),),
+    carried={r"model\.visual\..*": "vision"},
+    tiny_hf_config=tiny_vl_hf_config,
+)
+
 FAMILY = Family(
     name="qwen3_5_moe",
     model_types=("qwen3_5_moe_text",),
@@ -108,4 +159,5 @@ FAMILY = Family(
     # the releases' multi-token-prediction layers: transformers does not load them either
     dropped=(r"^mtp\.",),
     training_defaults={"moe_router_load_balancing_type": "aux_loss"},
+    composite=COMPOSITE,
 )

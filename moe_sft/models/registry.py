@@ -28,13 +28,18 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+def _model_types(family: Family) -> tuple[str, ...]:
+    """The family's own types and that of a multimodal checkpoint holding its language model."""
+    return family.model_types + ((family.composite.model_type,) if family.composite else ())
+
+
 def supported_model_types() -> list[str]:
-    return sorted(t for f in FAMILIES for t in f.model_types)
+    return sorted(t for f in FAMILIES for t in _model_types(f))
 
 
 def family_for_model_type(model_type: str, source: str = "config.json") -> Family:
     for family in FAMILIES:
-        if model_type in family.model_types:
+        if model_type in _model_types(family):
             return family
     raise UnsupportedConfigError(
         f"{source}: model_type={model_type!r} is not supported by moe-sft; supported: "

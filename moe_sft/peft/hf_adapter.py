@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from moe_sft.conversion import adapter_merge, checksums, mapping, mcore_io
-from moe_sft.conversion.hf_source import load_hf_config
+from moe_sft.conversion.hf_source import load_hf_source
 from moe_sft.models.transforms import combine
 from moe_sft.runtime.logs import get_logger
 
@@ -330,7 +330,14 @@ def _prepare(ckpt_dir: Path, out_dir: Path, overwrite: bool) -> _Prepared:
     )
     mcore_io.check_output(out_dir, overwrite, accept=lambda out: _own_adapter_dir(ckpt_dir, out))
     checksums.verify_files(ckpt_dir)  # the base is verified by the merged export, which reads all of it
-    family, hf_cfg = load_hf_config(ckpt_dir / mcore_io.HF_SUBDIR)
+    family, hf_cfg, whole = load_hf_source(ckpt_dir / mcore_io.HF_SUBDIR)
+    if whole is not None:
+        raise AdapterExportError(
+            f"{ckpt_dir}: the run trained the language model of a {whole.spec.model_type} checkpoint "
+            f"({whole.spec.hf_model_class.__name__}); a PEFT adapter for that class is not written yet. "
+            "Leave out --adapter-output: the merged export (trainer output_dir/hf, or "
+            "tools/export_mcore_to_hf.py) is the whole model with the adapters merged"
+        )
     run = adapter_merge.RunAdapters(ckpt_dir, meta, mapping.transform_context(family, hf_cfg))
     plan = _plan(run, family, hf_cfg, _meta_model(family, hf_cfg), meta)
     peft_model = _peft_model(plan, lambda: _meta_model(family, hf_cfg), meta)
