@@ -102,7 +102,8 @@ def hf_expected(family, hf_cfg) -> dict[str, tuple[int, ...]]:
 
 def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -> None:
     """The export writes every tensor transformers expects, in its shape; nothing else but the
-    MTP layers (`model.layers.{N + k}.*`, which transformers' model does not hold)."""
+    MTP layers (`model.layers.{N + k}.*`, or the names the family's MTP rules give them, such as
+    Qwen3-Next's `mtp.*`: transformers' model holds none)."""
     expected = hf_expected(family, hf_cfg)
     written = dict(planned)
     if len(written) != len(planned):
@@ -119,7 +120,10 @@ def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]]) -
         raise MappingError(f"{family.name} export shapes differ from transformers': {'; '.join(shapes[:10])}")
     n = hf_cfg.num_hidden_layers
     mtp = tuple(f"model.layers.{n + k}." for k in range(family.num_mtp_layers(hf_cfg)))
-    extra = {name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",))}
+    mtp_names = {h for e in mapping.expand(family, hf_cfg) if e.mcore.startswith("mtp.") for h in e.hf}
+    extra = {
+        name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",)) and name not in mtp_names
+    }
     if extra:
         raise MappingError(
             f"the {family.name} export would write {len(extra)} tensor(s) "
