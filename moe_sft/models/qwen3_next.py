@@ -72,6 +72,11 @@ def _check_mtp(cfg) -> None:
             f"config.json: mtp_num_hidden_layers={mtp} is not supported (the releases have 1: more layers "
             "share one mtp.fc and its norms, which megatron's MTP layers do not)"
         )
+    if S.field(cfg, "mtp_use_dedicated_embeddings", default=False):
+        raise UnsupportedConfigError(
+            "config.json: mtp_use_dedicated_embeddings=true is not supported (the releases' MTP module "
+            "shares the main embedding, as megatron's does)"
+        )
     if not all(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers + mtp)):
         # The released MTP layer carries the MoE block; megatron builds it like the last decoder
         # layer, and vLLM picks its MLP by the index 0 of `mtp.layers.0`: with every layer MoE

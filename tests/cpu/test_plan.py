@@ -97,10 +97,10 @@ def test_shipped_configs_match_the_families_translation():
         "minimax_m2": 228.7,
         "gpt_oss_20b": 20.9,
         "gpt_oss_120b": 116.8,
-        "qwen3_next_80b_a3b": 79.7,
-        "qwen3_5_35b_a3b_text": 34.7,
+        "qwen3_next_80b_a3b": 81.3,
+        "qwen3_5_35b_a3b_text": 35.5,
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer;
-    # Qwen3-Next / Qwen3.5: without their MTP layer (not converted) and Qwen3.5's vision tower
+    # Qwen3-Next / Qwen3.5: + 1 MTP layer (embedding / head shared), without Qwen3.5's vision tower
     for name in known_models():
         family, hf = load_hf_config(REPO / "recipes" / "models" / name)
         kw = family.transformer_config_kwargs(hf)
