@@ -61,14 +61,15 @@ class QwenReferenceMTP(torch.nn.Module):
 
 @torch.no_grad()
 def _perturb(hf, mtp, std: float) -> None:
-    """Off the init values: a bare decoder layer holds torch.empty memory, and the zero-centred
-    norms sit at 0 (x * (1 + 0)): make every weight matter."""
+    """Off the init values: a bare decoder layer holds torch.empty memory, and every norm sits at its
+    init (zero-centred ones at 0, x * (1 + 0); the GDN's gated norm at 1): make every weight
+    matter, the two pre-fc norms apart (swapping them must show)."""
     for param in mtp.parameters():
         if param.dim() >= 2:
             torch.nn.init.normal_(param, std=std)
     for name, tensor in list(hf.named_parameters()) + list(mtp.named_parameters()):
-        if tensor.dim() == 1 and name.endswith("norm.weight"):
-            tensor.copy_(0.3 * torch.randn_like(tensor))
+        if tensor.dim() == 1 and "norm" in name:
+            tensor.add_(0.3 * torch.randn_like(tensor))
 
 
 def write_tiny_with_mtp(family_name: str, path: Path, vocab_size: int, cfg=None, seed: int = 0, **overrides):

@@ -51,6 +51,19 @@ def test_every_recipe_plans_and_fits_at_its_declared_world_size(name, monkeypatc
     assert plan.fits and plan.largest.total < plan.gpu_mem_gib * 2**30
 
 
+def test_a_lora_run_plans_its_mtp_layer_frozen_and_not_run(monkeypatch):
+    """As trainer/assemble.multi_token_prediction: LoRA adapts the decoder, the MTP layer stays frozen."""
+    from moe_sft.plan import training_of
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    full, lora = _recipe("qwen3_5_35b_a3b_h200"), _recipe("qwen3_5_35b_a3b_lora_h200")
+    assert load_shape("qwen3_5_35b_a3b_text")[0].mtp_layers == 1
+    assert full.model.mtp_loss_weight > 0 and lora.model.mtp_loss_weight > 0 and not lora.model.freeze_mtp
+    lay = make_plan(full).layout
+    assert training_of(full, lay, "torch").mtp_trained and not training_of(lora, lay, "torch").mtp_trained
+
+
 def test_optimizer_offload_plans_with_its_measured_fragmentation(monkeypatch):
     """Offload churns the allocator more (measured reserved/allocated 1.12 vs 1.01-1.03 on H200 with
     expandable segments): its total counts 15% over allocated, not 10%, and the report says which."""
