@@ -78,10 +78,15 @@ PRESETS = {
     # 2 layers (one sliding, one full): 18 B/param of weights and optimizer state on one GPU, and
     # its 1.16 B embedding + head parameters, leave room for 8192-token activations on an 80 GB H100
     "gpt_oss_20b": Preset("gpt_oss", "gpt_oss_20b", layers=2, hf_arm=True),
-    # 5 layers (GDN x 3, gated attention, GDN): the hybrid pattern in 5.1 B parameters on one H200
-    "qwen3_5_35b": Preset("qwen3_5_moe", "qwen3_5_35b_a3b_text", layers=5, hf_arm=True),
-    # 4 layers (GDN x 3, gated attention): Qwen3-Next-80B's pattern at 512 experts of 512
-    "qwen3_next_80b": Preset("qwen3_next", "qwen3_next_80b_a3b", layers=4, hf_arm=True),
+    # 5 layers (GDN x 3, gated attention, GDN): the hybrid pattern in 5.1 B parameters on one H200;
+    # without the release's MTP layer, which transformers' arm does not run either
+    "qwen3_5_35b": Preset(
+        "qwen3_5_moe", "qwen3_5_35b_a3b_text", layers=5, overrides=dict(mtp_num_hidden_layers=0), hf_arm=True
+    ),
+    # 4 layers (GDN x 3, gated attention): Qwen3-Next-80B's pattern at 512 experts of 512, no MTP layer
+    "qwen3_next_80b": Preset(
+        "qwen3_next", "qwen3_next_80b_a3b", layers=4, overrides=dict(mtp_num_hidden_layers=0), hf_arm=True
+    ),
     "tiny": Preset("qwen3_moe", None, layers=2, hf_arm=True),
     "tiny_dsv3": Preset(
         "deepseek_v3", None, layers=2, overrides=dict(num_nextn_predict_layers=1), model_options=DSV3_ROUTER

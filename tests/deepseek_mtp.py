@@ -42,18 +42,25 @@ class ReferenceMTP(torch.nn.Module):
             f"{prefix}embed_tokens.weight": embed,
             f"{prefix}shared_head.head.weight": head,
         }
-        for name, value in self.layer.state_dict().items():
-            if name == "mlp.experts.gate_up_proj":  # transformers 5 fuses experts in memory [E, 2F, H]
-                ffn = value.shape[1] // 2
-                for e in range(value.shape[0]):
-                    out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = value[e, :ffn]
-                    out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = value[e, ffn:]
-            elif name == "mlp.experts.down_proj":  # [E, H, F]
-                for e in range(value.shape[0]):
-                    out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = value[e]
-            else:
-                out[prefix + name] = value
+        out.update(decoder_layer_tensors(self.layer, prefix))
         return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def decoder_layer_tensors(layer: torch.nn.Module, prefix: str) -> dict:
+    """A transformers decoder layer's tensors as a checkpoint stores them: per expert."""
+    out = {}
+    for name, value in layer.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":  # transformers 5 fuses experts in memory [E, 2F, H]
+            ffn = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = value[e, :ffn]
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = value[e, ffn:]
+        elif name == "mlp.experts.down_proj":  # [E, H, F]
+            for e in range(value.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[prefix + name] = value
+    return out
 
 
 def write_tiny_deepseek_with_mtp(path: Path, vocab_size: int, seed: int = 0, **overrides):

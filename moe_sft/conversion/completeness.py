@@ -110,9 +110,10 @@ def hf_expected(family, hf_cfg, whole=None) -> dict[str, tuple[int, ...]]:
 
 def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]], whole=None) -> None:
     """The export writes every tensor transformers expects, in its shape; nothing else but the
-    MTP layers (`model.layers.{N + k}.*`, which transformers' model does not hold). `whole`: a
-    multimodal checkpoint's composite view: its whole model is expected (the carried tensors
-    planned beside the language model)."""
+    MTP layers (`model.layers.{N + k}.*`, or the names the family's MTP rules give them, such as
+    Qwen3-Next's `mtp.*`: transformers' model holds none). `whole`: a multimodal checkpoint's
+    composite view: its whole model is expected (the carried tensors planned beside the language
+    model)."""
     expected = hf_expected(family, hf_cfg, whole)
     written = dict(planned)
     if len(written) != len(planned):
@@ -130,7 +131,10 @@ def check_hf_names(family, hf_cfg, planned: list[tuple[str, tuple[int, ...]]], w
     n = hf_cfg.num_hidden_layers
     rename = whole.hf_name if whole is not None else (lambda name: name)
     mtp = tuple(rename(f"model.layers.{n + k}.") for k in range(family.num_mtp_layers(hf_cfg)))
-    extra = {name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",))}
+    mtp_names = {rename(h) for e in mapping.expand(family, hf_cfg) if e.mcore.startswith("mtp.") for h in e.hf}
+    extra = {
+        name for name in set(written) - set(expected) if not name.startswith(mtp or ("\0",)) and name not in mtp_names
+    }
     if extra:
         raise MappingError(
             f"the {family.name} export would write {len(extra)} tensor(s) "

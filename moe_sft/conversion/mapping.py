@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_sft.models.builder import padded_vocab_size
+from moe_sft.models.common import LAYER as HF_LAYER
 from moe_sft.models.family import Family, Rule
 from moe_sft.models.hf_config import num_experts
 from moe_sft.models.transforms import CopiesDifferError, Transform, keeping
@@ -53,8 +54,9 @@ MTP_LAYER = "mtp.layers.{mtp}."
 def _layer_ids(family: Family, hf_cfg, rule: Rule) -> list[dict]:
     """The placeholder values a rule expands over: decoder layers, then MTP layers.
 
-    HF numbers MTP layers after the decoder (`model.layers.{N + k}`); megatron keeps them in
-    `mtp.layers.{k}`, whose `transformer_layer` is a full decoder layer mapped by the same rules.
+    HF numbers MTP layers after the decoder (`model.layers.{N + k}`, or under the family's
+    `mtp_layer_hf_prefix`); megatron keeps them in `mtp.layers.{k}`, whose `transformer_layer` is a
+    full decoder layer mapped by the same rules.
     """
     n = hf_cfg.num_hidden_layers
     mtp = range(family.num_mtp_layers(hf_cfg))
@@ -77,14 +79,17 @@ def expand(family: Family, hf_cfg) -> list[Entry]:
     for rule in family.rules(hf_cfg):
         for fmt in _layer_ids(family, hf_cfg, rule):
             mcore = rule.mcore
+            hf = rule.hf
             if "mtp" in fmt and rule.layers != "mtp":  # a decoder rule applied to an MTP layer
                 mcore = mcore.replace(DECODER_LAYER, MTP_LAYER + "transformer_layer.")
+                if family.mtp_layer_hf_prefix:
+                    hf = tuple(n.replace(HF_LAYER, family.mtp_layer_hf_prefix) for n in hf)
             hf_names = []
-            if any("{expert}" in n for n in rule.hf):
+            if any("{expert}" in n for n in hf):
                 for e in experts:
-                    hf_names += [n.format(expert=e, **fmt) for n in rule.hf]
+                    hf_names += [n.format(expert=e, **fmt) for n in hf]
             else:
-                hf_names = [n.format(**fmt) for n in rule.hf]
+                hf_names = [n.format(**fmt) for n in hf]
             entries.append(Entry(mcore.format(**fmt), tuple(hf_names), rule.transform))
     return entries
 

@@ -17,7 +17,8 @@ the layer in fp32, one layer at a time (README, "Convert an HF checkpoint").
 
 A DeepSeek-V3 multi-token-prediction layer k is HF layer `num_hidden_layers + k`; transformers does
 not run MTP, so its inner decoder layer (megatron `mtp.layers.{k}.transformer_layer`) is
-compared with HF's decoder layer built for that index.
+compared with HF's decoder layer built for that index (Qwen3-Next / Qwen3.5: a full-attention
+layer, loaded from the release's `mtp.layers.{k}.*`).
 """
 
 from __future__ import annotations
@@ -275,10 +276,17 @@ class _HFLayers:
                     )
             layers = self.base.layers
             # MTP layers: transformers builds none; its decoder-layer class at index N + k is the
-            # reference for their inner layer (DeepSeek-V3's MTP layers are decoder layers).
+            # reference for their inner layer (DeepSeek-V3's MTP layers are decoder layers). A
+            # hybrid model's layer picks its mixer from layer_types[index]: MTP layers run full
+            # attention (mapping._layer_ids; vLLM's Qwen3-Next MTP layer).
+            mtp = family.num_mtp_layers(hf_cfg)
+            mtp_cfg = copy.deepcopy(cfg)
+            if mtp and getattr(cfg, "layer_types", None):
+                mtp_cfg.layer_types = list(cfg.layer_types) + ["full_attention"] * mtp
             with torch.device("meta"):
-                for k in range(family.num_mtp_layers(hf_cfg)):
-                    layers.append(type(layers[0])(cfg, cfg.num_hidden_layers + k))
+                for k in range(mtp):
+                    layers.append(type(layers[0])(mtp_cfg, cfg.num_hidden_layers + k))
+            self.family, self.num_layers = family, cfg.num_hidden_layers
             self.rotary = type(self.base.rotary_emb)(config=cfg)  # real: a small frequency table
 
     @torch.no_grad()
@@ -308,6 +316,16 @@ class _HFLayers:
             finally:
                 layer.to("meta")  # back to no storage: one layer at a time
 
+    def _model_name(self, index: int, name: str) -> str:
+        """A checkpoint name as transformers' model (with the MTP layers appended) names it: a
+        family whose release keeps MTP layer k elsewhere (Qwen3-Next's `mtp.layers.{k}.`) has it
+        renamed to `model.layers.{N + k}.`."""
+        prefix = self.family.mtp_layer_hf_prefix
+        if index < self.num_layers or not prefix:
+            return name
+        at = prefix.format(mtp=index - self.num_layers)
+        return mapping.HF_LAYER.format(layer=index) + name[len(at) :] if name.startswith(at) else name
+
     def _linear_attention(self, index: int) -> bool:
         types = getattr(self.model.config, "layer_types", None) or []
         return index < len(types) and types[index] == "linear_attention"
@@ -329,7 +347,7 @@ class _HFLayers:
         from transformers.utils import logging as hf_logging
 
         layer = self.base.layers[index]
-        tensors = {name: self.reader.get(self.rename(name)) for name in names}  # FP8 sources come dequantised
+        tensors = {self._model_name(index, name): self.reader.get(self.rename(name)) for name in names}  # FP8: dequantised
         config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(self.model))
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per layer says nothing here

@@ -80,6 +80,9 @@ class Family:
     # The HF config field holding that count: a checkpoint saved by transformers declares MTP
     # layers it does not hold (transformers' model has none), and conversion sets it to 0.
     mtp_config_field: str | None = None
+    # Where the HF checkpoint keeps MTP layer k's decoder layer, "{mtp}" standing for k; None:
+    # `model.layers.{N + k}.` (DeepSeek-V3's layout). Qwen3-Next / Qwen3.5: "mtp.layers.{mtp}.".
+    mtp_layer_hf_prefix: str | None = None
     # The directory of the *.py modules the release's config.json `auto_map` names (remote code
     # for trust_remote_code), as moe-sft writes them (models/remote_code/): the tiny model ships
     # them as the release does, and conversion and export carry them (mcore_io.remote_code_files).

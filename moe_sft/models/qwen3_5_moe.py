@@ -7,7 +7,7 @@ zero-centred norms, gated shared expert) with three differences: the GDN's proje
 separate, `in_proj_qkv` ([q, k, v] whole), `in_proj_z`, `in_proj_b`, `in_proj_a`, which megatron's
 in_proj concatenates; every layer is MoE and the router always renormalises its top-k; the rotary
 embedding is multimodal (`mrope_section`), which for text (every section at the token's position)
-is the 1-D partial RoPE.
+is the 1-D partial RoPE. Multi-token prediction is Qwen3-Next's (`mtp.*`, qwen3_next.mtp_rules).
 
 The vision-language releases (`Qwen3_5MoeForConditionalGeneration`, model_type `qwen3_5_moe`) hold
 this language model under `model.language_model.*` beside the vision tower `model.visual.*`
@@ -96,6 +96,7 @@ def rules(cfg) -> list[Rule]:
         + qwen3_next.gated_attention_rules()
         + qwen3_next.linear_attention_rules(projections, QKV_Z_B_A)
         + qwen3_next.block_rules(_with_qwen3_next_fields(cfg))
+        + qwen3_next.mtp_rules(cfg)
     )
 
 
@@ -156,8 +157,9 @@ FAMILY = Family(
     tiny_hf_config=tiny_hf_config,
     sample_hf_config=sample_hf_config,
     transform_context=qwen3_next.transform_context,
-    # the releases' multi-token-prediction layers: transformers does not load them either
-    dropped=(r"^mtp\.",),
     training_defaults={"moe_router_load_balancing_type": "aux_loss"},
     composite=COMPOSITE,
+    num_mtp_layers=qwen3_next.num_mtp_layers,
+    mtp_config_field="mtp_num_hidden_layers",
+    mtp_layer_hf_prefix=qwen3_next.MTP_LAYER_HF_PREFIX,
 )

@@ -12,6 +12,16 @@ HF tensor layouts this file maps: `in_proj_qkvz` interleaves per key head [q, k,
 head's value heads together) and `in_proj_ba` per key head [b, a]; megatron's in_proj holds
 [q, k, v, z, b, a] each whole (split over TP part by part). q_proj interleaves per head [query,
 gate]; megatron's gated linear_qkv holds per query group [queries, gates, key, value].
+
+Multi-token prediction (`mtp_num_hidden_layers` in the releases' config.json; transformers neither
+loads nor runs it, vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py serve it): the release stores
+`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc` [H, 2H], one decoder layer
+`mtp.layers.0.*` with gated full attention and the MoE block (named as a main layer's), and
+`mtp.norm`; it reuses the main embedding and lm_head. The step,
+fc(cat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i))) → layer → norm → lm_head,
+with zero-centred norms, is megatron's MTP layer (enorm, hnorm, eh_proj, transformer_layer,
+final_layernorm; embedding first in its concatenation too), whose transformer layer is built
+with attention (moe_sft/layers/spec.py: mtp_block_spec), never Gated DeltaNet.
 """
 
 from __future__ import annotations
@@ -47,6 +57,37 @@ def is_linear_attention_layer(cfg, i: int) -> bool:
     return layer_types(cfg)[i] == "linear_attention"
 
 
+def num_mtp_layers(cfg) -> int:
+    return int(S.field(cfg, "mtp_num_hidden_layers", default=0) or 0)
+
+
+def _check_mtp(cfg) -> None:
+    mtp = num_mtp_layers(cfg)
+    if not mtp:
+        return
+    if mtp > 1:
+        # vLLM's predictor runs its layers in turn under one fc and one set of norms; megatron's
+        # MTP layers each have their own, and chain depth after depth.
+        raise UnsupportedConfigError(
+            f"config.json: mtp_num_hidden_layers={mtp} is not supported (the releases have 1: more layers "
+            "share one mtp.fc and its norms, which megatron's MTP layers do not)"
+        )
+    if S.field(cfg, "mtp_use_dedicated_embeddings", default=False):
+        raise UnsupportedConfigError(
+            "config.json: mtp_use_dedicated_embeddings=true is not supported (the releases' MTP module "
+            "shares the main embedding, as megatron's does)"
+        )
+    if not all(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers + mtp)):
+        # The released MTP layer carries the MoE block; megatron builds it like the last decoder
+        # layer, and vLLM picks its MLP by the index 0 of `mtp.layers.0`: with every layer MoE
+        # all three agree.
+        raise UnsupportedConfigError(
+            f"config.json: decoder_sparse_step={getattr(cfg, 'decoder_sparse_step', 1)!r} / mlp_only_layers="
+            f"{getattr(cfg, 'mlp_only_layers', None)!r} with mtp_num_hidden_layers={mtp} is not supported "
+            "(the MTP layer is MoE as in the releases: every layer must be MoE)"
+        )
+
+
 def check_supported(cfg) -> None:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise UnsupportedConfigError(
@@ -80,6 +121,7 @@ def check_supported(cfg) -> None:
             f"config.json: partial_rotary_factor={glm4_moe.partial_rotary_factor(cfg)} gives {rot} rotary dims "
             f"of head_dim {glm4_moe.head_dim(cfg)}; they must be even, >= 2 and <= head_dim"
         )
+    _check_mtp(cfg)
 
 
 def linear_attention_config(cfg) -> dict:
@@ -109,6 +151,7 @@ def transformer_config_kwargs(cfg) -> dict:
         moe_layer_freq=[1 if is_moe_layer(cfg, i) else 0 for i in range(cfg.num_hidden_layers)],
         moe_aux_loss_coeff=cfg.router_aux_loss_coef,
         **linear_attention_config(cfg),
+        mtp_num_layers=num_mtp_layers(cfg) or None,
     )
 
 
@@ -126,7 +169,7 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
         moe_ffn=int(c.moe_intermediate_size),
         shared_ffn=int(S.field(c, "shared_expert_intermediate_size", default=0) or 0),
         moe_layers=tuple(is_moe_layer(c, i) for i in range(fields["num_layers"])),
-        mtp_layers=0,
+        mtp_layers=num_mtp_layers(c),
         attention_gate=True,
         shared_expert_gate=bool(S.field(c, "shared_expert_intermediate_size", default=0)),
         linear_attention=S.LinearAttention(
@@ -270,12 +313,30 @@ def block_rules(cfg) -> list[Rule]:
     )
 
 
+MTP_LAYER_HF_PREFIX = "mtp.layers.{mtp}."  # the MTP decoder layer: the main layers' rules apply
+
+
+def mtp_rules(cfg) -> list[Rule]:
+    """The MTP module's own tensors (one MTP layer: `_check_mtp`); its decoder layer is mapped by
+    the decoder rules under MTP_LAYER_HF_PREFIX (mapping.expand)."""
+    if not num_mtp_layers(cfg):
+        return []
+    mtp = "mtp.layers.{mtp}."
+    return [
+        Rule(mtp + "enorm.weight", ("mtp.pre_fc_norm_embedding.weight",), layers="mtp"),
+        Rule(mtp + "hnorm.weight", ("mtp.pre_fc_norm_hidden.weight",), layers="mtp"),
+        Rule(mtp + "eh_proj.weight", ("mtp.fc.weight",), layers="mtp"),
+        Rule(mtp + "final_layernorm.weight", ("mtp.norm.weight",), layers="mtp"),
+    ]
+
+
 def rules(cfg) -> list[Rule]:
     return (
         common.embedding_and_head_rules(cfg)
         + gated_attention_rules()
         + linear_attention_rules(("in_proj_qkvz.weight", "in_proj_ba.weight"), QKVZ_BA)
         + block_rules(cfg)
+        + mtp_rules(cfg)
     )
 
 
@@ -379,7 +440,8 @@ FAMILY = Family(
     tiny_hf_config=tiny_hf_config,
     sample_hf_config=sample_hf_config,
     transform_context=transform_context,
-    # the releases' multi-token-prediction layers: transformers does not load them either
-    dropped=(r"^mtp\.",),
     training_defaults={"moe_router_load_balancing_type": "aux_loss"},
+    num_mtp_layers=num_mtp_layers,
+    mtp_config_field="mtp_num_hidden_layers",
+    mtp_layer_hf_prefix=MTP_LAYER_HF_PREFIX,
 )

@@ -69,7 +69,8 @@ def training_of(cfg, lay: Layout, backend: str) -> memory.Training:
         precision=precision,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         offload_fraction=cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0,
-        mtp_trained=not m.freeze_mtp and m.mtp_loss_weight > 0,
+        # as trainer/assemble.multi_token_prediction: a LoRA/DoRA run leaves the MTP layers frozen, not run
+        mtp_trained=not m.freeze_mtp and m.mtp_loss_weight > 0 and cfg.peft.method == "none",
         backend=backend,
         peft=peft_memory.from_config(cfg.peft),
         cuda_graphs=t.cuda_graphs,

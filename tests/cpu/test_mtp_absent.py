@@ -1,15 +1,18 @@
-"""A DeepSeek-V3 checkpoint saved by transformers declares an MTP layer it does not hold.
+"""A checkpoint saved by transformers declares an MTP layer it does not hold.
 
 `DeepseekV3Config` defaults `num_nextn_predict_layers=1` and transformers' model has no MTP module,
-so `save_pretrained` writes a config.json with one MTP layer and no `model.layers.{N}.*` tensors.
-Such a checkpoint converts without MTP (the converted `hf/config.json`, the meta and the export say
-so); one holding some MTP tensors but not all is still refused, naming the missing ones.
+so `save_pretrained` writes a config.json with one MTP layer and no `model.layers.{N}.*` tensors;
+a Qwen3-Next / Qwen3.5 release's config.json (`mtp_num_hidden_layers: 1`) loaded and saved by
+transformers keeps the field and loses the `mtp.*` tensors. Such a checkpoint converts without MTP
+(the converted `hf/config.json`, the meta and the export say so); one holding some MTP tensors but
+not all is still refused, naming the missing ones.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -19,25 +22,33 @@ from moe_sft.conversion import mapping, mcore_io
 from moe_sft.conversion.convert import convert
 from moe_sft.conversion.export import export, load_model_from_checkpoint
 from moe_sft.conversion.hf_source import load_hf_config
-from moe_sft.models import deepseek_v3
+from moe_sft.models import registry
 from moe_sft.models.forward import packed_logits
 from moe_sft.runtime import cpu_compat
 from tests.cpu.test_families import PARITY_TOL, _all_tensors
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
+from tests.qwen3_next_mtp import write_tiny_with_mtp
 
 VOCAB = 300
-FIELD = "num_nextn_predict_layers"
+# family -> its MTP count field, and two of the MTP tensors its layout stores
+LAYOUTS = {
+    "deepseek_v3": ("num_nextn_predict_layers", ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"]),
+    "qwen3_next": ("mtp_num_hidden_layers", ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight"]),
+}
+WRITERS = {"deepseek_v3": write_tiny_deepseek_with_mtp, "qwen3_next": partial(write_tiny_with_mtp, "qwen3_next")}
 
 
-@pytest.fixture(scope="module")
-def saved_by_transformers(tmp_path_factory):
-    """(HF model, tmp, converter's log records): transformers' own save of a config with one MTP layer,
-    converted to tmp/mcore."""
-    tmp = tmp_path_factory.mktemp("mtp_absent")
-    cfg = deepseek_v3.tiny_hf_config(vocab_size=VOCAB, num_nextn_predict_layers=1)
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def saved_by_transformers(request, tmp_path_factory):
+    """(HF model, tmp, meta, converter's log records, family, field): transformers' own save of a
+    config with one MTP layer, converted to tmp/mcore."""
+    family = registry.family_by_name(request.param)
+    field = LAYOUTS[request.param][0]
+    tmp = tmp_path_factory.mktemp(f"mtp_absent_{request.param}")
+    cfg = family.tiny_hf_config(vocab_size=VOCAB, **{field: 1})
     with cpu_compat.suspended():
         torch.manual_seed(0)
-        hf = deepseek_v3.FAMILY.hf_model_class(cfg).eval()
+        hf = family.hf_model_class(cfg).eval()
         for name, buf in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it steer routing
                 buf.copy_(torch.randn_like(buf) * 0.5)
@@ -51,23 +62,23 @@ def saved_by_transformers(tmp_path_factory):
         meta = convert(tmp / "hf", tmp / "mcore")
     finally:
         logger.removeHandler(handler)
-    return hf, tmp, meta, records
+    return hf, tmp, meta, records, family, field
 
 
 def test_transformers_saves_the_mtp_count_but_no_mtp_tensor(saved_by_transformers):
-    _, tmp, _, _ = saved_by_transformers
-    assert json.loads((tmp / "hf" / "config.json").read_text())[FIELD] == 1
-    n = deepseek_v3.tiny_hf_config().num_hidden_layers
-    assert not [k for k in _all_tensors(tmp / "hf") if k.startswith(f"model.layers.{n}.")]
+    hf, tmp, _, _, family, field = saved_by_transformers
+    assert json.loads((tmp / "hf" / "config.json").read_text())[field] == 1
+    mtp_names = {n for e in mapping.expand(family, hf.config) if e.mcore.startswith("mtp.") for n in e.hf}
+    assert mtp_names and not mtp_names & set(_all_tensors(tmp / "hf"))
 
 
 def test_converts_without_mtp_and_says_so_once(saved_by_transformers):
-    _, tmp, meta, records = saved_by_transformers
-    assert meta["mtp_dropped_from_config"] == {FIELD: 1}
-    assert mcore_io.read_meta(tmp / "mcore")["mtp_dropped_from_config"] == {FIELD: 1}
-    said = [r.getMessage() for r in records if FIELD in r.getMessage()]
+    _, tmp, meta, records, _, field = saved_by_transformers
+    assert meta["mtp_dropped_from_config"] == {field: 1}
+    assert mcore_io.read_meta(tmp / "mcore")["mtp_dropped_from_config"] == {field: 1}
+    said = [r.getMessage() for r in records if field in r.getMessage()]
     assert said == [
-        f"config.json declares {FIELD}=1 but the checkpoint holds no MTP tensors (saved by "
+        f"config.json declares {field}=1 but the checkpoint holds no MTP tensors (saved by "
         "transformers, which has no MTP module): converting without MTP"
     ], said
     assert mcore_io.checkpoint_problems(tmp / "mcore") == []
@@ -75,11 +86,11 @@ def test_converts_without_mtp_and_says_so_once(saved_by_transformers):
 
 def test_the_converted_dir_says_no_mtp_to_every_reader(saved_by_transformers):
     """Trainer, export and planner all read the converted dir's hf/config.json."""
-    hf, tmp, _, _ = saved_by_transformers
+    hf, tmp, _, _, _, field = saved_by_transformers
     written = json.loads((tmp / "mcore" / "hf" / "config.json").read_text())
-    assert written[FIELD] == 0
+    assert written[field] == 0
     source = json.loads((tmp / "hf" / "config.json").read_text())
-    assert {k: v for k, v in written.items() if k != FIELD} == {k: v for k, v in source.items() if k != FIELD}
+    assert {k: v for k, v in written.items() if k != field} == {k: v for k, v in source.items() if k != field}
     family, cfg = load_hf_config(tmp / "mcore" / "hf")
     assert family.num_mtp_layers(cfg) == 0
     model = load_model_from_checkpoint(tmp / "mcore").eval()
@@ -92,18 +103,19 @@ def test_the_converted_dir_says_no_mtp_to_every_reader(saved_by_transformers):
 
 
 def test_export_round_trips_bit_exactly_and_says_no_mtp(saved_by_transformers):
-    _, tmp, _, _ = saved_by_transformers
+    _, tmp, _, _, _, field = saved_by_transformers
     export(tmp / "mcore", tmp / "out", dtype="fp32")
     before, after = _all_tensors(tmp / "hf"), _all_tensors(tmp / "out")
     assert set(before) == set(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert json.loads((tmp / "out" / "config.json").read_text())[FIELD] == 0
+    assert json.loads((tmp / "out" / "config.json").read_text())[field] == 0
 
 
-def test_some_mtp_tensors_but_not_all_is_refused_naming_them(tmp_path):
-    write_tiny_deepseek_with_mtp(tmp_path / "hf", VOCAB)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_some_mtp_tensors_but_not_all_is_refused_naming_them(name, tmp_path):
+    WRITERS[name](tmp_path / "hf", VOCAB)
     extra = load_file(str(tmp_path / "hf" / "mtp.safetensors"))
-    gone = ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"]
+    gone = LAYOUTS[name][1]
     assert all(name in extra for name in gone) and len(extra) > len(gone)
     save_file({k: v for k, v in extra.items() if k not in gone}, str(tmp_path / "hf" / "mtp.safetensors"))
     with pytest.raises(

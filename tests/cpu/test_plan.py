@@ -51,6 +51,19 @@ def test_every_recipe_plans_and_fits_at_its_declared_world_size(name, monkeypatc
     assert plan.fits and plan.largest.total < plan.gpu_mem_gib * 2**30
 
 
+def test_a_lora_run_plans_its_mtp_layer_frozen_and_not_run(monkeypatch):
+    """As trainer/assemble.multi_token_prediction: LoRA adapts the decoder, the MTP layer stays frozen."""
+    from moe_sft.plan import training_of
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    full, lora = _recipe("qwen3_5_35b_a3b_h200"), _recipe("qwen3_5_35b_a3b_lora_h200")
+    assert load_shape("qwen3_5_35b_a3b_text")[0].mtp_layers == 1
+    assert full.model.mtp_loss_weight > 0 and lora.model.mtp_loss_weight > 0 and not lora.model.freeze_mtp
+    lay = make_plan(full).layout
+    assert training_of(full, lay, "torch").mtp_trained and not training_of(lora, lay, "torch").mtp_trained
+
+
 def test_optimizer_offload_plans_with_its_measured_fragmentation(monkeypatch):
     """Offload churns the allocator more (measured reserved/allocated 1.12 vs 1.01-1.03 on H200 with
     expandable segments): its total counts 15% over allocated, not 10%, and the report says which."""
@@ -97,10 +110,10 @@ def test_shipped_configs_match_the_families_translation():
         "minimax_m2": 228.7,
         "gpt_oss_20b": 20.9,
         "gpt_oss_120b": 116.8,
-        "qwen3_next_80b_a3b": 79.7,
-        "qwen3_5_35b_a3b_text": 34.7,
+        "qwen3_next_80b_a3b": 81.3,
+        "qwen3_5_35b_a3b_text": 35.5,
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer;
-    # Qwen3-Next / Qwen3.5: without their MTP layer (not converted) and Qwen3.5's vision tower
+    # Qwen3-Next / Qwen3.5: + 1 MTP layer (embedding / head shared), without Qwen3.5's vision tower
     for name in known_models():
         family, hf = load_hf_config(REPO / "recipes" / "models" / name)
         kw = family.transformer_config_kwargs(hf)

@@ -5,7 +5,8 @@ no other; only the layer being compared is ever materialised on either side; the
 exit codes.
 
 Each family has a dense and an MoE layer where it has dense layers (Qwen3-MoE `mlp_only_layers`,
-DeepSeek-V3 `first_k_dense_replace`); DeepSeek-V3 has one MTP layer (tests/deepseek_mtp.py).
+DeepSeek-V3 `first_k_dense_replace`); DeepSeek-V3 and Qwen3-Next have one MTP layer
+(tests/deepseek_mtp.py, tests/qwen3_next_mtp.py: Qwen3-Next's stored as `mtp.layers.0.*`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from moe_sft.conversion.verify import choose_layers, verify, verify_layers  # no
 from moe_sft.models import registry  # noqa: E402
 from moe_sft.runtime import cpu_compat  # noqa: E402
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp  # noqa: E402
+from tests.qwen3_next_mtp import write_tiny_with_mtp  # noqa: E402
 from tests.scripts import load_tool  # noqa: E402
 
 FAMILIES = [f.name for f in registry.FAMILIES]
@@ -49,12 +51,14 @@ LAYERS = {
     "kimi_k2": [(0, "dense"), (1, "moe")],
     "glm4_moe": [(0, "dense"), (1, "moe")],
     "gpt_oss": [(0, "moe"), (1, "moe")],
-    # Gated DeltaNet x 3, then gated attention; `auto` compares layers 0 and 3
+    # Gated DeltaNet x 3, then gated attention; `auto` compares layers 0 and 3 (and Qwen3-Next's
+    # MTP layer, gated attention too)
     "qwen3_next": [
         (0, "linear attention, moe"),
         (1, "linear attention, moe"),
         (2, "linear attention, moe"),
         (3, "moe"),
+        (4, "mtp 0 (moe)"),
     ],
     "qwen3_5_moe": [
         (0, "linear attention, moe"),
@@ -69,6 +73,9 @@ LAYERS = {
 def _write_hf(name: str, path: Path) -> None:
     if name == "deepseek_v3":  # layer 0 dense, layer 1 MoE, layer 2 the MTP layer
         write_tiny_deepseek_with_mtp(path, VOCAB, initializer_range=INIT_STD)
+        return
+    if name == "qwen3_next":  # the release's MTP module, `mtp.*`
+        write_tiny_with_mtp(name, path, VOCAB, initializer_range=INIT_STD)
         return
     family = registry.family_by_name(name)
     overrides = {"mlp_only_layers": [0]} if name == "qwen3_moe" else {}  # Mixtral: all MoE
@@ -118,11 +125,14 @@ def _edit_hf(path: Path, edit) -> None:
 def _swap_experts(layer: int, names: tuple[str, ...], experts: int = 8):
     """Experts swapped pairwise (0↔1, 2↔3, ...): whichever experts the tokens reach, they get another
     expert's weights (DeepSeek's bias-steered router reaches 2-3 of the 8 on random inputs)."""
+    return _swap_experts_named(f"model.layers.{layer}.", names, experts)
 
+
+def _swap_experts_named(prefix: str, names: tuple[str, ...], experts: int = 8):
     def edit(tensors):
         for name in names:
             for e in range(0, experts, 2):
-                a, b = (f"model.layers.{layer}.{name}".format(e=i) for i in (e, e + 1))
+                a, b = (f"{prefix}{name}".format(e=i) for i in (e, e + 1))
                 if a in tensors:  # the shard that holds the layer
                     tensors[a], tensors[b] = tensors[b], tensors[a]
 
@@ -183,9 +193,10 @@ CORRUPTIONS = {  # family → [(description, edit, the layer it must fail)]
         ("in_proj_z scaled by 1.05 in layer 2", _scale("model.layers.2.linear_attn.in_proj_z.weight", 1.05), 2),
         ("v_proj scaled by 1.05 in the attention layer 3", _scale("model.layers.3.self_attn.v_proj.weight", 1.05), 3),
     ],
-    "qwen3_next": [  # layers 0-2 Gated DeltaNet, layer 3 gated attention
+    "qwen3_next": [  # layers 0-2 Gated DeltaNet, layer 3 gated attention, 4 the MTP layer (`mtp.layers.0`)
         ("the GDN's A_log shifted in layer 1", _scale("model.layers.1.linear_attn.A_log", 1.5), 1),
         ("o_proj scaled by 1.05 in the attention layer 3", _scale("model.layers.3.self_attn.o_proj.weight", 1.05), 3),
+        ("experts swapped in the MTP layer", _swap_experts_named("mtp.layers.0.", _GATE_UP_DOWN), 4),
     ],
     "minimax_m2": [
         (
@@ -270,8 +281,9 @@ def test_only_the_compared_layer_is_ever_materialised(converted, monkeypatch):
     monkeypatch.setattr(verify_module, "_load_megatron_layer", ours)
     monkeypatch.setattr(verify_module._HFLayers, "_load", theirs)
     verify_layers(tmp / "hf", tmp / "mcore", "auto")
-    # auto: every layer of the tiny models, but of the hybrid one layer 0 (Gated DeltaNet) and 3 (attention)
-    assert len(seen) == 2 * {"qwen3_next": 2, "qwen3_5_moe": 2}.get(name, len(LAYERS[name]))
+    # auto: every layer of the tiny models, but of the hybrid ones layer 0 (Gated DeltaNet), 3
+    # (attention) and Qwen3-Next's MTP layer
+    assert len(seen) == 2 * {"qwen3_next": 3, "qwen3_5_moe": 2}.get(name, len(LAYERS[name]))
     for side, prefix, real in seen:
         assert real and all(n.startswith(prefix) for n in real), (side, prefix, real[:5])
 

@@ -20,13 +20,18 @@ from moe_sft.models import registry
 from tests.cpu.test_families import _hf_model
 from tests.dist.launch import REPO, step_metrics, torchrun
 from tests.glm4_moe_mtp import write_tiny_glm4_moe_with_mtp
+from tests.qwen3_next_mtp import write_tiny_with_mtp
 
 NEW_FAMILY_LAYOUTS = ["glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe"]
 # family -> writer(path, vocab) of its tiny HF checkpoint with MTP layers; others: no MTP layer.
 # GLM's expert bias (spread 0.5) steers whole micro-batches away from one EP rank's experts: EP2
 # first crashed there (gather_sum of no rows), then deadlocked (that rank's backward skipped the
 # all-gather of the routing probs; layers/experts.py keeps them in the graph).
-MTP_WRITERS = {"glm4_moe": partial(write_tiny_glm4_moe_with_mtp, bias_scale=0.5)}
+# Qwen3.5's MTP layer (the release's `mtp.*`) is gated full attention after a hybrid stack.
+MTP_WRITERS = {
+    "glm4_moe": partial(write_tiny_glm4_moe_with_mtp, bias_scale=0.5),
+    "qwen3_5_moe": partial(write_tiny_with_mtp, "qwen3_5_moe"),
+}
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
