@@ -347,7 +347,9 @@ class _HFLayers:
         from transformers.utils import logging as hf_logging
 
         layer = self.base.layers[index]
-        tensors = {self._model_name(index, name): self.reader.get(self.rename(name)) for name in names}  # FP8: dequantised
+        tensors = {
+            self._model_name(index, name): self.reader.get(self.rename(name)) for name in names
+        }  # FP8: dequantised
         config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=get_model_conversion_mapping(self.model))
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per layer says nothing here
