@@ -77,9 +77,11 @@ def _linear_targets(run, module: str, entry, hf_model, meta: dict) -> dict[str, 
     """{HF linear module: {lora_A, lora_B[, magnitude]}} of one adapted megatron linear."""
     factors = run._linear(module)
     rank = next(iter(factors.a.values())).shape[0]
-    width = rank * len(factors.parts)
+    a_names = list(dict.fromkeys(factors.a_of[p] for p in factors.parts))  # one per HF projection
+    width = rank * len(a_names)
     blocks, tags = [], []
-    for i, part in enumerate(factors.parts):
+    for part in factors.parts:
+        i = a_names.index(factors.a_of[part])
         b = factors.b[part]
         block = b.new_zeros(b.shape[0], width)
         block[:, i * rank : (i + 1) * rank] = b
@@ -105,7 +107,8 @@ def _linear_targets(run, module: str, entry, hf_model, meta: dict) -> dict[str, 
         ):
             raise _unexpressible(meta, f"{module} (HF {name}) is no linear module of transformers' model")
         i = int(parts.item())
-        values = {"lora_A": factors.a[factors.parts[i]], "lora_B": b[:, i * rank : (i + 1) * rank]}
+        a = factors.a[next(p for p in factors.parts if factors.a_of[p] == a_names[i])]
+        values = {"lora_A": a, "lora_B": b[:, i * rank : (i + 1) * rank]}
         if mag is not None:
             values["magnitude"] = mag.squeeze(1)
         out[target] = values

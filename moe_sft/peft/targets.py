@@ -70,6 +70,10 @@ def smallest_dims(shape) -> dict[str, int]:
         attention = min(d for d in (shape.hidden, shape.mla.q_lora, shape.mla.kv_lora) if d)
     else:
         attention = min(shape.hidden, shape.num_kv_heads * shape.head_dim)
+    if (la := shape.linear_attention) is not None and any(la.layers):
+        # Gated DeltaNet: each of transformers' in_proj projections (Qwen3.5's in_proj_b is one
+        # row per value head) and out_proj's input
+        attention = min(attention, la.value_heads * la.value_dim, *la.projection_widths().values())
     dims = {"attention": attention}
     if not all(shape.moe_layers):
         dims["dense_mlp"] = min(shape.hidden, shape.ffn)
@@ -91,21 +95,3 @@ def rank_errors(rank: int, entries: list[str], shape) -> list[str]:
         for entry in entries
         if entry in dims and rank > dims[entry]
     ]
-
-
-def unsupported_target_errors(entries: list[str], shape) -> list[str]:
-    """Targets whose adapters moe-sft cannot yet export as transformers' modules: the mixers of
-    hybrid models (Gated DeltaNet's in_proj / out_proj, the gated attention's linear_qkv whose rows
-    interleave each head's query and gate as q_proj does)."""
-    if shape.linear_attention is None and not shape.attention_gate:
-        return []
-    mixers = [e for e in entries if e in ("attention", "all_linear") or "self_attention" in e]
-    return (
-        [
-            f"peft.target_modules={mixers}: adapters on the attention / Gated DeltaNet projections of "
-            f"{shape.model_type} are not supported yet (their PEFT export to transformers' q_proj / in_proj_* "
-            "is not written); target the MoE instead: [experts, shared_experts]"
-        ]
-        if mixers
-        else []
-    )

@@ -95,8 +95,10 @@ def _diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-# gpt-oss: experts stacked in one tensor per layer, fc1 with gate and up columns interleaved
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss"])
+# gpt-oss: experts stacked in one tensor per layer, fc1 with gate and up columns interleaved;
+# Qwen3-Next / Qwen3.5: Gated DeltaNet layers (in_proj_qkvz + in_proj_ba, or in_proj_qkv, _z, _b,
+# _a, from one fused in_proj) and a gated attention layer (q_proj rows interleave query and gate)
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def base(request, tmp_path_factory):
     return _write_base(request.param, tmp_path_factory.mktemp(request.param))
 
