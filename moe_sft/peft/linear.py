@@ -103,10 +103,11 @@ class LinearAdapter(torch.nn.Module):
                 b.sequence_parallel = self.sequence_parallel
             self.register_parameter(self._name("lora_B", part.name), b)
         if dora:
-            self.magnitude_names = (
-                [self._name("lora_magnitude", p.name) for p in parts] if self.split_magnitude else ["lora_magnitude"]
-            )
-            for name, rows in zip(self.magnitude_names, [p.out_local for p in parts] if self.split_magnitude else [out_local]):
+            magnitudes = {self._name("lora_magnitude", p.name): p.out_local for p in parts}
+            if not self.split_magnitude:
+                magnitudes = {"lora_magnitude": out_local}
+            self.magnitude_names = list(magnitudes)
+            for name, rows in magnitudes.items():
                 param = torch.nn.Parameter(torch.zeros(rows, **kw))
                 if column:
                     mark_sharded(param, 0)

@@ -59,9 +59,41 @@ def resolve(chunks, entries: list[str], device: str) -> list[tuple[str, str, int
         raise ConfigError(
             f"peft.target_modules: {unmatched} match no module of this model. Shorthands: "
             f"{', '.join(SHORTHANDS)}; the adaptable modules here are {sorted(names)} "
-            "(patterns are fnmatch over these names with global layer numbers)"
+            f"(patterns are fnmatch over these names with global layer numbers){_transformers_hint(unmatched)}"
         )
     return found
+
+
+# transformers' projection names → the megatron module that holds them (fused with others where
+# the module lists several): an entry names megatron's modules, and adapts a fused one whole
+HF_PROJECTIONS = {
+    "q_proj": "self_attention.linear_qkv",
+    "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv",
+    "o_proj": "self_attention.linear_proj",
+    "in_proj_qkvz": "self_attention.in_proj",
+    "in_proj_ba": "self_attention.in_proj",
+    "in_proj_qkv": "self_attention.in_proj",
+    "in_proj_z": "self_attention.in_proj",
+    "in_proj_b": "self_attention.in_proj",
+    "in_proj_a": "self_attention.in_proj",
+    "gate_proj": "mlp.linear_fc1",
+    "up_proj": "mlp.linear_fc1",
+    "down_proj": "mlp.linear_fc2",
+}
+
+
+def _transformers_hint(unmatched: list[str]) -> str:
+    named = {e: HF_PROJECTIONS[e.rpartition(".")[2]] for e in unmatched if e.rpartition(".")[2] in HF_PROJECTIONS}
+    if not named:
+        return ""
+    return (
+        ". Entries name megatron's modules, not transformers': "
+        + "; ".join(f"{e} is (part of) decoder.layers.*.{m}" for e, m in named.items())
+        + ". A fused module is adapted whole, with one adapter per transformers projection it holds "
+        "(the PEFT export writes them under transformers' names); one projection of a fused module "
+        "alone cannot be targeted"
+    )
 
 
 def smallest_dims(shape) -> dict[str, int]:

@@ -193,13 +193,27 @@ def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
     tokens, positions, params = packed_batch(_docs(vocab), "cpu")
-    model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params).square().mean().backward()
+    model(
+        input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params
+    ).square().mean().backward()
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".adapter." in n for n in trained), sorted(trained)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.values()), [
         n for n, p in trained.items() if p.grad is None or not p.grad.abs().sum()
     ]
     assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_a_transformers_projection_name_says_which_module_holds_it():
+    family = registry.family_by_name("qwen3_5_moe")
+    model = _model(family, layer_types=["linear_attention", "full_attention"])
+    cfg = PeftConfig(method="lora", rank=4, target_modules=["in_proj_z", "o_proj"])
+    with pytest.raises(ConfigError) as err:
+        install.add_adapters([model], cfg, model.config, "cpu")
+    text = str(err.value)
+    assert "['in_proj_z', 'o_proj'] match no module" in text, text
+    assert "in_proj_z is (part of) decoder.layers.*.self_attention.in_proj" in text, text
+    assert "o_proj is (part of) decoder.layers.*.self_attention.linear_proj" in text, text
 
 
 def test_only_adapters_train_and_the_router_on_request(family):

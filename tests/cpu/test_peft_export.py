@@ -109,7 +109,7 @@ def base(request, tmp_path_factory):
 # transformers' modules the adapters on the hybrid families' mixers (every case targets them) become
 MIXER_TARGETS = {
     "qwen3_next": {"in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"},
-    "qwen3_5_moe": {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"},
+    "qwen3_5_moe": {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj"},
 }
 
 CASES = {
