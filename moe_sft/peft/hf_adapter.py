@@ -7,8 +7,10 @@ group, gate/up, ...), the HF model built on the meta device says which module or
 each, and peft itself names the adapter tensors (`get_peft_model` on that model with the LoraConfig
 built here, then `get_peft_model_state_dict`'s keys and shapes are filled).
 
-- A linear's parts: B's rows go through the mapping's transform like the weight's rows do (a part
-  tag per row says which part, hence which A, each HF weight gets); DoRA's magnitude likewise.
+- A linear's parts: B's rows go through the mapping's transform like the weight's rows do (a tag
+  per row says which A, hence which HF weight, each row belongs to: the parts that share an A, as
+  the Gated DeltaNet's q, k, v in Qwen3.5's in_proj_qkv, make one HF projection); DoRA's
+  magnitude likewise.
 - Routed experts: transformers 5 keeps them fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate
   first; `down_proj` [E, H, I]), targeted with `LoraConfig.target_parameters` (peft's ParamWrapper:
   lora_A [r*E, in] = A_e per expert, lora_B [out, r*E] with the experts on the last axis). For

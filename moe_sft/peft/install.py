@@ -106,6 +106,9 @@ def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> Linea
         column=column,
         parts=parts,
         groups=groups,
+        # one DoRA magnitude per part where the parts are concatenated (each split over TP on its
+        # own); linear_qkv's rows interleave per query group, which TP splits whole
+        split_magnitude=not global_name.endswith("self_attention.linear_qkv"),
         rank=cfg.rank,
         alpha=cfg.alpha,
         dropout=cfg.dropout,

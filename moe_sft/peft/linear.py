@@ -21,9 +21,10 @@ Gated DeltaNet's in_proj = q, k, v, z, b, a, of which Qwen3.5's in_proj_qkv hold
 Qwen3-Next's in_proj_qkvz four), those parts share one A, named by the parts it serves
 (`lora_A_qkv`), and keep a B each (`lora_B_q`, ...): each part is split over TP on its own, so a
 B per part reshards like megatron's in_proj does (its checkpoint splits it into the same parts).
-DoRA's magnitude is likewise kept per part when the parts are concatenated (groups = 1: in_proj,
-gate/up), where a single vector split over TP would hold [q0, k0, ..., q1, k1, ...] and reshard
-wrongly; linear_qkv's query groups split over TP whole, so one vector is exact there.
+DoRA's magnitude is likewise kept per part (`split_magnitude`) when the parts are concatenated
+(in_proj, gate/up), where a single vector split over TP would hold [q0, k0, ..., q1, k1, ...] and
+reshard wrongly; linear_qkv's query groups split over TP whole, so one vector is exact there (and
+its names must not depend on the TP degree: one query group per rank is still linear_qkv's layout).
 
 DoRA (Liu et al. 2024, as peft computes it): y = base + (m/|W'| - 1) * base_nobias +
 (m/|W'|) * scale * B A x, with W' = W + scale * B A, |.| the norm of each output row taken without
@@ -66,6 +67,7 @@ class LinearAdapter(torch.nn.Module):
         column: bool,
         parts: list[Part],
         groups: int,
+        split_magnitude: bool,
         rank: int,
         alpha: float,
         dropout: float,
@@ -81,7 +83,7 @@ class LinearAdapter(torch.nn.Module):
         self.a_of = {p.name: p.a for p in parts}
         self.a_names = list(dict.fromkeys(p.a for p in parts))
         assert all(a == "".join(p.name for p in parts if p.a == a) for a in self.a_names), parts  # contiguous
-        self.split_magnitude = groups == 1 and len(parts) > 1
+        self.split_magnitude = split_magnitude and len(parts) > 1
         self.scale = alpha / rank
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1

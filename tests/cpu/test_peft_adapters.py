@@ -160,7 +160,8 @@ def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method)
     from moe_sft.models.forward import packed_batch
 
     family = registry.family_by_name(name)
-    layers = {"layer_types": ["linear_attention", "full_attention"]}
+    # one query group: what each TP rank of a two-group model holds (the factor names must not change)
+    layers = {"layer_types": ["linear_attention", "full_attention"], "num_key_value_heads": 1}
     model = _adapted(family, PeftConfig(method=method, rank=4, alpha=8, target_modules=["attention"]), **layers)
     if method == "dora":  # off |W| per row, differently per part: a part mixed up changes the output
         with torch.no_grad():
@@ -176,6 +177,8 @@ def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method)
     assert "".join(cfg.linear_attention_projections) == "qkvzba"
     assert gdn.out_proj.adapter.lora_A.shape == (4, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     assert attention.linear_qkv.adapter.lora_B_q.shape[0] == 2 * cfg.num_attention_heads * cfg.kv_channels
+    magnitudes = {n for n, _ in attention.linear_qkv.adapter.named_parameters() if "magnitude" in n}
+    assert magnitudes == ({"lora_magnitude"} if method == "dora" else set())  # whole query groups per TP rank
 
     vocab = model.vocab_size
     with torch.no_grad():
