@@ -36,8 +36,8 @@ from moe_sft.conversion.mapping import MappingError
 from moe_sft.models.transforms import combine
 
 ADAPTER = ".adapter."
-# The parts of a fused linear, in the order of its rows (linear.py's `_parts`); "" = not fused.
-PART_ORDER = ("q", "k", "v", "gate", "up", "")
+# The parts of a fused linear, in the order of its rows (install.py's `_parts`); "" = not fused.
+PART_ORDER = ("q", "k", "v", "z", "b", "a", "gate", "up", "")
 QKV_SUFFIX = "self_attention.linear_qkv"
 
 
@@ -82,7 +82,8 @@ def _read(reader: DistCheckpointReader, key: str, first: int = 0, count: int | N
 
 @dataclasses.dataclass
 class LinearFactors:
-    """One linear's adapter: A [r, in] and B [out_part, r] per part, DoRA's magnitude [out]."""
+    """One linear's adapter: A [r, in] and B [out_part, r] per part, DoRA's magnitude [out].
+    Parts of one transformers projection share their A (`a_of`: part -> the A's name)."""
 
     parts: list[str]
     a: dict[str, torch.Tensor]
@@ -90,6 +91,7 @@ class LinearFactors:
     magnitude: torch.Tensor | None
     scale: float
     groups: int
+    a_of: dict[str, str]
 
     def delta(self, first: int, stop: int) -> torch.Tensor:
         """Rows [first, stop) of s * B @ A, in the fused weight's row layout."""
@@ -183,14 +185,31 @@ class RunAdapters:
             return self._cached[1]
         keys = self.modules[module]
         name = lambda kind, p: f"{kind}_{p}" if p else kind  # noqa: E731
-        parts = [p for p in PART_ORDER if name("lora_A", p) in keys]
+        parts = [p for p in PART_ORDER if name("lora_B", p) in keys]
+        a_of, run = {}, []  # an A is named by the parts it serves, consecutive in row order
+        for part in parts:
+            run.append(part)
+            if name("lora_A", "".join(run)) in keys:
+                a_of.update({p: "".join(run) for p in run})
+                run = []
+        if run or not parts:
+            raise AdapterRunError(f"{self.reader.path}: {module}'s adapter entries {sorted(keys)} do not fit a linear")
+        groups = self.ctx["num_query_groups"] if module.endswith(QKV_SUFFIX) else 1
+        a = {n: _read(self.reader, keys[name("lora_A", n)]) for n in set(a_of.values())}
+        if "lora_magnitude" in keys:
+            magnitude = _read(self.reader, keys["lora_magnitude"])
+        elif name("lora_magnitude", parts[0]) in keys:  # one per part (install.py: concatenated parts)
+            magnitude = combine([_read(self.reader, keys[name("lora_magnitude", p)])[None] for p in parts], groups)[0]
+        else:
+            magnitude = None
         factors = LinearFactors(
             parts,
-            {p: _read(self.reader, keys[name("lora_A", p)]) for p in parts},
+            {p: a[a_of[p]] for p in parts},
             {p: _read(self.reader, keys[name("lora_B", p)]) for p in parts},
-            _read(self.reader, keys["lora_magnitude"]) if "lora_magnitude" in keys else None,
+            magnitude,
             self.scale,
-            self.ctx["num_query_groups"] if module.endswith(QKV_SUFFIX) else 1,
+            groups,
+            a_of,
         )
         self._cached = (module, factors)
         return factors

@@ -31,6 +31,12 @@ class SFTTransformerConfig(TransformerConfig):
     """Indices of the decoder layers whose mixer is Gated DeltaNet (moe_sft/layers/gated_delta_net.py,
     sized by megatron's linear_* fields); the others run self-attention. None: none."""
 
+    linear_attention_projections: tuple[str, ...] | None = None
+    """transformers' projections that the Gated DeltaNet's fused in_proj [q, k, v, z, b, a] is made
+    of, each named by the parts it holds in row order (Qwen3-Next: ("qkvz", "ba"); Qwen3.5:
+    ("qkv", "z", "b", "a")). A LoRA on in_proj gets one A per projection, as peft on transformers'
+    model has (moe_sft/peft/install.py). None: no Gated DeltaNet."""
+
     qk_norm_full_width: bool | None = None
     """q/k RMSNorm over all heads at once, with one weight of width heads * head_dim (MiniMax-M2's
     q_norm / k_norm; moe_sft/layers/full_width_qk_norm.py). None: megatron's per-head qk_layernorm."""

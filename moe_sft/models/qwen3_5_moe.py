@@ -30,6 +30,10 @@ from moe_sft.models import transforms as T
 from moe_sft.models.family import Composite, Family, Rule, UnsupportedConfigError
 from moe_sft.models.hf_config import num_experts
 
+# transformers' Gated DeltaNet input projections, named by the parts of megatron's in_proj
+# [q, k, v, z, b, a] each holds
+IN_PROJ_PROJECTIONS = ("qkv", "z", "b", "a")
+
 
 def is_moe_layer(cfg, i: int) -> bool:
     return num_experts(cfg) > 0
@@ -46,6 +50,7 @@ def check_supported(cfg) -> None:
 def transformer_config_kwargs(cfg) -> dict:
     kwargs = qwen3_next.transformer_config_kwargs(_with_qwen3_next_fields(cfg))
     kwargs.update(common.softmax_routing_config(cfg.num_experts_per_tok, True))
+    kwargs.update(linear_attention_projections=IN_PROJ_PROJECTIONS)
     return kwargs
 
 
@@ -61,7 +66,7 @@ def _with_qwen3_next_fields(cfg):
 
 
 def shape(cfg, name: str = "model"):
-    return qwen3_next.shape(_with_qwen3_next_fields(text_config(cfg)), name)
+    return qwen3_next.shape(_with_qwen3_next_fields(text_config(cfg)), name, IN_PROJ_PROJECTIONS)
 
 
 def text_config(cfg):
@@ -90,7 +95,7 @@ QKV_Z_B_A = T.Transform("gdn_qkv_z_b_a", _separate_from, _separate_to, row_separ
 
 
 def rules(cfg) -> list[Rule]:
-    projections = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+    projections = tuple(f"in_proj_{p}.weight" for p in IN_PROJ_PROJECTIONS)
     return (
         common.embedding_and_head_rules(cfg)
         + qwen3_next.gated_attention_rules()

@@ -124,9 +124,16 @@ def check_supported(cfg) -> None:
     _check_mtp(cfg)
 
 
+# transformers' Gated DeltaNet input projections, named by the parts of megatron's in_proj
+# [q, k, v, z, b, a] each holds: `in_proj_qkvz` (interleaved per key head) and `in_proj_ba`
+IN_PROJ_PROJECTIONS = ("qkvz", "ba")
+
+
 def linear_attention_config(cfg) -> dict:
-    """megatron's linear_* fields and which layers run Gated DeltaNet."""
+    """megatron's linear_* fields, which layers run Gated DeltaNet and which transformers
+    projections its in_proj fuses (one LoRA A each)."""
     return dict(
+        linear_attention_projections=IN_PROJ_PROJECTIONS,
         linear_attention_layers=[i for i in range(cfg.num_hidden_layers) if is_linear_attention_layer(cfg, i)],
         linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
         linear_key_head_dim=cfg.linear_key_head_dim,
@@ -159,7 +166,7 @@ def gpt_model_kwargs(cfg) -> dict:
     return dict(common.gpt_model_kwargs(cfg), rotary_percent=glm4_moe.partial_rotary_factor(cfg))
 
 
-def shape(cfg, name: str = "model") -> S.ModelShape:
+def shape(cfg, name: str = "model", projections: tuple[str, ...] = IN_PROJ_PROJECTIONS) -> S.ModelShape:
     c = S.config_view(cfg)
     fields = common.gqa_shape_fields(c, name)
     return S.ModelShape(
@@ -179,6 +186,7 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
             key_dim=int(c.linear_key_head_dim),
             value_dim=int(c.linear_value_head_dim),
             conv_kernel=int(c.linear_conv_kernel_dim),
+            projections=projections,
         ),
     )
 
@@ -334,7 +342,7 @@ def rules(cfg) -> list[Rule]:
     return (
         common.embedding_and_head_rules(cfg)
         + gated_attention_rules()
-        + linear_attention_rules(("in_proj_qkvz.weight", "in_proj_ba.weight"), QKVZ_BA)
+        + linear_attention_rules(tuple(f"in_proj_{p}.weight" for p in IN_PROJ_PROJECTIONS), QKVZ_BA)
         + block_rules(cfg)
         + mtp_rules(cfg)
     )

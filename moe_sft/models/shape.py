@@ -123,6 +123,15 @@ class LinearAttention:
     key_dim: int
     value_dim: int
     conv_kernel: int
+    # transformers' projections in_proj fuses, named by its parts (layers/config.py's
+    # linear_attention_projections): Qwen3-Next ("qkvz", "ba"), Qwen3.5 ("qkv", "z", "b", "a")
+    projections: tuple[str, ...] = ()
+
+    def projection_widths(self) -> dict[str, int]:
+        """Output rows of each of transformers' in_proj projections."""
+        qk, v = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        rows = dict(q=qk, k=qk, v=v, z=v, b=self.value_heads, a=self.value_heads)
+        return {p: sum(rows[c] for c in rows if c in p) for p in self.projections}
 
     @property
     def in_proj_width(self) -> int:  # q, k, v, z, b, a

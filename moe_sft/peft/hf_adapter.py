@@ -7,8 +7,10 @@ group, gate/up, ...), the HF model built on the meta device says which module or
 each, and peft itself names the adapter tensors (`get_peft_model` on that model with the LoraConfig
 built here, then `get_peft_model_state_dict`'s keys and shapes are filled).
 
-- A linear's parts: B's rows go through the mapping's transform like the weight's rows do (a part
-  tag per row says which part, hence which A, each HF weight gets); DoRA's magnitude likewise.
+- A linear's parts: B's rows go through the mapping's transform like the weight's rows do (a tag
+  per row says which A, hence which HF weight, each row belongs to: the parts that share an A, as
+  the Gated DeltaNet's q, k, v in Qwen3.5's in_proj_qkv, make one HF projection); DoRA's
+  magnitude likewise.
 - Routed experts: transformers 5 keeps them fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate
   first; `down_proj` [E, H, I]), targeted with `LoraConfig.target_parameters` (peft's ParamWrapper:
   lora_A [r*E, in] = A_e per expert, lora_B [out, r*E] with the experts on the last axis). For
@@ -77,9 +79,11 @@ def _linear_targets(run, module: str, entry, hf_model, meta: dict) -> dict[str, 
     """{HF linear module: {lora_A, lora_B[, magnitude]}} of one adapted megatron linear."""
     factors = run._linear(module)
     rank = next(iter(factors.a.values())).shape[0]
-    width = rank * len(factors.parts)
+    a_names = list(dict.fromkeys(factors.a_of[p] for p in factors.parts))  # one per HF projection
+    width = rank * len(a_names)
     blocks, tags = [], []
-    for i, part in enumerate(factors.parts):
+    for part in factors.parts:
+        i = a_names.index(factors.a_of[part])
         b = factors.b[part]
         block = b.new_zeros(b.shape[0], width)
         block[:, i * rank : (i + 1) * rank] = b
@@ -105,7 +109,8 @@ def _linear_targets(run, module: str, entry, hf_model, meta: dict) -> dict[str, 
         ):
             raise _unexpressible(meta, f"{module} (HF {name}) is no linear module of transformers' model")
         i = int(parts.item())
-        values = {"lora_A": factors.a[factors.parts[i]], "lora_B": b[:, i * rank : (i + 1) * rank]}
+        a = factors.a[next(p for p in factors.parts if factors.a_of[p] == a_names[i])]
+        values = {"lora_A": a, "lora_B": b[:, i * rank : (i + 1) * rank]}
         if mag is not None:
             values["magnitude"] = mag.squeeze(1)
         out[target] = values

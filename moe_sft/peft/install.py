@@ -40,12 +40,43 @@ def _parts(name: str, module, tconfig) -> tuple[list[Part], int]:
     if name.endswith("self_attention.linear_qkv"):
         tp = parallel_state.get_tensor_model_parallel_world_size()
         groups = tconfig.num_query_groups // tp
-        q = tconfig.num_attention_heads // tp * tconfig.kv_channels
+        # a gated attention's q_proj emits each head's query and output gate: per query group
+        # megatron holds [queries, gates] where q_proj interleaves them per head (the export's
+        # transform reorders B's rows as it does the weight's)
+        q = tconfig.num_attention_heads // tp * tconfig.kv_channels * (2 if tconfig.attention_output_gate else 1)
         kv = groups * tconfig.kv_channels
         return [Part("q", q), Part("k", kv), Part("v", kv)], groups
+    if name.endswith("self_attention.in_proj") and getattr(tconfig, "linear_attention_layers", None):
+        return _in_proj_parts(name, tconfig), 1
     if name.endswith("linear_fc1") and tconfig.gated_linear_unit:
         return [Part("gate", out_local // 2), Part("up", out_local // 2)], 1
     return [Part("", out_local)], 1
+
+
+def _in_proj_parts(name: str, tconfig) -> list[Part]:
+    """Gated DeltaNet's in_proj: [q, k, v, z, b, a], each split over TP, with one A per
+    transformers projection (the family's `linear_attention_projections`)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    qk = tconfig.linear_num_key_heads * tconfig.linear_key_head_dim // tp
+    v = tconfig.linear_num_value_heads * tconfig.linear_value_head_dim // tp
+    heads = tconfig.linear_num_value_heads // tp
+    rows = dict(q=qk, k=qk, v=v, z=v, b=heads, a=heads)
+    projections = tuple(getattr(tconfig, "linear_attention_projections", None) or ())
+    if "".join(projections) != "".join(rows):
+        raise ConfigError(
+            f"{name}: a LoRA needs the transformers projections that make up this Gated DeltaNet's in_proj "
+            f"(linear_attention_projections={projections!r}, which must name its parts {''.join(rows)!r} in "
+            "order); the model family sets it. Leave the Gated DeltaNet out of peft.target_modules meanwhile"
+        )
+    # the parts of each projection, in row order: "qkv" -> q, k, v; "ba" -> b, a
+    names, owner = list(rows), {}
+    for projection in projections:
+        taken = ""
+        while taken != projection:
+            part = names.pop(0)
+            taken += part
+            owner[part] = projection
+    return [Part(p, rows[p], owner[p]) for p in rows]
 
 
 def _check_rank(cfg: PeftConfig, name: str, dims: dict[str, int]) -> None:
@@ -65,13 +96,19 @@ def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> Linea
     tp = torch.distributed.get_world_size(tp_group)
     in_local = module.weight.shape[1]
     full_in = in_local if column else in_local * tp
-    outs = {f"out[{p.name}]" if p.name else "out": p.out_local * (tp if column else 1) for p in parts}
+    outs = {}  # per A: the rows of the transformers projection it serves
+    for p in parts:
+        key = f"out[{p.a}]" if p.a else "out"
+        outs[key] = outs.get(key, 0) + p.out_local * (tp if column else 1)
     _check_rank(cfg, global_name, {"in": full_in, **outs})
     adapter = LinearAdapter(
         module,
         column=column,
         parts=parts,
         groups=groups,
+        # one DoRA magnitude per part where the parts are concatenated (each split over TP on its
+        # own); linear_qkv's rows interleave per query group, which TP splits whole
+        split_magnitude=not global_name.endswith("self_attention.linear_qkv"),
         rank=cfg.rank,
         alpha=cfg.alpha,
         dropout=cfg.dropout,
@@ -163,4 +200,4 @@ def init_dora_magnitudes(chunks) -> None:
             if isinstance(adapter, LinearAdapter) and adapter.dora:
                 base = chunk.get_submodule(local)
                 with torch.no_grad():
-                    adapter.lora_magnitude.copy_(adapter._row_norm(base.weight.float()).to(base.weight.dtype))
+                    adapter.set_magnitude(adapter._row_norm(base.weight.float()))

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 _LAYER = "decoder.layers.*."
 SHORTHANDS: dict[str, tuple[str, ...]] = {
-    "attention": (_LAYER + "self_attention.linear_*",),
+    # the mixers: attention's linear_* and, in hybrid models, Gated DeltaNet's in_proj / out_proj
+    "attention": (
+        _LAYER + "self_attention.linear_*",
+        _LAYER + "self_attention.in_proj",
+        _LAYER + "self_attention.out_proj",
+    ),
     "dense_mlp": (_LAYER + "mlp.linear_fc1", _LAYER + "mlp.linear_fc2"),
     "shared_experts": (_LAYER + "mlp.shared_experts.linear_fc1", _LAYER + "mlp.shared_experts.linear_fc2"),
     "experts": (_LAYER + "mlp.experts",),

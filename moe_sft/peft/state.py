@@ -125,4 +125,4 @@ def merged_weights(chunk):
 
 def _dora_merged(base, adapter: LinearAdapter) -> torch.Tensor:
     weight = base.weight.float() + adapter.delta_weight().float()
-    return (weight * (adapter.lora_magnitude.float() / adapter._row_norm(weight)).unsqueeze(1)).to(base.weight.dtype)
+    return (weight * (adapter.magnitude().float() / adapter._row_norm(weight)).unsqueeze(1)).to(base.weight.dtype)

@@ -59,9 +59,41 @@ def resolve(chunks, entries: list[str], device: str) -> list[tuple[str, str, int
         raise ConfigError(
             f"peft.target_modules: {unmatched} match no module of this model. Shorthands: "
             f"{', '.join(SHORTHANDS)}; the adaptable modules here are {sorted(names)} "
-            "(patterns are fnmatch over these names with global layer numbers)"
+            f"(patterns are fnmatch over these names with global layer numbers){_transformers_hint(unmatched)}"
         )
     return found
+
+
+# transformers' projection names → the megatron module that holds them (fused with others where
+# the module lists several): an entry names megatron's modules, and adapts a fused one whole
+HF_PROJECTIONS = {
+    "q_proj": "self_attention.linear_qkv",
+    "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv",
+    "o_proj": "self_attention.linear_proj",
+    "in_proj_qkvz": "self_attention.in_proj",
+    "in_proj_ba": "self_attention.in_proj",
+    "in_proj_qkv": "self_attention.in_proj",
+    "in_proj_z": "self_attention.in_proj",
+    "in_proj_b": "self_attention.in_proj",
+    "in_proj_a": "self_attention.in_proj",
+    "gate_proj": "mlp.linear_fc1",
+    "up_proj": "mlp.linear_fc1",
+    "down_proj": "mlp.linear_fc2",
+}
+
+
+def _transformers_hint(unmatched: list[str]) -> str:
+    named = {e: HF_PROJECTIONS[e.rpartition(".")[2]] for e in unmatched if e.rpartition(".")[2] in HF_PROJECTIONS}
+    if not named:
+        return ""
+    return (
+        ". Entries name megatron's modules, not transformers': "
+        + "; ".join(f"{e} is (part of) decoder.layers.*.{m}" for e, m in named.items())
+        + ". A fused module is adapted whole, with one adapter per transformers projection it holds "
+        "(the PEFT export writes them under transformers' names); one projection of a fused module "
+        "alone cannot be targeted"
+    )
 
 
 def smallest_dims(shape) -> dict[str, int]:
@@ -70,6 +102,10 @@ def smallest_dims(shape) -> dict[str, int]:
         attention = min(d for d in (shape.hidden, shape.mla.q_lora, shape.mla.kv_lora) if d)
     else:
         attention = min(shape.hidden, shape.num_kv_heads * shape.head_dim)
+    if (la := shape.linear_attention) is not None and any(la.layers):
+        # Gated DeltaNet: each of transformers' in_proj projections (Qwen3.5's in_proj_b is one
+        # row per value head) and out_proj's input
+        attention = min(attention, la.value_heads * la.value_dim, *la.projection_widths().values())
     dims = {"attention": attention}
     if not all(shape.moe_layers):
         dims["dense_mlp"] = min(shape.hidden, shape.ffn)
@@ -91,21 +127,3 @@ def rank_errors(rank: int, entries: list[str], shape) -> list[str]:
         for entry in entries
         if entry in dims and rank > dims[entry]
     ]
-
-
-def unsupported_target_errors(entries: list[str], shape) -> list[str]:
-    """Targets whose adapters moe-sft cannot yet export as transformers' modules: the mixers of
-    hybrid models (Gated DeltaNet's in_proj / out_proj, the gated attention's linear_qkv whose rows
-    interleave each head's query and gate as q_proj does)."""
-    if shape.linear_attention is None and not shape.attention_gate:
-        return []
-    mixers = [e for e in entries if e in ("attention", "all_linear") or "self_attention" in e]
-    return (
-        [
-            f"peft.target_modules={mixers}: adapters on the attention / Gated DeltaNet projections of "
-            f"{shape.model_type} are not supported yet (their PEFT export to transformers' q_proj / in_proj_* "
-            "is not written); target the MoE instead: [experts, shared_experts]"
-        ]
-        if mixers
-        else []
-    )

@@ -70,12 +70,18 @@ def _blocks(rows: int, cols: int) -> int:
     return -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
 
 
-def layer_linears(s: ModelShape, lay: Layout, moe: bool) -> list[Linear]:
-    """The Column/RowParallelLinear of one decoder layer on one rank (torch-native spec)."""
+def layer_linears(s: ModelShape, lay: Layout, moe: bool, layer: int | None = None) -> list[Linear]:
+    """The Column/RowParallelLinear of one decoder layer on one rank (torch-native spec); `layer`
+    (its global index) picks Gated DeltaNet for a hybrid model's linear-attention layers."""
     h, tp = s.hidden, lay.tp
     out: list[Linear] = []
-    if s.mla is None:
-        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim // tp
+    if layer is not None and s.is_linear_layer(layer):
+        la = s.linear_attention  # in_proj: one LoRA A per transformers projection (peft/install.py)
+        out.append(Linear("self_attention.in_proj", la.in_proj_width // tp, h, True, len(la.projections)))
+        out.append(Linear("self_attention.out_proj", h, la.value_heads * la.value_dim // tp, False))
+    elif s.mla is None:
+        q_heads = s.num_heads * (2 if s.attention_gate else 1)  # a gated attention's q: query and gate
+        qkv = (q_heads + 2 * s.num_kv_heads) * s.head_dim // tp
         out.append(Linear("self_attention.linear_qkv", qkv, h, True, 3))
         out.append(Linear("self_attention.linear_proj", h, s.num_heads * s.head_dim // tp, False))
     else:
@@ -128,7 +134,7 @@ def expert_adapter(s: ModelShape, lay: Layout, p: PeftPlan) -> tuple[int, int]:
 def _add_layer(st: PeftStage, s: ModelShape, lay: Layout, moe: bool, p: PeftPlan, layer: int | None) -> None:
     """One decoder layer (global index `layer`; None: an MTP layer, which no adapter reaches)."""
     tag = f"decoder.layers.{layer}" if layer is not None else "mtp"
-    for lin in layer_linears(s, lay, moe):
+    for lin in layer_linears(s, lay, moe, layer):
         numel = lin.out_local * lin.in_local
         if p.fp8_base:
             st.fp8_values += numel

@@ -95,9 +95,7 @@ def check_against_model(cfg: TrainConfig, hf: HFModel) -> None:
     )
     if cfg.peft.method != "none":
         entries = list(cfg.peft.target_modules)
-        errors = peft_targets.unsupported_target_errors(entries, shape) + peft_targets.rank_errors(
-            cfg.peft.rank, entries, shape
-        )
+        errors = peft_targets.rank_errors(cfg.peft.rank, entries, shape)
         if errors:
             raise ConfigError(format_errors(errors))
 

@@ -145,6 +145,80 @@ def test_every_family_adapted_on_all_linears_equals_its_merged_weights(name):
     assert max((a - b).abs().max() for a, b in zip(ours, packed_logits(_model(family), _docs(vocab), vocab))) > 1e-3
 
 
+HYBRIDS = [f.name for f in registry.FAMILIES if f.shape(f.tiny_hf_config()).linear_attention is not None]
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method):
+    """A Gated DeltaNet layer and a gated attention layer with adapters on their mixers
+    (`attention`): in_proj gets one A per transformers projection (Qwen3-Next: in_proj_qkvz,
+    in_proj_ba; Qwen3.5: in_proj_qkv, _z, _b, _a) and a B (and DoRA magnitude) per part q, k, v,
+    z, b, a; the gated linear_qkv's q part holds each head's query and gate rows (q_proj's). The
+    merged weights give the adapted model's packed logits, and a backward reaches every adapter
+    factor and nothing else."""
+    from moe_sft.models.forward import packed_batch
+
+    family = registry.family_by_name(name)
+    # one query group: what each TP rank of a two-group model holds (the factor names must not change)
+    layers = {"layer_types": ["linear_attention", "full_attention"], "num_key_value_heads": 1}
+    model = _adapted(family, PeftConfig(method=method, rank=4, alpha=8, target_modules=["attention"]), **layers)
+    if method == "dora":  # off |W| per row, differently per part: a part mixed up changes the output
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                if "lora_magnitude" in pname:
+                    param.mul_(1 + 0.2 * torch.rand(param.shape, generator=torch.Generator().manual_seed(len(pname))))
+    cfg = model.config
+    gdn, attention = model.decoder.layers[0].self_attention, model.decoder.layers[1].self_attention
+    names = {n for n, _ in gdn.in_proj.adapter.named_parameters()}
+    want = {f"lora_A_{p}" for p in cfg.linear_attention_projections} | {f"lora_B_{p}" for p in "qkvzba"}
+    want |= {f"lora_magnitude_{p}" for p in "qkvzba"} if method == "dora" else set()
+    assert names == want, (names, want)
+    assert "".join(cfg.linear_attention_projections) == "qkvzba"
+    assert gdn.out_proj.adapter.lora_A.shape == (4, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    assert attention.linear_qkv.adapter.lora_B_q.shape[0] == 2 * cfg.num_attention_heads * cfg.kv_channels
+    magnitudes = {n for n, _ in attention.linear_qkv.adapter.named_parameters() if "magnitude" in n}
+    assert magnitudes == ({"lora_magnitude"} if method == "dora" else set())  # whole query groups per TP rank
+
+    vocab = model.vocab_size
+    with torch.no_grad():
+        ours = packed_logits(model, _docs(vocab), vocab)
+        merged = dict(state.merged_weights(model))
+        plain = _model(family, **layers)
+        sd = plain.state_dict()
+        for key, value in merged.items():
+            assert not torch.allclose(sd[key], value), key  # the adapters really change it
+            sd[key] = value
+        plain.load_state_dict(sd)
+        theirs = packed_logits(plain, _docs(vocab), vocab)
+    assert len(merged) == 4  # in_proj, out_proj, linear_qkv, linear_proj
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    tokens, positions, params = packed_batch(_docs(vocab), "cpu")
+    model(
+        input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params
+    ).square().mean().backward()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".adapter." in n for n in trained), sorted(trained)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.values()), [
+        n for n, p in trained.items() if p.grad is None or not p.grad.abs().sum()
+    ]
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_a_transformers_projection_name_says_which_module_holds_it():
+    family = registry.family_by_name("qwen3_5_moe")
+    model = _model(family, layer_types=["linear_attention", "full_attention"])
+    cfg = PeftConfig(method="lora", rank=4, target_modules=["in_proj_z", "o_proj"])
+    with pytest.raises(ConfigError) as err:
+        install.add_adapters([model], cfg, model.config, "cpu")
+    text = str(err.value)
+    assert "['in_proj_z', 'o_proj'] match no module" in text, text
+    assert "in_proj_z is (part of) decoder.layers.*.self_attention.in_proj" in text, text
+    assert "o_proj is (part of) decoder.layers.*.self_attention.linear_proj" in text, text
+
+
 def test_only_adapters_train_and_the_router_on_request(family):
     model = _adapted(family, PeftConfig(method="lora", target_modules=["attention"], rank=4, train_router=True))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}

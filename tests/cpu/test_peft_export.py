@@ -5,7 +5,9 @@
 - as a PEFT adapter (moe_sft/peft/hf_adapter.py): `PeftModel.from_pretrained(base, dir)` gives the
   merged model's logits (fused routed experts through peft's target_parameters, q/k/v and
   gate/up split from megatron's fused linears, MLA's projections, shared experts, dense layers,
-  a shared expert factor, trained routers through modules_to_save, DoRA on the attention);
+  a shared expert factor, trained routers through modules_to_save, DoRA on the attention; the
+  hybrid families' Gated DeltaNet in_proj as Qwen3-Next's in_proj_qkvz / in_proj_ba or Qwen3.5's
+  in_proj_qkv / _z / _b / _a, its out_proj, and the gated attention's q_proj with its gate rows);
 - an adapter peft cannot express (an MTP layer's) is an error naming the field and the fix, and
   the trainer's end-of-run export then writes the merged model and logs why there is no adapter.
 
@@ -14,6 +16,7 @@ The adapters get random nonzero B (and DoRA magnitudes off the row norms), so th
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -95,11 +98,19 @@ def _diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-# gpt-oss: experts stacked in one tensor per layer, fc1 with gate and up columns interleaved
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss"])
+# gpt-oss: experts stacked in one tensor per layer, fc1 with gate and up columns interleaved;
+# Qwen3-Next / Qwen3.5: Gated DeltaNet layers (in_proj_qkvz + in_proj_ba, or in_proj_qkv, _z, _b,
+# _a, from one fused in_proj) and a gated attention layer (q_proj rows interleave query and gate)
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def base(request, tmp_path_factory):
     return _write_base(request.param, tmp_path_factory.mktemp(request.param))
 
+
+# transformers' modules the adapters on the hybrid families' mixers (every case targets them) become
+MIXER_TARGETS = {
+    "qwen3_next": {"in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"},
+    "qwen3_5_moe": {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj"},
+}
 
 CASES = {
     # every linear and the routed experts, routers trained too (peft: modules_to_save)
@@ -127,6 +138,11 @@ def test_merged_and_peft_exports_give_the_adapted_models_logits(base, case, tmp_
     merged_diff = _diff(merged, ours)
 
     export_adapter(ckpt, tmp_path / "adapter", dtype="fp32")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    print(config["target_modules"], config.get("target_parameters"))
+    written = {t.removesuffix(".weight").rpartition(".")[2] for t in config["target_modules"]}
+    written |= {t.removesuffix(".weight").rpartition(".")[2] for t in config.get("target_parameters") or ()}
+    assert MIXER_TARGETS.get(base.name.rstrip("0123456789"), set()) <= written, config
     with cpu_compat.suspended():
         peft_model = PeftModel.from_pretrained(_load_hf(base / "hf"), str(tmp_path / "adapter")).eval()
     peft_diff = _diff(_hf_logits(peft_model), merged)

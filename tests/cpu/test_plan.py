@@ -854,6 +854,34 @@ def test_lora_and_fp8_base_counts_per_rank_are_exact(fake_world):
             assert st.base_bytes == 2 * (frozen_rest - st.trained_base) + fp8_values + 4 * scales
 
 
+def test_lora_and_dora_counts_on_the_hybrid_mixers_are_exact(fake_world):
+    """The planner's adapters on Qwen3-Next's and Qwen3.5's mixers (Gated DeltaNet in_proj with one
+    A per transformers projection, out_proj; the gated attention's q with its gate rows) and
+    shared experts at TP2·PP2 equal real adapted models'."""
+    from moe_sft.config.schema import PeftConfig
+    from moe_sft.models import qwen3_5_moe, qwen3_next
+    from moe_sft.peft import install
+    from moe_sft.plan.params import stage_params
+    from moe_sft.plan.peft_memory import PeftPlan, stage
+
+    lay = Layout(world=4, tp=2, pp=2, vpp=None, cp=1, ep=1, etp=1)
+    for family in (qwen3_next.FAMILY, qwen3_5_moe.FAMILY):
+        hf = family.tiny_hf_config()
+        shape = shape_from_hf_dict(hf.to_dict())
+        for method in ("lora", "dora"):
+            entries = ("attention", "shared_experts")
+            cfg = PeftConfig(method=method, rank=4, target_modules=list(entries))
+            plan = PeftPlan(rank=4, method=method, target_modules=entries)
+            for pp_rank in range(2):
+                chunks = fake_world(family, hf, pp_rank * 2, 4, tp=2, pp=2, etp=1)
+                install.add_adapters(chunks, cfg, chunks[0].config, "cpu")
+                adapters = sum(p.numel() for c in chunks for n, p in c.named_parameters() if ".adapter." in n)
+                count = stage_params(shape, lay, pp_rank)
+                embeddings = count.by_module.get("embedding", 0) + count.by_module.get("output_layer", 0)
+                st = stage(shape, lay, pp_rank, plan, count.total, embeddings)
+                assert st.adapters == adapters, (family.name, method, pp_rank, st.by_module)
+
+
 def test_lora_memory_terms_for_a_small_config():
     """weights = frozen base (FP8 values + 4-byte scales + bf16 rest) + bf16 adapters; grads = 4 x
     trainable; optimizer = 12 x (dense / DP + per-expert / expert DP); FP8 dequantisation adds

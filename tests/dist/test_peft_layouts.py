@@ -194,3 +194,37 @@ def test_peft_variant_matches_one_rank(source, variant):
     assert reference["printed"][1]["loss"] - reference["printed"][3]["loss"] > 0.1, reference["printed"]
     print(variant, end=" ")
     _assert_same(reference, run, range(1, STEPS + 1))
+
+
+# The hybrid mixers: a tiny Qwen3.5 (three Gated DeltaNet layers, then a gated attention layer) with
+# DoRA rank 4 on every mixer projection and the shared experts. in_proj holds transformers' four
+# projections (one A each) and six parts (q, k, v, z, b, a: a B and magnitude each, split over TP
+# part by part); out_proj's row norms sum over TP; linear_qkv holds each head's query and gate.
+HYBRID_DORA = ["peft.method=dora", "peft.rank=4", "peft.target_modules=[attention,shared_experts]"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_source(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("peft_layouts_hybrid")
+    vocab = len(AutoTokenizer.from_pretrained(str(REPO / "recipes/demo/tokenizer")))
+    family = registry.family_by_name("qwen3_5_moe")
+    _hf_model(family, family.tiny_hf_config(vocab_size=vocab), tmp / "hf")
+    convert(tmp / "hf", tmp / "mcore")
+    return tmp
+
+
+def test_hybrid_mixers_dora_at_tp2_sp_matches_one_rank_and_resumes_at_one_rank(hybrid_source):
+    """Steps 1-3 at TP2+SP (saving the adapters after step 2), then steps 3-4 resumed on one rank
+    (the per-part factors resharded from TP2): both equal the straight one-rank run."""
+    reference = _train(hybrid_source, "one_rank", 1, HYBRID_DORA, max_steps=STEPS + 1)
+    assert sorted(reference["printed"]) == [1, 2, 3, 4]
+    assert reference["printed"][1]["loss"] - reference["printed"][3]["loss"] > 0.1, reference["printed"]
+    assert "on 16 modules" in reference["log"], reference["log"][-2000:]  # 3 x 2 GDN, 2 attention, 4 x 2 shared
+    first = _train(hybrid_source, "tp2_sp", 2, [*HYBRID_DORA, TP2, SP, *SAVE_AT_2])
+    assert sorted(first["printed"]) == list(range(1, STEPS + 1))
+    print("hybrid tp2_sp", end=" ")
+    _assert_same(reference, first, range(1, STEPS + 1))
+    second = _train(hybrid_source, "tp2_sp", 1, HYBRID_DORA, max_steps=STEPS + 1)
+    assert sorted(second["printed"]) == [3, 4], second["printed"]
+    print("hybrid tp2_sp -> resumed on one rank", end=" ")
+    _assert_same(reference, second, [3, 4])
