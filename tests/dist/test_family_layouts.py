@@ -101,3 +101,23 @@ def test_layout_matches_one_rank(source, one_rank, layout):
     for step in range(1, STEPS + 1):
         for key in keys:
             assert metrics[step][key] == pytest.approx(one_rank[step][key], rel=REL), (step, key, one_rank, metrics)
+
+
+# The hybrid stack split into four virtual stages of one layer (GDN, GDN, GDN, gated attention +
+# the MTP layer): each chunk must pick its mixer by its global layer number; and plain DP2 with
+# the distributed optimizer sharding the GDN parameters' Adam state.
+HYBRID_LAYOUTS = {
+    "pp2_vpp2": ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"],
+    "dp2": ["parallel.tensor_model_parallel_size=1"],  # any override: two ranks, data parallel
+}
+
+
+@pytest.mark.parametrize("source", ["qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
+def test_hybrid_layout_matches_one_rank(source, one_rank, layout):
+    metrics = _train(source, layout, HYBRID_LAYOUTS[layout])
+    print(source[0].name, layout, metrics)
+    assert sorted(metrics) == sorted(one_rank) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm", "mtp_loss"):
+            assert metrics[step][key] == pytest.approx(one_rank[step][key], rel=REL), (step, key, one_rank, metrics)
