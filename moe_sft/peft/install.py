@@ -89,7 +89,9 @@ def _check_rank(cfg: PeftConfig, name: str, dims: dict[str, int]) -> None:
         )
 
 
-def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> LinearAdapter:
+def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig, capped: dict[str, int]) -> LinearAdapter:
+    """`capped` collects the Gated DeltaNet gate projections (transformers' name: rows) narrower
+    than the rank, left out of the rank check (targets.GDN_GATE_PARTS)."""
     column = isinstance(module, ColumnParallelLinear)
     parts, groups = _parts(global_name, module, tconfig)
     tp_group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
@@ -100,6 +102,10 @@ def _linear_adapter(cfg: PeftConfig, global_name: str, module, tconfig) -> Linea
     for p in parts:
         key = f"out[{p.a}]" if p.a else "out"
         outs[key] = outs.get(key, 0) + p.out_local * (tp if column else 1)
+    if global_name.endswith("self_attention.in_proj"):
+        for a in list(dict.fromkeys(p.a for p in parts)):
+            if targets.is_gdn_gate(a) and outs[f"out[{a}]"] < cfg.rank:
+                capped[f"in_proj_{a}"] = outs.pop(f"out[{a}]")
     _check_rank(cfg, global_name, {"in": full_in, **outs})
     adapter = LinearAdapter(
         module,
@@ -159,11 +165,12 @@ def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
     # exported adapter do not hold it, so its updates would be lost on resume and export. Frozen.
     tconfig.moe_router_bias_update_rate = 0.0
     found = targets.resolve(chunks, list(cfg.target_modules), device)
+    capped: dict[str, int] = {}
     for global_name, _, _, module in found:
         if isinstance(module, TorchGroupedMLP):
             module.adapter = _expert_adapter(cfg, global_name, module)
         else:
-            module.adapter = _linear_adapter(cfg, global_name, module, tconfig)
+            module.adapter = _linear_adapter(cfg, global_name, module, tconfig, capped)
     trained_in_full = ((ROUTER_PATTERN,) if cfg.train_router else ()) + (
         EMBEDDING_PATTERNS if cfg.train_embeddings else ()
     )
@@ -176,10 +183,17 @@ def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
             chunk.embedding.register_forward_hook(_activations_require_grad)
     trained = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
     kinds = sorted({targets_kind(n) for n, *_ in found})
-    return [
+    lines = [
         f"peft: {cfg.method} rank {cfg.rank} alpha {cfg.alpha:g} on {len(found)} modules ({', '.join(kinds)}); "
         f"{trained / 1e6:.3f}M trainable parameters on this rank, the base frozen"
     ]
+    if capped:
+        lines.append(
+            f"peft: the Gated DeltaNet gate projections {', '.join(f'{k} ({v} rows)' for k, v in capped.items())} "
+            f"are narrower than rank {cfg.rank}: their updates' rank is capped by their widths (exact, the "
+            "extra rank is redundant there)"
+        )
+    return lines
 
 
 def _activations_require_grad(module, args, output):

@@ -96,16 +96,30 @@ def _transformers_hint(unmatched: list[str]) -> str:
     )
 
 
+# Gated DeltaNet's gate projections: Qwen3.5's in_proj_b / in_proj_a (one output row per value
+# head: 32 in Qwen3.5-35B-A3B, 16 per rank at TP2), Qwen3-Next's in_proj_ba (two). A rank above
+# their width is exact, only redundant there (the update B @ A cannot exceed it; peft accepts it
+# too), so they do not cap peft.rank for the whole attention; every other width still does.
+GDN_GATE_PARTS = frozenset("ba")
+
+
+def is_gdn_gate(projection: str) -> bool:
+    """Whether an in_proj projection ("b", "a", "ba"; the family's linear_attention_projections)
+    holds only gate rows."""
+    return bool(projection) and set(projection) <= GDN_GATE_PARTS
+
+
 def smallest_dims(shape) -> dict[str, int]:
-    """Per shorthand, the smallest input or output width among its projections (a ModelShape)."""
+    """Per shorthand, the smallest input or output width among its projections (a ModelShape),
+    the Gated DeltaNet's gate projections left out (see GDN_GATE_PARTS)."""
     if shape.mla is not None:
         attention = min(d for d in (shape.hidden, shape.mla.q_lora, shape.mla.kv_lora) if d)
     else:
         attention = min(shape.hidden, shape.num_kv_heads * shape.head_dim)
     if (la := shape.linear_attention) is not None and any(la.layers):
-        # Gated DeltaNet: each of transformers' in_proj projections (Qwen3.5's in_proj_b is one
-        # row per value head) and out_proj's input
-        attention = min(attention, la.value_heads * la.value_dim, *la.projection_widths().values())
+        # Gated DeltaNet: each of transformers' in_proj projections but the gates, and out_proj's input
+        widths = [w for p, w in la.projection_widths().items() if not is_gdn_gate(p)]
+        attention = min(attention, la.value_heads * la.value_dim, *widths)
     dims = {"attention": attention}
     if not all(shape.moe_layers):
         dims["dense_mlp"] = min(shape.hidden, shape.ffn)

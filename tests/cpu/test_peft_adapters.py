@@ -148,9 +148,12 @@ def test_every_family_adapted_on_all_linears_equals_its_merged_weights(name):
 HYBRIDS = [f.name for f in registry.FAMILIES if f.shape(f.tiny_hf_config()).linear_attention is not None]
 
 
+# rank 16: above the tiny Gated DeltaNet's gate widths (in_proj_b / in_proj_a: 4 rows each,
+# in_proj_ba: 8), as a common rank is above Qwen3.5's per-TP-rank b / a rows (32, 16 at TP2)
+@pytest.mark.parametrize("rank", [4, 16])
 @pytest.mark.parametrize("method", ["lora", "dora"])
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method):
+def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method, rank):
     """A Gated DeltaNet layer and a gated attention layer with adapters on their mixers
     (`attention`): in_proj gets one A per transformers projection (Qwen3-Next: in_proj_qkvz,
     in_proj_ba; Qwen3.5: in_proj_qkv, _z, _b, _a) and a B (and DoRA magnitude) per part q, k, v,
@@ -162,7 +165,7 @@ def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method)
     family = registry.family_by_name(name)
     # one query group: what each TP rank of a two-group model holds (the factor names must not change)
     layers = {"layer_types": ["linear_attention", "full_attention"], "num_key_value_heads": 1}
-    model = _adapted(family, PeftConfig(method=method, rank=4, alpha=8, target_modules=["attention"]), **layers)
+    model = _adapted(family, PeftConfig(method=method, rank=rank, alpha=8, target_modules=["attention"]), **layers)
     if method == "dora":  # off |W| per row, differently per part: a part mixed up changes the output
         with torch.no_grad():
             for pname, param in model.named_parameters():
@@ -175,7 +178,8 @@ def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method)
     want |= {f"lora_magnitude_{p}" for p in "qkvzba"} if method == "dora" else set()
     assert names == want, (names, want)
     assert "".join(cfg.linear_attention_projections) == "qkvzba"
-    assert gdn.out_proj.adapter.lora_A.shape == (4, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    assert gdn.out_proj.adapter.lora_A.shape == (rank, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    assert gdn.in_proj.adapter.lora_B_b.shape == (cfg.linear_num_value_heads, rank)
     assert attention.linear_qkv.adapter.lora_B_q.shape[0] == 2 * cfg.num_attention_heads * cfg.kv_channels
     magnitudes = {n for n, _ in attention.linear_qkv.adapter.named_parameters() if "magnitude" in n}
     assert magnitudes == ({"lora_magnitude"} if method == "dora" else set())  # whole query groups per TP rank
@@ -205,6 +209,37 @@ def test_hybrid_mixers_get_one_adapter_per_transformers_projection(name, method)
         n for n, p in trained.items() if p.grad is None or not p.grad.abs().sum()
     ]
     assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_the_gated_deltanet_gates_do_not_cap_the_rank_but_other_widths_do(name):
+    """The gate projections (in_proj_b / in_proj_a, in_proj_ba: a few rows) are left out of the rank
+    check, before the build and at it, with one log line; the key/value width (64 here) still caps."""
+    family = registry.family_by_name(name)
+    layers = {"layer_types": ["linear_attention", "full_attention"]}
+    shape = family.shape(family.tiny_hf_config(num_hidden_layers=2, **layers))
+    gates = {p: w for p, w in shape.linear_attention.projection_widths().items() if targets.is_gdn_gate(p)}
+    assert gates and max(gates.values()) < 16, gates
+    assert targets.rank_errors(16, ["attention"], shape) == []
+    assert targets.rank_errors(64, ["attention"], shape) == []
+    assert targets.rank_errors(65, ["attention"], shape) == [
+        "peft.rank=65 exceeds the smallest projection width of 'attention' in this model (64); "
+        "lower peft.rank to <= 64 (typical: 8-64)"
+    ]
+
+    def install_at(rank: int) -> list[str]:
+        model = _model(family, **layers)
+        cfg = PeftConfig(method="lora", rank=rank, target_modules=["attention"])
+        return install.add_adapters([model], cfg, model.config, "cpu")
+
+    capped = ", ".join(f"in_proj_{p} ({w} rows)" for p, w in gates.items())
+    lines = install_at(16)
+    assert len(lines) == 2 and f"gate projections {capped} are narrower than rank 16" in lines[1], lines
+    assert len(install_at(4)) == 1  # no note where the gates are wide enough
+    with pytest.raises(
+        ConfigError, match=r"peft.rank=65 exceeds decoder.layers.1.self_attention.linear_qkv's out\[k\]=64, out\[v\]=64"
+    ):
+        install_at(65)
 
 
 def test_a_transformers_projection_name_says_which_module_holds_it():

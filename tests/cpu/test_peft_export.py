@@ -7,7 +7,8 @@
   gate/up split from megatron's fused linears, MLA's projections, shared experts, dense layers,
   a shared expert factor, trained routers through modules_to_save, DoRA on the attention; the
   hybrid families' Gated DeltaNet in_proj as Qwen3-Next's in_proj_qkvz / in_proj_ba or Qwen3.5's
-  in_proj_qkv / _z / _b / _a, its out_proj, and the gated attention's q_proj with its gate rows);
+  in_proj_qkv / _z / _b / _a, its out_proj, and the gated attention's q_proj with its gate rows,
+  also at a rank above the Gated DeltaNet gate projections' widths);
 - an adapter peft cannot express (an MTP layer's) is an error naming the field and the fix, and
   the trainer's end-of-run export then writes the merged model and logs why there is no adapter.
 
@@ -127,9 +128,28 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_merged_and_peft_exports_give_the_adapted_models_logits(base, case, tmp_path):
+    _check_exports(base, CASES[case], case, tmp_path)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_a_rank_above_the_gated_deltanet_gates_exports_exactly(base, method, tmp_path):
+    """Rank 16 on the hybrid mixers: above the tiny Gated DeltaNet's gate widths (Qwen3.5's
+    in_proj_b / in_proj_a: 4 rows, Qwen3-Next's in_proj_ba: 8), which do not cap the rank; the
+    exports still give our adapted model's logits, peft's adapter at the one rank."""
+    if base.name.rstrip("0123456789") not in MIXER_TARGETS:
+        pytest.skip("no Gated DeltaNet")
+    config = _check_exports(
+        base, PeftConfig(method=method, rank=16, alpha=32.0, target_modules=["attention"]), method, tmp_path
+    )
+    assert config["r"] == 16 and not config.get("rank_pattern"), config
+
+
+def _check_exports(base: Path, cfg: PeftConfig, case: str, tmp_path: Path) -> dict:
+    """Merged export == our adapted model, peft's adapter on transformers' model == merged; the
+    adapter's config."""
     from peft import PeftModel
 
-    ckpt, ours = _lora_run(base, tmp_path / "run", CASES[case])
+    ckpt, ours = _lora_run(base, tmp_path / "run", cfg)
     reference = _hf_logits(_load_hf(base / "hf"))
     assert _diff(ours, reference) > 1e-2  # the adapters change the model
 
@@ -149,6 +169,7 @@ def test_merged_and_peft_exports_give_the_adapted_models_logits(base, case, tmp_
     print(f"{base.name} {case}: merged vs ours {merged_diff:.2e}, peft vs merged {peft_diff:.2e}")
     assert merged_diff <= TOL
     assert peft_diff <= TOL
+    return config
 
 
 def test_an_adapter_peft_cannot_express_is_an_error_and_the_trainer_exports_merged(tmp_path, capfd):
