@@ -29,6 +29,14 @@ RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 PRODUCTION = ("deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b")
 # Production recipes with no GPU calibration layout yet (benchmarks/gpu/plan_calibration.py).
 UNCALIBRATED = ("deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2")
+# Hybrid Gated DeltaNet recipes: (recipe, model config under recipes/models/); Qwen3.5's configs are
+# the releases' text_config, hence a name of their own.
+HYBRID = (
+    ("qwen3_next_80b_a3b", "qwen3_next_80b_a3b"),
+    ("qwen3_5_35b_a3b", "qwen3_5_35b_a3b_text"),
+    ("qwen3_5_122b_a10b", "qwen3_5_122b_a10b_text"),
+    ("qwen3_5_397b_a17b", "qwen3_5_397b_a17b_text"),
+)
 
 
 @functools.cache
@@ -89,6 +97,25 @@ def test_production_models_have_h100_and_h200_recipes_with_hf_config():
         assert (REPO / "recipes" / "slurm" / f"{model}.sbatch").is_file()
 
 
+def test_hybrid_models_have_h100_and_h200_recipes_and_their_own_sbatch():
+    for recipe, config in HYBRID:
+        base, h200 = _recipe(recipe), _recipe(f"{recipe}_h200")
+        assert base.hardware.gpu == "h100_80gb" and h200.hardware.gpu == "h200_141gb"
+        assert base.model.hf_config == h200.model.hf_config == config and config in known_models()
+        text = (REPO / "recipes" / "slurm" / f"{recipe}.sbatch").read_text()
+        for piece in (
+            f"#SBATCH --nodes={base.hardware.nodes}",
+            f"--nodes={h200.hardware.nodes} --export=ALL,RECIPE={recipe}_h200",
+            f"RECIPE:-{recipe}",
+            "#SBATCH --requeue",
+            "#SBATCH --signal=B:USR1@",
+            "convert.sbatch",
+            "train_common.sh",
+        ):
+            assert piece in text, (recipe, piece)
+        assert f"recipes/slurm/{recipe}.sbatch" in (REPO / "recipes" / f"{recipe}.yaml").read_text()
+
+
 def test_shipped_configs_match_the_families_translation():
     """Shapes read as plain JSON agree with transformers + our family's TransformerConfig kwargs."""
     from moe_sft.conversion.hf_source import load_hf_config
@@ -112,6 +139,8 @@ def test_shipped_configs_match_the_families_translation():
         "gpt_oss_120b": 116.8,
         "qwen3_next_80b_a3b": 81.3,
         "qwen3_5_35b_a3b_text": 35.5,
+        "qwen3_5_122b_a10b_text": 124.6,
+        "qwen3_5_397b_a17b_text": 402.9,
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer;
     # Qwen3-Next / Qwen3.5: + 1 MTP layer (embedding / head shared), without Qwen3.5's vision tower
     for name in known_models():
