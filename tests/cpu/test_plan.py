@@ -985,3 +985,102 @@ def test_deepseek_v3_lora_sbatch_matches_its_recipes():
         "train_common.sh",
     ):
         assert piece in text, piece
+
+
+class _FlaLike:
+    """CPU stand-ins for fla-core 0.6.0's three kernels that save for backward what fla's autograd
+    Functions save (their inputs made contiguous by fla's input guard), with fla's shapes and dtypes:
+    causal_conv1d keeps x; chunk_gated_delta_rule keeps q, k after its L2 norm and their fp32 1/norm,
+    v, the fp32 decay cumsum g, raw beta and g inputs, fp32 sigmoid(beta), A [T, H, 64];
+    rms_norm_gated keeps x, the gate and an fp32 1/rms per row."""
+
+    @staticmethod
+    def conv(x, weight, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x.contiguous())
+                return torch.zeros_like(x)
+
+        return (Fn.apply(x),)
+
+    @staticmethod
+    def delta_rule(q, k, v, g, beta, **kwargs):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, g, beta):
+                t, hv = v.shape[1], v.shape[2]
+                f32 = dict(dtype=torch.float32)
+                ctx.save_for_backward(
+                    q.contiguous().clone(),
+                    torch.empty(q.shape[:-1], **f32),
+                    k.contiguous().clone(),
+                    torch.empty(k.shape[:-1], **f32),
+                    v.contiguous(),
+                    torch.empty(g.shape, **f32),
+                    beta.contiguous(),
+                    torch.empty(beta.shape, **f32),
+                    torch.empty(1, t, hv, 64, dtype=v.dtype),
+                    g.contiguous(),
+                )
+                return torch.zeros_like(v)
+
+        return Fn.apply(q, k, v, g, beta), None
+
+    @staticmethod
+    def norm(x, gate, weight, bias, activation=None, eps=1e-6):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, gate):
+                ctx.save_for_backward(x.contiguous(), gate.contiguous(), torch.empty(x.shape[:-1]))
+                return torch.zeros_like(x)
+
+        return Fn.apply(x, gate)
+
+
+def test_gdn_activation_formula_matches_what_fla_kernels_keep(fake_world, monkeypatch):
+    """A Gated DeltaNet mixer's planned activation bytes (memory.gdn_activation, the fla CUDA path)
+    = what autograd keeps in our layer (bf16, TP1 and TP2 + SP) with fla's kernels standing in as
+    saving what they save: the layer's own tensors (in_proj's input, the conv input, the copies of
+    in_proj's slices, the norm's and out_proj's inputs) are measured, the kernels' saves itemised.
+    The input norm is left out: Qwen3.5's zero-centred norm is the family's, not the mixer's."""
+    from moe_sft.layers import gated_delta_net as gdn
+    from moe_sft.models import qwen3_5_moe
+    from moe_sft.models.forward import packed_batch
+    from moe_sft.plan import memory
+
+    monkeypatch.setattr(gdn, "_use_fla", lambda t: True)
+    monkeypatch.setattr(gdn, "fla_causal_conv1d", _FlaLike.conv)
+    monkeypatch.setattr(gdn, "fla_chunk_gated_delta_rule", _FlaLike.delta_rule)
+    monkeypatch.setattr(gdn, "fla_rms_norm_gated", _FlaLike.norm)
+    hf = qwen3_5_moe.tiny_hf_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    shape = shape_from_hf_dict(hf.to_dict())
+    assert shape.is_linear_layer(0) and not shape.is_linear_layer(1)
+    tokens = 256
+    for tp in (1, 2):
+        lay = Layout(world=tp, tp=tp, pp=1, vpp=None, cp=1, ep=1, etp=1)
+        model = fake_world(qwen3_5_moe.FAMILY, hf, 0, tp, tp=tp, etp=1, dispatcher="alltoall")[0]
+        mixer = model.decoder.layers[0].self_attention
+        assert isinstance(mixer, gdn.GatedDeltaNet)
+        names = {id(m) for m in mixer.modules()}
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        stack, seen = [False], {}
+        hooks = [m.register_forward_pre_hook(lambda m, a: stack.append(id(m) in names)) for m in model.modules()]
+        hooks += [m.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1]) for m in model.modules()]
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if stack[-1] and ptr not in params:
+                seen.setdefault(ptr, t.untyped_storage().nbytes())
+            return t
+
+        ids, pos, psp = packed_batch([list(range(1, tokens // 2 + 1))] * 2)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp)
+        for h in hooks:
+            h.remove()
+        tsp = tokens // tp if tp > 1 else tokens
+        predicted = memory.gdn_activation(shape, lay, tokens) - memory._norm(tsp, shape.hidden)
+        assert predicted == sum(seen.values()), (tp, predicted, sum(seen.values()))
+        full = memory.layer_activation(shape, lay, tokens, True, linear=True)
+        assert full == memory.gdn_activation(shape, lay, tokens) + memory.mlp_activation(shape, lay, tokens, True)
