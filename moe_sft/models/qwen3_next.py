@@ -283,11 +283,11 @@ def rules(cfg) -> list[Rule]:
 
 
 # The tiny hybrid model's dims (Qwen3.5's tiny config shares them): three GDN layers and one
-# gated-attention layer (the released pattern). head_dim 64, not 32: at the releases' partial
+# gated-attention layer (the released pattern). head_dim 128, not 32: at the releases' partial
 # rotary factor 0.25 and rope_theta 1e6-1e7, 32 leaves 8 rotary dims, one frequency fast enough to
-# tell tokens of one conversation apart, and the quickstart stayed on its loss plateau (the
-# attention cannot learn where a word sits); 16 dims give two, as GLM-4.5's and MiniMax-M2's tiny
-# models that learn (tests/cpu/test_quickstart_tiny.py, docs/log.md issue 44).
+# tell the tokens of a conversation apart, and the quickstart stayed on its loss plateau (the
+# attention can hardly learn where a word sits). 128 gives 32 rotary dims, as Qwen3-MoE's tiny
+# model, and the quickstart learns (tests/cpu/test_quickstart_tiny.py, docs/log.md issue 44).
 TINY_HYBRID = dict(
     hidden_size=128,
     moe_intermediate_size=64,

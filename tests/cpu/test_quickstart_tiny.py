@@ -15,7 +15,8 @@ Two more properties came from the hybrid families (issue 44, docs/log.md): the q
 2-layer model needs an attention layer (two Gated DeltaNet layers stayed on the plateau, and
 transformers' generate fails without one), and the attention needs more than one rotary frequency
 fast enough to tell the tokens of a conversation apart (8 rotary dims, head_dim 32 at partial
-rotary 0.25, gave one and stayed on the plateau; 16 dims give two, as GLM-4.5's and MiniMax-M2's).
+rotary 0.25, gave one and stayed on the plateau; 16 dims give two, as GLM-4.5's and MiniMax-M2's,
+and learned slowly; the hybrid tiny model now has 32, three).
 """
 
 from __future__ import annotations
