@@ -50,17 +50,22 @@ if triton is not None:
         eps,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
+        OFFSET: tl.constexpr,
+        ROUND_HAT: tl.constexpr,
     ):
-        """ROWS rows: fp32 1/rms, the normalised value rounded to x's dtype, times the weight."""
+        """ROWS rows: fp32 1/rms, the normalised value (rounded to x's dtype where ROUND_HAT), times
+        OFFSET + the weight."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         col = tl.arange(0, BLOCK)
         inside = (row[:, None] < rows) & (col[None, :] < width)
         offset = row.to(tl.int64)[:, None] * x_row_stride + col[None, :]
         x = tl.load(x_ptr + offset, mask=inside, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_width + eps)  # mean as torch's: sum x (1/N)
-        y_hat = (x * rstd[:, None]).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + col, mask=col < width, other=0.0).to(tl.float32)
-        y = y_hat.to(tl.float32) * w[None, :]  # exact in fp32 for bf16/fp16 factors: one rounding, below
+        y_hat = x * rstd[:, None]
+        if ROUND_HAT:
+            y_hat = y_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + col, mask=col < width, other=0.0).to(tl.float32) + OFFSET
+        y = y_hat * w[None, :]  # exact in fp32 for bf16/fp16 factors: one rounding, below
         tl.store(y_ptr + row.to(tl.int64)[:, None] * width + col[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
         tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
@@ -80,13 +85,15 @@ if triton is not None:
         rows_per_program,
         BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
+        OFFSET: tl.constexpr,
+        ROUND_HAT: tl.constexpr,
     ):
         """dx for a contiguous run of rows, ROWS at a time; their fp32 sum of dy * y_hat into one
         row of dw_partial."""
         program = tl.program_id(0)
         first = program * rows_per_program
         col = tl.arange(0, BLOCK)
-        w = tl.load(w_ptr + col, mask=col < width, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + col, mask=col < width, other=0.0).to(tl.float32) + OFFSET
         dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for start in range(first, first + rows_per_program, ROWS):  # the last program's run may pass `rows`
             row = start + tl.arange(0, ROWS)
@@ -96,7 +103,10 @@ if triton is not None:
             dy = tl.load(dy_ptr + row64 * dy_row_stride + col[None, :], mask=inside, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + row, mask=row < rows, other=0.0)
             x_hat = x * rstd[:, None]
-            dw += dy * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if ROUND_HAT:
+                dw += dy * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                dw += dy * x_hat
             g = dy * w[None, :]
             mean_gx = tl.sum(g * x_hat, axis=1) * inv_width
             dx = (g - x_hat * mean_gx[:, None]) * rstd[:, None]
@@ -115,6 +125,12 @@ if triton is not None:
             inside = (row[:, None] < rows) & (col[None, :] < width)
             total += tl.sum(tl.load(partial_ptr + row[:, None] * width + col[None, :], mask=inside, other=0.0), axis=0)
         tl.store(out_ptr + col, total.to(out_ptr.dtype.element_ty), mask=col < width)
+
+
+def output_dtype(x: torch.Tensor, weight: torch.Tensor, round_hat: bool) -> torch.dtype:
+    """Qwen's order (round x-hat first) promotes with the weight; the round-once order
+    (zero-centred Qwen3.5 / Gemma norms, `.type_as(x)` in transformers) returns x's dtype."""
+    return torch.promote_types(x.dtype, weight.dtype) if round_hat else x.dtype
 
 
 def _launch_shape(width: int) -> tuple[int, int, int]:
@@ -141,10 +157,10 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def forward_triton(x, weight, eps):
+def forward_triton(x, weight, eps, offset=0.0, round_hat=True):
     width = x.shape[-1]
     rows = _as_rows(x)
-    y = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    y = torch.empty(x.shape, device=x.device, dtype=output_dtype(x, weight, round_hat))
     rstd = torch.empty(rows.shape[0], device=x.device, dtype=torch.float32)
     if rows.shape[0]:
         block, tile_rows, warps = _launch_shape(width)
@@ -162,12 +178,14 @@ def forward_triton(x, weight, eps):
             eps,
             BLOCK=block,
             ROWS=tile_rows,
+            OFFSET=offset,
+            ROUND_HAT=round_hat,
             num_warps=warps,
         )
     return y, rstd
 
 
-def backward_triton(dy, x, weight, rstd, need_dx, need_dw):
+def backward_triton(dy, x, weight, rstd, need_dx, need_dw, offset=0.0, round_hat=True):
     width = x.shape[-1]
     x_rows, dy_rows = _as_rows(x), _as_rows(dy)
     n = x_rows.shape[0]
@@ -196,6 +214,8 @@ def backward_triton(dy, x, weight, rstd, need_dx, need_dw):
         rows_per_program,
         BLOCK=block,
         ROWS=tile_rows,
+        OFFSET=offset,
+        ROUND_HAT=round_hat,
         num_warps=warps,
     )
     if not need_dw:

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
 
+from moe_sft.layers.packed import HostPackedSeqParams
 from moe_sft.runtime.device import host_to_device
 
 # kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale) -> out [tq, hq, dv];
@@ -84,7 +84,7 @@ class CPAttentionPlan:
 
 
 @dataclass
-class CPPackedSeqParams(PackedSeqParams):
+class CPPackedSeqParams(HostPackedSeqParams):
     """megatron's PackedSeqParams (global, padded cu_seqlens: what its THD rope expects with CP)
     plus the attention plan, built once per micro-batch on the host instead of once per layer."""
 

@@ -43,14 +43,19 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import divide
 
 from moe_sft.layers.context_parallel import heads_to_sequences, plan_cp_attention, sequences_to_heads
+from moe_sft.runtime.device import host_to_device
 from moe_sft.runtime.logs import get_logger
 
 try:  # the CUDA kernels (optional: pip install fla-core)
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+    from fla.ops.utils.index import prepare_chunk_indices as fla_chunk_indices
 except ImportError:  # CPU, or fla not installed: the torch reference runs
-    fla_causal_conv1d = fla_chunk_gated_delta_rule = fla_rms_norm_gated = None
+    fla_causal_conv1d = fla_chunk_gated_delta_rule = fla_rms_norm_gated = fla_chunk_indices = None
+
+# fla's chunk length for both the delta rule and the convolution (their `chunk_size` defaults)
+FLA_CHUNK = 64
 
 log = get_logger(__name__)
 
@@ -190,7 +195,7 @@ class GatedDeltaNet(MegatronModule):
         tokens = mixed.transpose(0, 1).reshape(batch * seq, -1)
         q, k, v, z, b, a = torch.split(tokens, sizes, dim=-1)
         if cp == 1:
-            out = self._mix(q, k, v, b, a, _documents(packed_seq_params, batch, seq, tokens.device), 0, 1)
+            out = self._mix(q, k, v, b, a, _documents(packed_seq_params, batch, seq, tokens), 0, 1)
         else:
             out = self._mix_context_parallel(q, k, v, b, a, packed_seq_params)
         out = self.out_norm(out, z.reshape(-1, self.local_value_heads, self.value_head_dim))
@@ -206,8 +211,9 @@ class GatedDeltaNet(MegatronModule):
         cp, local = self.cp_size, q.shape[0]
         cu = packed_seq_params.cu_seqlens_q_padded  # global and padded for CP (cp_sharding.py)
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        host = _extend_to(cu.to(device="cpu", dtype=torch.int32), cp * local)
-        cu_seqlens = host.to(q.device)
+        host = getattr(packed_seq_params, "cu_seqlens_host", None)
+        host = _extend_to((cu.cpu() if host is None else host).to(torch.int32), cp * local)
+        cu_seqlens = host_to_device(host, q.device)
         plan = getattr(packed_seq_params, "cp_plan", None) or plan_cp_attention(
             host.tolist(), cp, dist.get_rank(self.cp_group)
         ).to(q.device)
@@ -216,7 +222,7 @@ class GatedDeltaNet(MegatronModule):
         parts = [t.reshape(local, cp, -1) for t in (q, k, v, b, a)]
         widths = [p.shape[-1] for p in parts]
         mine = heads_to_sequences(torch.cat(parts, dim=-1), plan, self.cp_group)
-        documents = Documents(cu_seqlens, host)
+        documents = Documents(cu_seqlens, host, _chunk_indices(host, q))
         out = self._mix(*torch.split(mine, widths, dim=-1), documents, dist.get_rank(self.cp_group), cp)
         back = sequences_to_heads(out.reshape(out.shape[0], -1), plan, self.cp_group)  # [local, cp, w]
         return back.reshape(local, self.local_value_heads, self.value_head_dim)
@@ -247,7 +253,12 @@ class GatedDeltaNet(MegatronModule):
     def _conv(self, x, weight, documents: Documents):
         if _use_fla(x):
             out = fla_causal_conv1d(
-                x[None], weight=weight, activation="silu", cu_seqlens=documents.cu, cu_seqlens_cpu=documents.host
+                x[None],
+                weight=weight,
+                activation="silu",
+                cu_seqlens=documents.cu,
+                cu_seqlens_cpu=documents.host,
+                chunk_indices=documents.chunks,
             )
             return out[0][0]
         return causal_conv_per_document(x, weight, documents.cu)
@@ -271,6 +282,7 @@ class GatedDeltaNet(MegatronModule):
                 use_beta_sigmoid_in_kernel=True,
                 cu_seqlens=documents.cu,
                 cu_seqlens_cpu=documents.host,
+                chunk_indices=documents.chunks,
             )
             return out[0]
         ratio = self.num_value_heads // self.num_key_heads
@@ -355,33 +367,46 @@ def _use_fla(t: torch.Tensor) -> bool:
 
 
 class Documents(NamedTuple):
-    """A micro-batch's document boundaries (int32 cu_seqlens; None: one document) on the device,
-    and the same on the host, from which fla finds its chunk indices without a device sync."""
+    """A micro-batch's document boundaries (int32 cu_seqlens; None: one document) on the device and
+    the same on the host, and fla's chunk indices for them on the device (None off fla's path): made
+    on the host and copied without waiting, so fla neither reads the bounds back nor copies its
+    indices from pageable memory, each of which would stall the host until the GPU caught up."""
 
     cu: torch.Tensor | None
     host: torch.Tensor | None
+    chunks: torch.Tensor | None = None
 
 
-def _documents(packed_seq_params, batch: int, seq: int, device) -> Documents:
-    """Read once per micro-batch and kept on its PackedSeqParams: every GDN layer of the forward
-    and the backward shares them, so the host copy costs one device sync per micro-batch, not
-    several per layer (docs/benchmarks.md, "Hybrid Gated DeltaNet")."""
+def _documents(packed_seq_params, batch: int, seq: int, like: torch.Tensor) -> Documents:
+    """Made once per micro-batch and kept on its PackedSeqParams: every GDN layer of the forward and
+    the backward shares them. The host bounds come with the params from the trainer
+    (`cu_seqlens_host`); only params built without them cost a device sync here
+    (docs/benchmarks.md, "Hybrid Gated DeltaNet")."""
+    device = like.device
     if packed_seq_params is None:
         if batch == 1:
             return Documents(None, None)
         host = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32)
-        return Documents(host.to(device), host)
+        return Documents(host_to_device(host, device), host, _chunk_indices(host, like))
     cached = getattr(packed_seq_params, "_gdn_documents", None)
-    if cached is not None and cached.cu.device == torch.device(device):
+    if cached is not None and cached.cu.device == device:
         return cached
     cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
-    host = cu.cpu()
+    host = getattr(packed_seq_params, "cu_seqlens_host", None)
+    host = cu.cpu() if host is None else host.to(torch.int32)
     if int(host[-1]) < batch * seq:
         host = _extend_to(host, batch * seq)
-        cu = host.to(device)
-    documents = Documents(cu, host)
+        cu = host_to_device(host, device)
+    documents = Documents(cu, host, _chunk_indices(host, like))
     packed_seq_params._gdn_documents = documents
     return documents
+
+
+def _chunk_indices(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """fla's (document, chunk) index pairs for `host` bounds, on `like`'s device, where fla runs."""
+    if not _use_fla(like):
+        return None
+    return host_to_device(fla_chunk_indices(host, FLA_CHUNK), like.device)
 
 
 def _extend_to(cu: torch.Tensor, total: int) -> torch.Tensor:

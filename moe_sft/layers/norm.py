@@ -12,7 +12,9 @@ value is recomputed. On CPU (and for fp64 or widths past kernels.rms_norm.MAX_TR
 math runs as torch ops with the same saves.
 
 Numerics (HF's Qwen3MoeRMSNorm, torch's rms_norm): in fp32, y_hat = x * rsqrt(mean(x^2) + eps),
-rounded to x's dtype, then times the weight, rounded once to promote(x, weight). Backward in
+rounded to x's dtype, then times the weight, rounded once to promote(x, weight). The zero-centred
+norms of Qwen3-Next / Qwen3.5 (and Gemma's, `round_hat=False`) keep y_hat in fp32, multiply by the
+fp32 (offset + weight) and round once to x's dtype; their weight gradient sums dy * the fp32 y_hat. Backward in
 fp32 from the stored inputs: g = dy * w, dx = rstd * (g - x_hat * mean(g * x_hat)) with the
 unrounded x_hat = x * rstd (as torch's fused backward), dw = sum over rows of dy * y_hat (the
 rounded y_hat, as in forward). Unlike the torch ops, g and the products dy * y_hat stay in fp32
@@ -33,49 +35,65 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _forward_torch(x, weight, eps):
+def _forward_torch(x, weight, eps, offset=0.0, round_hat=True):
     xf = x.to(_opmath(x.dtype))
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    return (xf * rstd[..., None]).to(x.dtype) * weight, rstd
+    x_hat = xf * rstd[..., None]
+    if round_hat:
+        return x_hat.to(x.dtype) * (weight + offset if offset else weight), rstd
+    return (x_hat * (weight.to(xf.dtype) + offset)).to(x.dtype), rstd
 
 
-def _backward_torch(dy, x, weight, rstd, need_dx, need_dw):
+def _backward_torch(dy, x, weight, rstd, need_dx, need_dw, offset=0.0, round_hat=True):
     op = _opmath(x.dtype)
     x_hat = x.to(op) * rstd[..., None]
     dy = dy.to(op)
     dx = dw = None
     if need_dx:
-        g = dy * weight.to(op)
+        g = dy * (weight.to(op) + offset)
         dx = ((g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * rstd[..., None]).to(x.dtype)
     if need_dw:
-        dw = (dy * x_hat.to(x.dtype).to(op)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        y_hat = x_hat.to(x.dtype).to(op) if round_hat else x_hat
+        dw = (dy * y_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     return dx, dw
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, use_triton):
-        y, rstd = (kernels.forward_triton if use_triton else _forward_torch)(x, weight, eps)
+    def forward(ctx, x, weight, eps, use_triton, offset, round_hat):
+        y, rstd = (kernels.forward_triton if use_triton else _forward_torch)(x, weight, eps, offset, round_hat)
         ctx.save_for_backward(x, weight, rstd)  # x as it is: a view saves no new storage
-        ctx.use_triton = use_triton
+        ctx.use_triton, ctx.offset, ctx.round_hat = use_triton, offset, round_hat
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         backward = kernels.backward_triton if ctx.use_triton else _backward_torch
-        dx, dw = backward(dy, x, weight, rstd, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None, None
+        needs = ctx.needs_input_grad
+        dx, dw = backward(dy, x, weight, rstd, needs[0], needs[1], ctx.offset, ctx.round_hat)
+        return dx, dw, None, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool | None = None) -> torch.Tensor:
-    """weight * rms-normalised x over the last dim (module docstring: numerics, saves).
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    use_triton: bool | None = None,
+    *,
+    offset: float = 0.0,
+    round_hat: bool = True,
+) -> torch.Tensor:
+    """(offset + weight) * rms-normalised x over the last dim (module docstring: numerics, saves).
 
     `use_triton`: None picks the Triton kernels where `triton_fits`; True forces them (CPU tensors
-    run them under TRITON_INTERPRET=1), False forces the torch ops."""
+    run them under TRITON_INTERPRET=1), False forces the torch ops. `offset` 1.0 is the zero-centred
+    weight (stored around 0, scaling by 1 + w). `round_hat` False is the round-once order of the
+    zero-centred Qwen3.5 and the Gemma norms: fp32 x-hat times the fp32 weight, rounded once to x's
+    dtype."""
     if use_triton is None:
         use_triton = triton_fits(x, weight)
-    return _RMSNormFunction.apply(x, weight, eps, use_triton)
+    return _RMSNormFunction.apply(x, weight, eps, use_triton, float(offset), bool(round_hat))
 
 
 class RMSNorm(torch.nn.Module):
@@ -94,9 +112,7 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero_centered:  # transformers' order: fp32 normalised x times fp32 (1 + w), rounded once
-            xf = x.float()
-            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+            return rms_norm(x, self.weight, self.eps, offset=1.0, round_hat=False)
         return rms_norm(x, self.weight, self.eps)
 
 

@@ -5,13 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
+
+from moe_sft.layers.packed import HostPackedSeqParams
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
+def packed_seq_params(
+    cu_seqlens: torch.Tensor, max_seqlen: int, cu_seqlens_host: torch.Tensor | None = None
+) -> HostPackedSeqParams:
+    """THD params for documents bounded by `cu_seqlens`; `cu_seqlens_host`, the same bounds on the
+    CPU where the caller has them (a CPU `cu_seqlens` is its own)."""
     cu = cu_seqlens.to(torch.int32)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen)
+    if cu_seqlens_host is None and cu.device.type == "cpu":
+        cu_seqlens_host = cu
+    return HostPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=int(max_seqlen),
+        max_seqlen_kv=int(max_seqlen),
+        cu_seqlens_host=None if cu_seqlens_host is None else cu_seqlens_host.to(torch.int32),
     )
 
 

@@ -57,6 +57,7 @@ class CPShard:
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
             cp_plan=self.plan.to(device),
+            cu_seqlens_host=self.cu_seqlens,
         )
         # The padding mask is passed even when this rank has no pads: megatron's router counts
         # tokens differently with and without it, and all CP/TP ranks must agree.

@@ -47,7 +47,7 @@ def _to_device(mb: PackedMicroBatch, device: str) -> dict:
         labels=host_to_device(mb.labels[None], device),
         loss_mask=host_to_device(mb.loss_mask[None], device),
         position_ids=host_to_device(mb.position_ids[None], device),
-        params=packed_seq_params(host_to_device(mb.cu_seqlens, device), mb.max_seqlen),
+        params=packed_seq_params(host_to_device(mb.cu_seqlens, device), mb.max_seqlen, mb.cu_seqlens),
         padding=padding,
     )
 

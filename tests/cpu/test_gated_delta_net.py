@@ -173,3 +173,30 @@ def test_each_head_group_alone_gives_its_heads_of_the_whole_mixer(one_rank_world
             torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
             wrong = layer._mix(*mine(0), cu, group=1, groups=cp)
             assert not torch.allclose(wrong, whole[:, : heads // cp], atol=1e-3)
+
+
+def test_the_trainer_hands_the_document_bounds_over_on_the_host():
+    """A training micro-batch's params carry the CPU bounds it was packed with, and the GDN layers
+    take those (no copy back from the device, which would wait for the GPU); every layer of the
+    micro-batch shares one Documents."""
+    from moe_sft.data.packing import PackedMicroBatch
+    from moe_sft.trainer.step import _to_device
+
+    lengths = [3, 5, 8]
+    total = sum(lengths)
+    cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
+    mb = PackedMicroBatch(
+        tokens=torch.arange(total),
+        labels=torch.arange(total),
+        loss_mask=torch.ones(total),
+        position_ids=torch.cat([torch.arange(n) for n in lengths]),
+        cu_seqlens=cu,
+        max_seqlen=8,
+        num_loss_tokens=total,
+    )
+    params = _to_device(mb, "cpu")["params"]
+    assert params.cu_seqlens_host is cu
+    like = torch.empty(total, 4)
+    documents = gdn._documents(params, 1, total, like)
+    assert documents.host is cu and documents.chunks is None  # off fla's path: no chunk indices
+    assert gdn._documents(params, 1, total, like) is documents

@@ -117,3 +117,42 @@ def test_fused_rmsnorm_takes_strided_inputs():
         yb = ours(b)
         yb.backward(dy)
         assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad) and torch.equal(dw_a, ours.weight.grad)
+
+
+@pytest.mark.parametrize("shape", [HIDDEN, QK_NORM], ids=["hidden", "qk_norm"])
+def test_zero_centred_kernel_matches_transformers_and_fp64_math(shape):
+    """Qwen3.5 / Qwen3-Next's zero-centred norm (fp32 x-hat times fp32 (1 + w), rounded once) in the
+    same kernels: the forward equals transformers' Qwen3_5MoeRMSNorm in bf16 (to the reduction
+    order's rare 1-ulp differences), dx and dw are their fp64 values within one bf16 rounding."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    from moe_sft.layers.norm import RMSNorm, triton_fits
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=2048, num_attention_heads=16, params_dtype=torch.bfloat16,
+        layernorm_zero_centered_gamma=True,
+    )  # fmt: skip
+    ours = RMSNorm(config, shape[-1]).cuda()
+    theirs = Qwen3_5MoeRMSNorm(shape[-1], eps=1e-6).to("cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(shape[-1], device="cuda", generator=g) * 0.2)
+        theirs.weight.copy_(ours.weight)
+    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
+    assert triton_fits(x, ours.weight)
+    y = ours(x)
+    reference = theirs(x)
+    assert y.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference, rtol=2**-7, atol=0)
+    assert (y != reference).float().mean() < 1e-4
+    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    xd, wd, dyd = x.detach().double(), ours.weight.detach().double() + 1.0, dy.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x_hat = xd * rstd
+    gd = dyd * wd
+    dx = rstd * (gd - x_hat * (gd * x_hat).mean(-1, keepdim=True))
+    dw = (dyd * x_hat).reshape(-1, shape[-1]).sum(0)
+    torch.testing.assert_close(x.grad.double(), dx, rtol=2**-7, atol=1e-5 * dx.abs().max().item())
+    torch.testing.assert_close(ours.weight.grad.double(), dw, rtol=2**-7, atol=1e-5 * dw.abs().max().item())
