@@ -72,6 +72,7 @@ from moe_sft.data.formats import (
 )
 from moe_sft.data.stats import DataStats
 from moe_sft.data.turn_ends import (
+    KNOWN_END_OF_TURN,
     added_token_at,
     common_suffix,
     continued_turn_end,
@@ -83,8 +84,6 @@ from moe_sft.data.turn_ends import (
 )
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# ChatML, Llama 3, and harmony's (gpt-oss) segment ends: reasoning/history `<|end|>`, tool call `<|call|>`
-_FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|call|>")
 _SENTINEL = "\u2063moe-sft-sentinel\u2063"  # content no real row has (U+2063: invisible separator)
 LOSS_ON = ("all_assistant", "last_assistant")
 EMPTY_THINK = ("train", "mask")
@@ -333,7 +332,7 @@ def message_weights(messages: Sequence[dict], loss_on: str) -> list[float]:
 
 
 def _default_ends(tokenizer) -> list[str]:
-    return list(dict.fromkeys(t for t in (tokenizer.eos_token, *_FALLBACK_END_OF_TURN) if t))
+    return list(dict.fromkeys(t for t in (tokenizer.eos_token, *KNOWN_END_OF_TURN) if t))
 
 
 def _render(
@@ -438,8 +437,7 @@ def _start_after_rerendered_history(
     bare = _render(tokenizer, template, messages[:i], tools)
     prompt = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
     header = prompt[len(bare) :] if prompt.startswith(bare) else ""
-    other = _render_probe(tokenizer, template, messages, tools, i)
-    limit = next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
+    limit = _own_text_start(tokenizer, template, messages, tools, i, full)
     if header and limit < len(full):
         pos = full.rfind(header, cursor, limit)
         if pos >= 0:
@@ -462,6 +460,26 @@ def _start_after_rerendered_history(
     )
 
 
+def _own_text_start(tokenizer, template: str, messages: list[dict], tools, i: int, full: str) -> int:
+    """Where message i's own text starts in `full`: where a render with that text changed departs from it.
+
+    Its content is replaced by a sentinel (`_render_probe`). A message with tool calls also gets its
+    first call's arguments replaced, and the earlier departure counts: Gemma 4's template writes the
+    calls before the content, each call's result after it inside the same model turn, so the content
+    starts only after the results (and after `<|tool_response>`, the end string of the call)."""
+    departures = [_departure(full, _render_probe(tokenizer, template, messages, tools, i))]
+    if messages[i].get("tool_calls"):
+        try:
+            departures.append(_departure(full, _render_arguments_probe(tokenizer, template, messages, tools, i)))
+        except TemplateError:
+            pass  # a template that refuses changed arguments: the content's departure alone
+    return min(departures)
+
+
+def _departure(full: str, other: str) -> int:
+    return next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
+
+
 def _render_probe(tokenizer, template: str, messages: list[dict], tools, i: int) -> str:
     """The conversation rendered with message i's own text changed: its content replaced by a sentinel,
     so the render departs from the full one where that text starts. A template may refuse that row:
@@ -475,16 +493,22 @@ def _render_probe(tokenizer, template: str, messages: list[dict], tools, i: int)
         calls = messages[i].get("tool_calls")
         if not calls or not isinstance(calls[0], dict):
             raise
-        call = calls[0]
-        inner = call.get("function") if isinstance(call.get("function"), dict) else call
-        arguments = _SENTINEL if isinstance(inner.get("arguments"), str) else {"moe_sft_sentinel": _SENTINEL}
-        changed = (
-            {**call, "function": {**inner, "arguments": arguments}}
-            if inner is not call
-            else {**call, "arguments": arguments}
-        )
-        probe[i] = {**messages[i], "tool_calls": [changed, *calls[1:]]}
-        return _render(tokenizer, template, probe, tools)
+        return _render_arguments_probe(tokenizer, template, messages, tools, i)
+
+
+def _render_arguments_probe(tokenizer, template: str, messages: list[dict], tools, i: int) -> str:
+    """The conversation rendered with the first tool call of message i given sentinel arguments."""
+    calls = messages[i]["tool_calls"]
+    call = calls[0] if isinstance(calls[0], dict) else {}
+    inner = call.get("function") if isinstance(call.get("function"), dict) else call
+    arguments = _SENTINEL if isinstance(inner.get("arguments"), str) else {"moe_sft_sentinel": _SENTINEL}
+    changed = (
+        {**call, "function": {**inner, "arguments": arguments}}
+        if inner is not call
+        else {**call, "arguments": arguments}
+    )
+    probe = [*messages[:i], {**messages[i], "tool_calls": [changed, *calls[1:]]}, *messages[i + 1 :]]
+    return _render(tokenizer, template, probe, tools)
 
 
 def _start_after_partial_header(
