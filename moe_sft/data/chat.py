@@ -19,7 +19,8 @@ Assistant spans in the rendered text are found one of two ways:
   generation prompt ends exactly where assistant message `i` starts when it is a prefix of the
   full text. When it is not (the template re-rendered earlier turns, e.g. stripped their
   reasoning), the full conversation is rendered again with message `i`'s content replaced by a
-  sentinel; the two texts agree up to where message `i`'s own text starts, and its header is the
+  sentinel (and with its first tool call's arguments replaced: Gemma 4 writes the calls' results
+  before the content); the texts agree up to where message `i`'s own text starts, and its header is the
   last occurrence of the generation prompt before that point, extended back over the segments of
   the same turn right before it (harmony: an answer's reasoning segment,
   `turn_ends.continued_turn_start`). Templates whose prompt also opens a `<think>` block the turn
@@ -35,7 +36,8 @@ Assistant spans in the rendered text are found one of two ways:
   suffix of the two ends.
 
 A turn ends with the first end-of-turn string after its start (the eos token, `<|im_end|>`,
-`<|eot_id|>`, harmony's `<|end|>` / `<|call|>`, or `data.end_of_turn`), which is trained, unless the
+`<|eot_id|>`, harmony's `<|end|>` / `<|call|>`, Gemma's `<end_of_turn>` / `<turn|>` / `<|tool_response>`,
+or `data.end_of_turn`: `turn_ends.KNOWN_END_OF_TURN`), which is trained, unless the
 generation prompt's header follows it directly and the next message is not an assistant message:
 then the turn goes on to the next end string (harmony, gpt-oss, writes one assistant message as
 reasoning and answer segments, `turn_ends.continued_turn_end`). Templates that close no turn with one
