@@ -19,13 +19,14 @@ equal to `apply_chat_template`'s.
 from __future__ import annotations
 
 import hashlib
+import json
 from itertools import groupby
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from moe_sft.data.chat import tokenize_conversation
+from moe_sft.data.chat import tokenize_conversation, tokenize_files
 from moe_sft.data.formats import RowError
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo"
@@ -264,3 +265,18 @@ def test_gemma_templates_are_the_pinned_files():
         "781d10940fbc44be40064b5d43a056fc486c84ceaa55538226368b57314132bf"
     )
     assert GEMMA4_EMPTY_THOUGHT_PROMPT_TEMPLATE.count("<|channel>thought\\n<channel|>") == 1
+
+
+def test_gemma4_tool_responses_inside_an_assistant_message_are_refused(tmp_path):
+    """Gemma's native layout puts the results on the calling message; the template writes them between
+    the calls and the answer, inside one model turn, so the row is refused, naming the fix."""
+    tok = _tokenizer(GEMMA4_TEMPLATE, GEMMA4_TOKENS, "<turn|>")
+    native = {
+        **AGENT[2],
+        "content": "Sunny in Paris.",
+        "tool_responses": [{"name": "get_weather", "response": {"sky": "sunny"}}],
+    }
+    path = tmp_path / "native.jsonl"
+    path.write_text(json.dumps({"messages": [AGENT[1], native], "tools": [WEATHER_TOOL]}) + "\n", encoding="utf-8")
+    with pytest.raises(RowError, match=r"native\.jsonl:1: .*tool_responses.*give each result as a tool message"):
+        tokenize_files(tok, path, 4096)
