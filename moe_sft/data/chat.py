@@ -77,6 +77,7 @@ from moe_sft.data.turn_ends import (
     KNOWN_END_OF_TURN,
     added_token_at,
     common_suffix,
+    content_after_turn,
     continued_turn_end,
     continued_turn_start,
     end_at_role_tag,
@@ -239,6 +240,13 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
             ends = [options.end_of_turn] if options.end_of_turn else _default_ends(tokenizer)
             role_tags = not options.end_of_turn  # an explicit end_of_turn must close every turn
             text, spans, open_last = spans_from_prefixes(tokenizer, template, plain, tools, ends, where, role_tags)
+            if (late := content_after_turn(text, spans, plain)) is not None:
+                raise RowError(
+                    TEMPLATE_ERROR,
+                    f"{where}: messages[{late}]: the chat template writes this message's content after its tool "
+                    "calls' results, outside the turn its calls end, so it would not be trained; give that text "
+                    "as the next assistant message (after the tool messages)",
+                )
             if open_last and options.close_last_turn and weights[-1] > 0:
                 appended = _last_turn_stop_ids(tokenizer, template, plain, tools, text, where)
     except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")

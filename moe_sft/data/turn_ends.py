@@ -183,3 +183,19 @@ def added_token_at(tokenizer, text: str, pos: int) -> str | None:
     """The longest added token (special tokens, role tags) that `text` has at `pos`, or None."""
     hits = [t for t in tokenizer.get_added_vocab() if t and text.startswith(t, pos)]
     return max(hits, key=len) if hits else None
+
+
+def content_after_turn(full: str, spans: list[tuple[int, int, int]], messages: list[dict]) -> int | None:
+    """Index of the first message with tool calls whose content the template writes after its turn ends,
+    before the next turn: none of the spans holds that text, though the model writes it. Gemma 4's
+    template puts a calling message's content after the tools' results (the turn ends at
+    `<|tool_response>`, where the model stops for them); None when every such content lies in its turn."""
+    for k, (start, end, i) in enumerate(spans):
+        content = messages[i].get("content")
+        if not messages[i].get("tool_calls") or not isinstance(content, str):
+            continue
+        shown = content.split("</think>")[-1].split("<channel|>")[-1].strip()  # reasoning may be dropped
+        stop = spans[k + 1][0] if k + 1 < len(spans) else len(full)
+        if shown and shown not in full[start:end] and shown in full[end:stop]:
+            return i
+    return None

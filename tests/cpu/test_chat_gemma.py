@@ -280,3 +280,15 @@ def test_gemma4_tool_responses_inside_an_assistant_message_are_refused(tmp_path)
     path.write_text(json.dumps({"messages": [AGENT[1], native], "tools": [WEATHER_TOOL]}) + "\n", encoding="utf-8")
     with pytest.raises(RowError, match=r"native\.jsonl:1: .*tool_responses.*give each result as a tool message"):
         tokenize_files(tok, path, 4096)
+
+
+def test_gemma4_content_of_a_calling_message_is_refused():
+    """Gemma 4's template writes a calling message's content after the tools' results, where no turn
+    holds it: refused rather than left untrained; as the next assistant message it is trained."""
+    tok = _tokenizer(GEMMA4_TEMPLATE, GEMMA4_TOKENS, "<turn|>")
+    rows = [AGENT[1], {**AGENT[2], "content": "Let me check."}, AGENT[3]]
+    with pytest.raises(RowError, match=r"^a\.jsonl:1: messages\[1\]: .*content after its tool calls' results"):
+        tokenize_conversation(tok, rows, 4096, tools=[WEATHER_TOOL], source="a.jsonl:1")
+    moved = [AGENT[1], AGENT[2], AGENT[3], {"role": "assistant", "content": "Let me check."}]
+    doc = tokenize_conversation(tok, moved, 4096, tools=[WEATHER_TOOL])
+    assert _masked_runs(tok, doc)[-1] == ("Let me check.<turn|>", 1.0)
