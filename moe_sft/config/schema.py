@@ -179,8 +179,9 @@ class DataConfig:
     )
     end_of_turn: str | None = _f(
         None,
-        "string closing every assistant turn; null = eos token, <|im_end|> or <|eot_id|>, else the next "
-        "role tag (GLM: <|user|>/<|observation|>, trained) or the end of the text",
+        "string closing every assistant turn; null = eos token or a known end token (<|im_end|>, <|eot_id|>, "
+        "Gemma's <end_of_turn> / <turn|> / <|tool_response>, ...), else the next role tag (GLM: "
+        "<|user|>/<|observation|>, trained) or the end of the text",
     )
     close_last_turn: bool = _f(
         True,

@@ -19,7 +19,8 @@ Assistant spans in the rendered text are found one of two ways:
   generation prompt ends exactly where assistant message `i` starts when it is a prefix of the
   full text. When it is not (the template re-rendered earlier turns, e.g. stripped their
   reasoning), the full conversation is rendered again with message `i`'s content replaced by a
-  sentinel; the two texts agree up to where message `i`'s own text starts, and its header is the
+  sentinel (and with its first tool call's arguments replaced: Gemma 4 writes the calls' results
+  before the content); the texts agree up to where message `i`'s own text starts, and its header is the
   last occurrence of the generation prompt before that point, extended back over the segments of
   the same turn right before it (harmony: an answer's reasoning segment,
   `turn_ends.continued_turn_start`). Templates whose prompt also opens a `<think>` block the turn
@@ -35,7 +36,8 @@ Assistant spans in the rendered text are found one of two ways:
   suffix of the two ends.
 
 A turn ends with the first end-of-turn string after its start (the eos token, `<|im_end|>`,
-`<|eot_id|>`, harmony's `<|end|>` / `<|call|>`, or `data.end_of_turn`), which is trained, unless the
+`<|eot_id|>`, harmony's `<|end|>` / `<|call|>`, Gemma's `<end_of_turn>` / `<turn|>` / `<|tool_response>`,
+or `data.end_of_turn`: `turn_ends.KNOWN_END_OF_TURN`), which is trained, unless the
 generation prompt's header follows it directly and the next message is not an assistant message:
 then the turn goes on to the next end string (harmony, gpt-oss, writes one assistant message as
 reasoning and answer segments, `turn_ends.continued_turn_end`). Templates that close no turn with one
@@ -72,8 +74,10 @@ from moe_sft.data.formats import (
 )
 from moe_sft.data.stats import DataStats
 from moe_sft.data.turn_ends import (
+    KNOWN_END_OF_TURN,
     added_token_at,
     common_suffix,
+    content_after_turn,
     continued_turn_end,
     continued_turn_start,
     end_at_role_tag,
@@ -83,8 +87,6 @@ from moe_sft.data.turn_ends import (
 )
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# ChatML, Llama 3, and harmony's (gpt-oss) segment ends: reasoning/history `<|end|>`, tool call `<|call|>`
-_FALLBACK_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|call|>")
 _SENTINEL = "\u2063moe-sft-sentinel\u2063"  # content no real row has (U+2063: invisible separator)
 LOSS_ON = ("all_assistant", "last_assistant")
 EMPTY_THINK = ("train", "mask")
@@ -238,6 +240,13 @@ def render_conversation(tokenizer, options: ChatOptions, messages: list[dict], t
             ends = [options.end_of_turn] if options.end_of_turn else _default_ends(tokenizer)
             role_tags = not options.end_of_turn  # an explicit end_of_turn must close every turn
             text, spans, open_last = spans_from_prefixes(tokenizer, template, plain, tools, ends, where, role_tags)
+            if (late := content_after_turn(text, spans, plain)) is not None:
+                raise RowError(
+                    TEMPLATE_ERROR,
+                    f"{where}: messages[{late}]: the chat template writes this message's content after its tool "
+                    "calls' results, outside the turn its calls end, so it would not be trained; give that text "
+                    "as the next assistant message (after the tool messages)",
+                )
             if open_last and options.close_last_turn and weights[-1] > 0:
                 appended = _last_turn_stop_ids(tokenizer, template, plain, tools, text, where)
     except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
@@ -333,7 +342,7 @@ def message_weights(messages: Sequence[dict], loss_on: str) -> list[float]:
 
 
 def _default_ends(tokenizer) -> list[str]:
-    return list(dict.fromkeys(t for t in (tokenizer.eos_token, *_FALLBACK_END_OF_TURN) if t))
+    return list(dict.fromkeys(t for t in (tokenizer.eos_token, *KNOWN_END_OF_TURN) if t))
 
 
 def _render(
@@ -438,8 +447,7 @@ def _start_after_rerendered_history(
     bare = _render(tokenizer, template, messages[:i], tools)
     prompt = _render(tokenizer, template, messages[:i], tools, generation_prompt=True)
     header = prompt[len(bare) :] if prompt.startswith(bare) else ""
-    other = _render_probe(tokenizer, template, messages, tools, i)
-    limit = next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
+    limit = _own_text_start(tokenizer, template, messages, tools, i, full)
     if header and limit < len(full):
         pos = full.rfind(header, cursor, limit)
         if pos >= 0:
@@ -462,6 +470,26 @@ def _start_after_rerendered_history(
     )
 
 
+def _own_text_start(tokenizer, template: str, messages: list[dict], tools, i: int, full: str) -> int:
+    """Where message i's own text starts in `full`: where a render with that text changed departs from it.
+
+    Its content is replaced by a sentinel (`_render_probe`). A message with tool calls also gets its
+    first call's arguments replaced, and the earlier departure counts: Gemma 4's template writes the
+    calls before the content, each call's result after it inside the same model turn, so the content
+    starts only after the results (and after `<|tool_response>`, the end string of the call)."""
+    departures = [_departure(full, _render_probe(tokenizer, template, messages, tools, i))]
+    if messages[i].get("tool_calls"):
+        try:
+            departures.append(_departure(full, _render_arguments_probe(tokenizer, template, messages, tools, i)))
+        except TemplateError:
+            pass  # a template that refuses changed arguments: the content's departure alone
+    return min(departures)
+
+
+def _departure(full: str, other: str) -> int:
+    return next((k for k, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
+
+
 def _render_probe(tokenizer, template: str, messages: list[dict], tools, i: int) -> str:
     """The conversation rendered with message i's own text changed: its content replaced by a sentinel,
     so the render departs from the full one where that text starts. A template may refuse that row:
@@ -475,16 +503,22 @@ def _render_probe(tokenizer, template: str, messages: list[dict], tools, i: int)
         calls = messages[i].get("tool_calls")
         if not calls or not isinstance(calls[0], dict):
             raise
-        call = calls[0]
-        inner = call.get("function") if isinstance(call.get("function"), dict) else call
-        arguments = _SENTINEL if isinstance(inner.get("arguments"), str) else {"moe_sft_sentinel": _SENTINEL}
-        changed = (
-            {**call, "function": {**inner, "arguments": arguments}}
-            if inner is not call
-            else {**call, "arguments": arguments}
-        )
-        probe[i] = {**messages[i], "tool_calls": [changed, *calls[1:]]}
-        return _render(tokenizer, template, probe, tools)
+        return _render_arguments_probe(tokenizer, template, messages, tools, i)
+
+
+def _render_arguments_probe(tokenizer, template: str, messages: list[dict], tools, i: int) -> str:
+    """The conversation rendered with the first tool call of message i given sentinel arguments."""
+    calls = messages[i]["tool_calls"]
+    call = calls[0] if isinstance(calls[0], dict) else {}
+    inner = call.get("function") if isinstance(call.get("function"), dict) else call
+    arguments = _SENTINEL if isinstance(inner.get("arguments"), str) else {"moe_sft_sentinel": _SENTINEL}
+    changed = (
+        {**call, "function": {**inner, "arguments": arguments}}
+        if inner is not call
+        else {**call, "arguments": arguments}
+    )
+    probe = [*messages[:i], {**messages[i], "tool_calls": [changed, *calls[1:]]}, *messages[i + 1 :]]
+    return _render(tokenizer, template, probe, tools)
 
 
 def _start_after_partial_header(

@@ -375,6 +375,14 @@ def _message(message: object, fmt: RowFormat, where: str) -> dict:
             f"{where}: missing {content_key}; every message needs a content "
             "(an assistant message with tool_calls may have none)",
         )
+    if role == "assistant" and message.get("tool_responses"):
+        # Gemma's native layout: the template writes these results inside the model turn, between the
+        # calls and the content, so what the tools wrote could not be told from what the model wrote.
+        raise RowError(
+            WRONG_SHAPE,
+            f"{where}: an assistant message with tool_responses (the tools' results inside the model's "
+            "message); give each result as a tool message after it, and the answer as the next assistant message",
+        )
     out = {k: v for k, v in message.items() if k not in (role_key, content_key) and v is not None}
     out["role"], out["content"] = role, _text(message.get(content_key), where)
     if fmt.name("weight") != "weight" and fmt.name("weight") in out:

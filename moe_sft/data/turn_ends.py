@@ -7,6 +7,14 @@ from __future__ import annotations
 
 from moe_sft.data.formats import TEMPLATE_ERROR, RowError
 
+# Strings that close an assistant turn besides the tokenizer's eos (the earliest after the turn's start
+# wins, `turn_end`); each is a token the family's model emits to stop: ChatML `<|im_end|>`, Llama 3
+# `<|eot_id|>`, harmony's (gpt-oss) segment ends `<|end|>` (reasoning, history) and `<|call|>` (tool
+# call), Gemma 2/3 `<end_of_turn>`, Gemma 4 `<turn|>`, and Gemma 4's `<|tool_response>`, which ends a
+# turn that calls tools: the template writes the tool's response after it inside the same model turn,
+# and Gemma 4's generation_config stops on it (eos ids `<eos>`, `<turn|>`, `<|tool_response>`).
+KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|call|>", "<end_of_turn>", "<turn|>", "<|tool_response>")
+
 
 def common_suffix(a: str, text: str, end: int) -> int:
     """Length of the longest common suffix of `a` and `text[:end]`: doubling while the suffixes match,
@@ -114,8 +122,8 @@ def end_at_role_tag(
     if end is not None:
         return end
     # The turn's text must run straight into the tag (or the end): a template that writes
-    # whitespace there (Gemma's "<end_of_turn>\n<start_of_turn>") closes turns with a token we
-    # do not know, and guessing would train the wrong one.
+    # whitespace there ("<end_of_msg>\n<start_of_msg>") closes turns with a token we do not
+    # know, and guessing would train the wrong one.
     direct = x is not None and x > start and not full[x - 1].isspace()
     tag = added_token_at(tokenizer, full, x) if direct and x < len(full) else None
     if not direct or (tag is None and x < len(full)):
@@ -175,3 +183,19 @@ def added_token_at(tokenizer, text: str, pos: int) -> str | None:
     """The longest added token (special tokens, role tags) that `text` has at `pos`, or None."""
     hits = [t for t in tokenizer.get_added_vocab() if t and text.startswith(t, pos)]
     return max(hits, key=len) if hits else None
+
+
+def content_after_turn(full: str, spans: list[tuple[int, int, int]], messages: list[dict]) -> int | None:
+    """Index of the first message with tool calls whose content the template writes after its turn ends,
+    before the next turn: none of the spans holds that text, though the model writes it. Gemma 4's
+    template puts a calling message's content after the tools' results (the turn ends at
+    `<|tool_response>`, where the model stops for them); None when every such content lies in its turn."""
+    for k, (start, end, i) in enumerate(spans):
+        content = messages[i].get("content")
+        if not messages[i].get("tool_calls") or not isinstance(content, str):
+            continue
+        shown = content.split("</think>")[-1].split("<channel|>")[-1].strip()  # reasoning may be dropped
+        stop = spans[k + 1][0] if k + 1 < len(spans) else len(full)
+        if shown and shown not in full[start:end] and shown in full[end:stop]:
+            return i
+    return None

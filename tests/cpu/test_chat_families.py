@@ -891,26 +891,27 @@ def test_role_tag_templates_need_a_tag_or_an_explicit_end():
         tokenize_conversation(plain, R_CHAT, 4096)
 
 
-# Gemma's layout: turns closed by `<end_of_turn>` (neither the eos nor a known end-of-turn string) and a
-# newline before the next `<start_of_turn>`: not a role-tag template, so no closing token is guessed.
-GEMMA_LIKE_TEMPLATE = (
+# A Gemma-2/3-like layout with an end token the pipeline does not know (`<end_of_msg>`: neither the eos
+# nor a known end-of-turn string) and a newline before the next `<start_of_msg>`: not a role-tag
+# template, so no closing token is guessed. (Gemma's own `<end_of_turn>` is known: test_chat_gemma.py.)
+UNKNOWN_END_TEMPLATE = (
     "{{ bos_token }}{%- for m in messages -%}"
-    "{{ '<start_of_turn>' + ('model' if m.role == 'assistant' else m.role) + '\\n' + m.content + '<end_of_turn>\\n' }}"
-    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+    "{{ '<start_of_msg>' + ('model' if m.role == 'assistant' else m.role) + '\\n' + m.content + '<end_of_msg>\\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_msg>model\\n' }}{%- endif -%}"
 )
 
 
 def test_unknown_end_tokens_are_not_guessed():
     tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
-    tok.chat_template = GEMMA_LIKE_TEMPLATE
-    tok.add_tokens(["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    tok.chat_template = UNKNOWN_END_TEMPLATE
+    tok.add_tokens(["<bos>", "<eos>", "<start_of_msg>", "<end_of_msg>"], special_tokens=True)
     tok.eos_token, tok.bos_token = "<eos>", "<bos>"
     messages = R_CHAT[1:5]
     for rows in (messages, messages[:2]):  # multi-turn, and a single turn ending the text
         with pytest.raises(RowError, match=r"messages\[1\]: .*nor followed directly by a role tag.*data\.end_of_turn"):
             tokenize_conversation(tok, rows, 4096)
-    doc = tokenize_conversation(tok, messages, 4096, end_of_turn="<end_of_turn>")
-    assert masked_runs(tok, doc) == [("<think>add</think>4<end_of_turn>", 1.0), ("6<end_of_turn>", 1.0)]
+    doc = tokenize_conversation(tok, messages, 4096, end_of_turn="<end_of_msg>")
+    assert masked_runs(tok, doc) == [("<think>add</think>4<end_of_msg>", 1.0), ("6<end_of_msg>", 1.0)]
 
 
 def _demo_chatml_prefix_diff():
