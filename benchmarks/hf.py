@@ -17,7 +17,8 @@ The transformers-peft arm (`lora=(rank, alpha)`) is the same model and step with
 (`get_peft_model`): on the attention's `q_proj` / `k_proj` / `v_proj` / `o_proj` and, through
 `LoraConfig.target_parameters` (peft >= 0.17), on the fused expert tensors transformers 5 keeps,
 `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (every routed expert); the base frozen, AdamW
-over the adapters only. That is the setup of issue 46's reference figures (peft 0.21.2).
+over the adapters only; peft's defaults otherwise (its adapters on a bf16 base held in fp32:
+`autocast_adapter_dtype`). That is the setup of issue 46's reference figures (peft 0.21.2).
 """
 
 from __future__ import annotations
