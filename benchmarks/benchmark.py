@@ -29,8 +29,17 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # -graphs: trainer.cuda_graphs; -lora: LoRA (--lora-rank, --lora-alpha) on attention and experts, base
-# frozen (ours.BENCH_LORA); transformers-peft: peft's LoRA of the same rank and alpha (hf.py)
-ARMS = ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "transformers", "transformers-peft", "torchtitan")
+# frozen (ours.BENCH_LORA); -lora-fp8: the same on a base kept in FP8 (peft.fp8_base); transformers-peft:
+# peft's LoRA of the same rank and alpha (hf.py)
+ARMS = (
+    "moe-sft",
+    "moe-sft-graphs",
+    "moe-sft-lora",
+    "moe-sft-lora-fp8",
+    "transformers",
+    "transformers-peft",
+    "torchtitan",
+)
 
 
 def _device(choice: str) -> str:
@@ -110,6 +119,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
     parser.add_argument("--lora-rank", type=int, default=16, help="moe-sft-lora and transformers-peft: LoRA rank")
     parser.add_argument("--lora-alpha", type=float, default=32.0, help="moe-sft-lora and transformers-peft: LoRA alpha")
+
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--seed", type=int, default=0, help="data seed")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "benchmark_out"))
@@ -166,7 +176,7 @@ def _forwarded(args) -> list[str]:
 def _make_arm(name: str, args, device: str, layers: int, first):
     from benchmarks.workload import hf_config
 
-    if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
+    if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "moe-sft-lora-fp8"):
         from benchmarks.ours import OursArm
         from moe_sft.config import layout
         from moe_sft.kernels import bounded_rows
@@ -188,7 +198,8 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             max_steps=max_steps,
             device=device,
             cuda_graphs=name == "moe-sft-graphs",
-            lora=(args.lora_rank, args.lora_alpha) if name == "moe-sft-lora" else None,
+            lora=(args.lora_rank, args.lora_alpha) if name.startswith("moe-sft-lora") else None,
+            lora_fp8_base=name == "moe-sft-lora-fp8",
             static_rows_capacity=args.static_rows_capacity,
             combine_dtype=args.combine_dtype,
             dispatch_chunks=args.dispatch_chunks,

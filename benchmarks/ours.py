@@ -119,12 +119,21 @@ class OursArm:
         device: str = "auto",
         cuda_graphs: bool = False,
         lora: tuple[int, float] | None = None,
+        lora_fp8_base: bool = False,
         static_rows_capacity: float = 2.0,
         combine_dtype: str = "bf16",
         dispatch_chunks: int = 1,
         attention_kernel: str = "auto",
     ):
-        self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
+        self.name = (
+            "moe-sft-graphs"
+            if cuda_graphs
+            else "moe-sft-lora-fp8"
+            if lora and lora_fp8_base
+            else "moe-sft-lora"
+            if lora
+            else "moe-sft"
+        )
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
         cfg = bench_config(
             model,
@@ -136,7 +145,7 @@ class OursArm:
             max_steps=max_steps,
             device=device,
             cuda_graphs=cuda_graphs,
-            peft=dataclasses.replace(BENCH_LORA, rank=lora[0], alpha=lora[1]) if lora else None,
+            peft=dataclasses.replace(BENCH_LORA, rank=lora[0], alpha=lora[1], fp8_base=lora_fp8_base) if lora else None,
             static_rows_capacity=static_rows_capacity,
             combine_dtype=combine_dtype,
             dispatch_chunks=dispatch_chunks,
@@ -218,6 +227,7 @@ class OursArm:
             mtp_trained=self.run_mtp,
             trained_params_rank0=sum(p.numel() for c in t.state.model for p in c.parameters() if p.requires_grad),
             peft=t.cfg.peft.method,
+            fp8_base=t.cfg.peft.fp8_base,
         )
 
     def close(self) -> None:

@@ -56,7 +56,14 @@ def report(tmp_path_factory):
     ]
     try:
         assert tool.main(["compare", "--model", "tiny", *common]) == 0
-        lora = ["--arms", "moe-sft-lora,transformers-peft", "--lora-rank", str(LORA[0]), "--lora-alpha", str(LORA[1])]
+        lora = [
+            "--arms",
+            "moe-sft-lora,moe-sft-lora-fp8,transformers-peft",
+            "--lora-rank",
+            str(LORA[0]),
+            "--lora-alpha",
+            str(LORA[1]),
+        ]
         assert tool.main(["compare", "--model", "tiny", *lora, *common[:1], "128", *common[2:]]) == 0
         assert tool.main(["train", "--arm", "moe-sft", "--model", "tiny_dsv3", *common[:1], "128", *common[2:]]) == 0
         assert (
@@ -93,7 +100,7 @@ def test_every_run_is_complete(report):
     runs = _runs(data, "tiny")
     assert sorted((r["arm"], r["budget"]) for r in runs) == sorted(
         [(arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS]
-        + [("moe-sft-lora", 128), ("transformers-peft", 128)]
+        + [("moe-sft-lora", 128), ("moe-sft-lora-fp8", 128), ("transformers-peft", 128)]
     )
     keys = {
         "tokens_per_s_per_gpu",
@@ -137,9 +144,9 @@ def test_tokens_and_flops_follow_from_the_workload(report):
         shape = model_shape(r["model"], r["layers"], run_mtp=r.get("mtp_trained", False))
         assert r["model_flop"] == sum(flops.train_step_flops(shape, b) for b in batches)
         # hardware FLOPs: our LM head runs over the loss rows only, transformers' over every token
-        if r["arm"] in ("moe-sft-lora", "transformers-peft"):  # forward, input grads, adapter weight grads
+        if "lora" in r["arm"] or r["arm"] == "transformers-peft":  # forward, input grads, adapter weight grads
             plan = _lora_plan(r["arm"])
-            ours = r["arm"] == "moe-sft-lora"  # our LM head runs over the loss rows only
+            ours = r["arm"].startswith("moe-sft")  # our LM head runs over the loss rows only
             lora = sum(flops.lora_step_flops(shape, b, plan, heads_over_loss_rows=ours) for b in batches)
             assert r["executed_flop"] == lora < r["model_flop"]
         elif r["arm"].startswith("moe-sft"):
@@ -157,7 +164,7 @@ def _lora_plan(arm: str):
     from benchmarks.hf import PEFT_PLAN_TARGETS
     from moe_sft.plan.peft_memory import PeftPlan
 
-    targets = ("attention", "experts") if arm == "moe-sft-lora" else PEFT_PLAN_TARGETS
+    targets = ("attention", "experts") if arm.startswith("moe-sft-lora") else PEFT_PLAN_TARGETS
     return PeftPlan(rank=LORA[0], target_modules=targets)
 
 
@@ -178,7 +185,11 @@ def test_the_lora_arms_train_the_same_adapters_and_label_their_flops(report):
         line = next(x for x in md.splitlines() if x.startswith(f"- {r['arm']} tiny L2 budget 128: "))
         tokens = line.index(f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
         assert tokens < line.index("a LoRA step executes") < line.index("the model FLOPs of full SFT"), line
+    fp8 = next(r for r in _runs(data, "tiny") if r["arm"] == "moe-sft-lora-fp8")  # the base in FP8 (random values)
+    assert fp8["fp8_base"] and not ours["fp8_base"] and fp8["trained_params_rank0"] == ours["trained_params_rank0"]
+    assert fp8["losses"][0] == pytest.approx(ours["losses"][0], abs=0.05)  # B = 0: the base's loss, FP8-rounded
     assert "tiny L2 budget 128: moe-sft-lora / transformers-peft tokens/s =" in md
+    assert "tiny L2 budget 128: moe-sft-lora-fp8 / moe-sft-lora tokens/s =" in md
     assert "moe-sft / transformers-peft" not in md  # full SFT is not compared with a LoRA arm
 
 
