@@ -447,3 +447,28 @@ def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
         "- moe-sft router: aten::topk 4.4, aten::sum 3.2; host 20.0 ms",
         "- moe-sft: GPU idle 12.5 ms in the profiled step, before: _rope_kernel 6.0",
     ]
+
+
+def test_the_lora_arms_take_the_whole_qwen3_30b_on_one_h200():
+    """`--layers 48` with the LoRA arms: the preset at 48 layers is the recipe's model, and the
+    planner puts the arm's run (rank 16 on attention + experts, no recompute, 8192 tokens) on one
+    H200 with the bf16 base, on one H100 with the FP8 base only (the recipes of issue 46)."""
+    from moe_sft.plan import hardware, memory
+    from moe_sft.plan.layout import Layout
+    from moe_sft.plan.peft_memory import PeftPlan
+    from moe_sft.plan.shapes import load_shape
+
+    shape = model_shape("qwen3_30b", 48, run_mtp=False)
+    recipe_shape, _ = load_shape("qwen3_30b_a3b")
+    assert (
+        (shape.num_layers, shape.num_experts, shape.hidden) == (recipe_shape.num_layers, 128, 2048) == (48, 128, 2048)
+    )
+    lay = Layout(world=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1)
+
+    def gib(fp8: bool, recompute=None) -> float:
+        train = memory.Training(tokens=8192, micro_batches=4, recompute=recompute, peft=PeftPlan(rank=16, fp8_base=fp8))
+        return memory.stage_memory(shape, lay, 0, train).total / memory.GIB
+
+    h200, h100 = hardware.GPUS["h200_141gb"].memory_gib, hardware.GPUS["h100_80gb"].memory_gib
+    assert gib(False) < h200 < gib(False) + 10  # measured: 117.1 GiB allocated (issue 46)
+    assert gib(False, "full") > h100 > gib(True, "full")
