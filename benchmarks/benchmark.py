@@ -28,8 +28,18 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# -graphs: trainer.cuda_graphs; -lora: LoRA rank 16 on attention and experts, base frozen (ours.BENCH_LORA)
-ARMS = ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "transformers", "torchtitan")
+# -graphs: trainer.cuda_graphs; -lora: LoRA (--lora-rank, --lora-alpha) on attention and experts, base
+# frozen (ours.BENCH_LORA); -lora-fp8: the same on a base kept in FP8 (peft.fp8_base); transformers-peft:
+# peft's LoRA of the same rank and alpha (hf.py)
+ARMS = (
+    "moe-sft",
+    "moe-sft-graphs",
+    "moe-sft-lora",
+    "moe-sft-lora-fp8",
+    "transformers",
+    "transformers-peft",
+    "torchtitan",
+)
 
 
 def _device(choice: str) -> str:
@@ -107,6 +117,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa | flex_attention | eager)"
     )
     parser.add_argument("--hf-experts", default="grouped_mm", help="transformers experts_implementation")
+    parser.add_argument("--lora-rank", type=int, default=16, help="moe-sft-lora and transformers-peft: LoRA rank")
+    parser.add_argument("--lora-alpha", type=float, default=32.0, help="moe-sft-lora and transformers-peft: LoRA alpha")
+
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--seed", type=int, default=0, help="data seed")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "benchmark_out"))
@@ -146,6 +159,10 @@ def _forwarded(args) -> list[str]:
         args.hf_attn,
         "--hf-experts",
         args.hf_experts,
+        "--lora-rank",
+        str(args.lora_rank),
+        "--lora-alpha",
+        str(args.lora_alpha),
         "--device",
         args.device,
         "--seed",
@@ -159,7 +176,7 @@ def _forwarded(args) -> list[str]:
 def _make_arm(name: str, args, device: str, layers: int, first):
     from benchmarks.workload import hf_config
 
-    if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora"):
+    if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "moe-sft-lora-fp8"):
         from benchmarks.ours import OursArm
         from moe_sft.config import layout
         from moe_sft.kernels import bounded_rows
@@ -181,19 +198,25 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             max_steps=max_steps,
             device=device,
             cuda_graphs=name == "moe-sft-graphs",
-            lora=name == "moe-sft-lora",
+            lora=(args.lora_rank, args.lora_alpha) if name.startswith("moe-sft-lora") else None,
+            lora_fp8_base=name == "moe-sft-lora-fp8",
             static_rows_capacity=args.static_rows_capacity,
             combine_dtype=args.combine_dtype,
             dispatch_chunks=args.dispatch_chunks,
             attention_kernel=args.attention_kernel,
         )
-    if name == "transformers":
+    if name in ("transformers", "transformers-peft"):
         from benchmarks.hf import HFArm
 
         if args.ep != 1:
-            raise SystemExit("the transformers arm runs on one GPU: use --ep 1")
+            raise SystemExit(f"the {name} arm runs on one GPU: use --ep 1")
         return HFArm(
-            hf_config(args.model, layers)[1], device=device, attn=args.hf_attn, experts=args.hf_experts, seed=args.seed
+            hf_config(args.model, layers)[1],
+            device=device,
+            attn=args.hf_attn,
+            experts=args.hf_experts,
+            seed=args.seed,
+            lora=(args.lora_rank, args.lora_alpha) if name == "transformers-peft" else None,
         )
     if name == "torchtitan":  # experimental: docs/benchmarks.md#torchtitan
         from benchmarks.titan import TitanArm
@@ -244,16 +267,7 @@ def run_arm(name: str, args) -> list[dict]:
         records.append({**base, **rec})
         if arm.rank == 0:
             r = records[-1]
-            print(
-                f"[benchmark] {name} {args.model} L{layers} budget {budget}: "
-                + (
-                    f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {r['tflops_per_gpu']:.1f} TFLOP/s/GPU, "
-                    f"MFU {r['mfu_pct']:.1f}%, peak {r['peak_allocated_gib']:.1f} GiB"
-                    if r.get("status") == "ok"
-                    else r["status"]
-                ),
-                flush=True,
-            )
+            print(f"[benchmark] {name} {args.model} L{layers} budget {budget}: {results.run_line(r)}", flush=True)
     if arm.rank == 0:
         results.merge(args.out, runs=records)
     arm.close()

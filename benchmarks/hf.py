@@ -12,6 +12,13 @@ loss with the config's coefficient), one backward per micro-batch, then
 `clip_grad_norm_(1.0)` and `torch.optim.AdamW` (fused on CUDA). Parameters, gradients and Adam
 state are bf16 on CUDA (the usual transformers + torch setup): no fp32 master weights, unlike
 the megatron arm's distributed optimizer.
+
+The transformers-peft arm (`lora=(rank, alpha)`) is the same model and step with peft's LoRA
+(`get_peft_model`): on the attention's `q_proj` / `k_proj` / `v_proj` / `o_proj` and, through
+`LoraConfig.target_parameters` (peft >= 0.17), on the fused expert tensors transformers 5 keeps,
+`mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (every routed expert); the base frozen, AdamW
+over the adapters only; peft's defaults otherwise (its adapters on a bf16 base held in fp32:
+`autocast_adapter_dtype`). That is the setup of issue 46's reference figures (peft 0.21.2).
 """
 
 from __future__ import annotations
@@ -24,10 +31,22 @@ from benchmarks import phases
 from benchmarks.plain_step import optimizer_update, token_loss
 from benchmarks.workload import SyntheticPlan, Workload
 
+# peft's targets: transformers' attention projections and fused expert tensors (issue 46)
+PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+PEFT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# the same modules in megatron's names, for the LoRA FLOP count (moe_sft.trainer.flops): q/k/v/o
+# are attention's linear_qkv / linear_proj (not a hybrid model's Gated DeltaNet projections)
+PEFT_PLAN_TARGETS = (
+    "decoder.layers.*.self_attention.linear_qkv",
+    "decoder.layers.*.self_attention.linear_proj",
+    "experts",
+)
+
 
 class HFArm:
     name = "transformers"
     heads_over_loss_rows = False  # logits of every position
+    peft_plan = None  # moe_sft.plan.peft_memory.PeftPlan of a LoRA arm (its FLOP count)
 
     def __init__(
         self,
@@ -39,6 +58,7 @@ class HFArm:
         lr: float = 1e-5,
         clip_grad: float = 1.0,
         seed: int = 0,
+        lora: tuple[int, float] | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -55,15 +75,35 @@ class HFArm:
             self.model = AutoModelForCausalLM.from_config(
                 cfg, dtype=self.dtype, attn_implementation=attn, experts_implementation=experts
             )
-        self.model.train()
         self.attn = self.model.config._attn_implementation
         self.experts = getattr(self.model.config, "_experts_implementation", None)
+        if lora is not None:
+            self._add_peft(*lora)
+        self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.clip_grad = clip_grad
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=device == "cuda"
         )
         self.plan: SyntheticPlan | None = None
+
+    def _add_peft(self, rank: int, alpha: float) -> None:
+        import peft
+
+        from moe_sft.plan.peft_memory import PeftPlan
+
+        config = peft.LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            lora_dropout=0.0,
+            target_modules=list(PEFT_MODULES),
+            target_parameters=list(PEFT_PARAMETERS),
+        )
+        with self.compat():
+            self.model = peft.get_peft_model(self.model, config)
+        self.name = "transformers-peft"
+        self.peft_plan = PeftPlan(rank=rank, target_modules=PEFT_PLAN_TARGETS)
+        self.lora = (rank, alpha)
 
     def use(self, workload: Workload) -> None:
         self.plan = SyntheticPlan(workload)
@@ -127,10 +167,20 @@ class HFArm:
     def describe(self) -> dict:
         import transformers
 
+        lora = ""
+        if self.peft_plan is not None:
+            import peft
+
+            lora = (
+                f", peft {peft.__version__} LoRA r{self.lora[0]} alpha {self.lora[1]:g} on {'/'.join(PEFT_MODULES)} "
+                f"and (target_parameters) {', '.join(PEFT_PARAMETERS)}, base frozen"
+            )
         return dict(
             implementation=f"transformers {transformers.__version__} {type(self.model).__name__}, "
-            f"attn_implementation={self.attn}, experts_implementation={self.experts}, torch AdamW",
-            params_rank0=sum(p.numel() for p in self.params),
+            f"attn_implementation={self.attn}, experts_implementation={self.experts}{lora}, torch AdamW",
+            params_rank0=sum(p.numel() for p in self.model.parameters()),
+            trained_params_rank0=sum(p.numel() for p in self.params),
+            peft="lora" if self.peft_plan is not None else "none",
             ep=1,
             precision="bf16" if self.dtype == torch.bfloat16 else "fp32",
             attention=self.attn,

@@ -10,6 +10,10 @@ Throughput counts real tokens only (documents, never padding): tokens/s per GPU 
 tokens / timed seconds / GPUs. Model FLOPs come from moe_sft.trainer.flops (forward + backward =
 3 x forward, active experts only, attention over each document's causal pairs); MFU = model
 TFLOP/s per GPU / the peak (H100/H200 SXM dense bf16, moe_sft.models.shape.PEAK_BF16_TFLOPS).
+A LoRA arm (moe-sft-lora, transformers-peft) keeps those units for its MFU (labelled: model FLOPs
+of full SFT) and reports what its step executes beside them (`executed_flop`:
+flops.lora_step_flops, forward + input gradients + adapter weight gradients, no frozen weight
+gradient); tokens/s comes first in every report.
 """
 
 from __future__ import annotations
@@ -140,7 +144,14 @@ def measure(
             step_events[step - warmup] = dict(new)
         batch = workload.global_batch(step)
         step_flops.append(flops.train_step_flops(shape, batch))
-        executed_flops.append(flops.executed_step_flops(shape, batch) if arm.heads_over_loss_rows else step_flops[-1])
+        if getattr(arm, "peft_plan", None) is not None:  # a LoRA step executes no frozen weight gradient
+            executed_flops.append(
+                flops.lora_step_flops(shape, batch, arm.peft_plan, heads_over_loss_rows=arm.heads_over_loss_rows)
+            )
+        else:
+            executed_flops.append(
+                flops.executed_step_flops(shape, batch) if arm.heads_over_loss_rows else step_flops[-1]
+            )
         step_tokens.append(real_tokens(batch))
     model_flops, tokens = sum(step_flops), sum(step_tokens)
     fed_tokens, fed_digest = arm.fed()
@@ -193,6 +204,11 @@ def measure(
         tokens_per_s_per_gpu=tokens / max(total_s, 1e-12) / arm.world,
         tflops_per_gpu=tflops,
         executed_flop=sum(executed_flops),
+        executed_flop_kind=(
+            "LoRA step: forward, input gradients, adapter weight gradients"
+            if getattr(arm, "peft_plan", None) is not None
+            else "full SFT" + (", LM heads over the loss rows" if arm.heads_over_loss_rows else "")
+        ),
         hw_tflops_per_gpu=sum(executed_flops) / max(total_s, 1e-12) / arm.world / 1e12,
         peak_tflops=peak_tflops,
         mfu_pct=100.0 * tflops / peak_tflops,

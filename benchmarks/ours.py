@@ -11,6 +11,7 @@ loss normalisation, guarded optimizer step, LR scheduler, telemetry) is what get
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from moe_sft.config import (
     TrainerConfig,
 )
 from moe_sft.data.pipeline import DataPipeline
+from moe_sft.plan import peft_memory
 from moe_sft.runtime.patches import mcore_version
 from moe_sft.trainer import loss_rows
 from moe_sft.trainer import step as train_step
@@ -89,7 +91,8 @@ def bench_config(
     )
 
 
-# The LoRA arm: rank 16 on the attention and every routed expert, the base frozen (issue 28).
+# The LoRA arm: rank 16 (benchmark.py --lora-rank / --lora-alpha) on the attention and every routed
+# expert, the base frozen (issue 28).
 BENCH_LORA = PeftConfig(method="lora", rank=16, alpha=32, target_modules=["attention", "experts"])
 
 
@@ -115,13 +118,22 @@ class OursArm:
         max_steps: int,
         device: str = "auto",
         cuda_graphs: bool = False,
-        lora: bool = False,
+        lora: tuple[int, float] | None = None,
+        lora_fp8_base: bool = False,
         static_rows_capacity: float = 2.0,
         combine_dtype: str = "bf16",
         dispatch_chunks: int = 1,
         attention_kernel: str = "auto",
     ):
-        self.name = "moe-sft-graphs" if cuda_graphs else "moe-sft-lora" if lora else "moe-sft"
+        self.name = (
+            "moe-sft-graphs"
+            if cuda_graphs
+            else "moe-sft-lora-fp8"
+            if lora and lora_fp8_base
+            else "moe-sft-lora"
+            if lora
+            else "moe-sft"
+        )
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
         cfg = bench_config(
             model,
@@ -133,7 +145,7 @@ class OursArm:
             max_steps=max_steps,
             device=device,
             cuda_graphs=cuda_graphs,
-            peft=BENCH_LORA if lora else None,
+            peft=dataclasses.replace(BENCH_LORA, rank=lora[0], alpha=lora[1], fp8_base=lora_fp8_base) if lora else None,
             static_rows_capacity=static_rows_capacity,
             combine_dtype=combine_dtype,
             dispatch_chunks=dispatch_chunks,
@@ -141,6 +153,7 @@ class OursArm:
         )
         source = random_init_source(model, layers, work)
         data = DataPipeline(train=SyntheticPlan(first), eval=None, summary=[])
+        self.peft_plan = peft_memory.from_config(cfg.peft)  # a LoRA arm's FLOP count (None: full SFT)
         self.trainer = Trainer(cfg, source=source, data=data).setup()
         t = self.trainer
         self.device, self.world, self.rank = t.rt.device, dist.get_world_size(), dist.get_rank()
@@ -214,6 +227,7 @@ class OursArm:
             mtp_trained=self.run_mtp,
             trained_params_rank0=sum(p.numel() for c in t.state.model for p in c.parameters() if p.requires_grad),
             peft=t.cfg.peft.method,
+            fp8_base=t.cfg.peft.fp8_base,
         )
 
     def close(self) -> None:

@@ -94,7 +94,8 @@ def markdown(data: dict) -> str:
     lines += [
         "",
         "| arm | model | layers | GPUs (EP) | budget | tokens/step | step s (median) | tokens/s/GPU | "
-        "TFLOP/s/GPU | hw TFLOP/s/GPU | MFU % | peak alloc / reserved GiB | loss first → last | status |",
+        "model TFLOP/s/GPU (full SFT's) | hw TFLOP/s/GPU (executed) | MFU % | peak alloc / reserved GiB | "
+        "loss first → last | status |",
         "|" + "---|" * 14,
     ]
     runs = sorted(data["runs"], key=lambda r: (r["model"], r["layers"], r["gpus"], r["budget"], r["arm"]))
@@ -115,21 +116,59 @@ def markdown(data: dict) -> str:
             f"{_f(losses[0], '.3f')} → {_f(losses[-1], '.3f')} | "
             + ("ok |" if not r.get("phase_error") else f"ok; phases failed: {r['phase_error']} |")
         )
-    lines += ratio_lines(runs) + phase_tables(runs) + ceiling_table(data.get("ceilings", []))
+    lines += lora_lines(runs) + ratio_lines(runs) + phase_tables(runs) + ceiling_table(data.get("ceilings", []))
     return "\n".join(lines) + "\n"
 
 
+def is_lora(run: dict) -> bool:
+    return run.get("executed_flop_kind", "").startswith("LoRA")
+
+
+def run_line(r: dict) -> str:
+    """One run in a line (the console's): tokens/s first; a LoRA run's executed FLOPs, then the
+    model FLOPs of full SFT (MFU's units), each labelled."""
+    if r.get("status") != "ok":
+        return r.get("status", "")
+    flop = (
+        f"LoRA-executed {r['hw_tflops_per_gpu']:.1f} TFLOP/s/GPU (forward, input gradients, adapter weight "
+        f"gradients), model FLOPs of full SFT {r['tflops_per_gpu']:.1f} TFLOP/s/GPU"
+        if is_lora(r)
+        else f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU"
+    )
+    return (
+        f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {flop}, MFU {r['mfu_pct']:.1f}%, "
+        f"peak {r['peak_allocated_gib']:.1f} GiB"
+    )
+
+
+def lora_lines(runs: list[dict]) -> list[str]:
+    """What each LoRA run's step executes, next to the model FLOPs of full SFT it is also given in."""
+    out = [
+        f"- {r['arm']} {r['model']} L{r['layers']} budget {r['budget']}: {r['tokens_per_s_per_gpu']:,.0f} "
+        f"tokens/s/GPU; a LoRA step executes {r['executed_flop'] / r['steps'] / 1e12:.4g} TFLOP "
+        f"({r['executed_flop_kind']}; {_n(r['hw_tflops_per_gpu'])} TFLOP/s/GPU), "
+        f"{r['executed_flop'] / r['model_flop']:.2f}x the model FLOPs of full SFT on the same tokens "
+        f"({r['model_flop'] / r['steps'] / 1e12:.4g} TFLOP; {_n(r['tflops_per_gpu'])} TFLOP/s/GPU, the MFU column's)"
+        for r in runs
+        if r.get("status") == "ok" and is_lora(r)
+    ]
+    return ([""] + out) if out else []
+
+
 def ratio_lines(runs: list[dict]) -> list[str]:
+    """tokens/s of each moe-sft arm over each other arm (a full-SFT arm over full-SFT arms only)."""
     out = []
     by = {}
     for r in runs:
         if r.get("status") == "ok" and r["gpus"] == 1:
             by.setdefault((r["model"], r["layers"], r["budget"]), {})[r["arm"]] = r
     for (model, layers, budget), arms in sorted(by.items()):
-        for ours_name in ("moe-sft", "moe-sft-graphs"):
+        for ours_name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "moe-sft-lora-fp8"):
             ours = arms.get(ours_name)
             for name, other in arms.items():
                 if ours is None or name == ours_name or (ours_name == "moe-sft-graphs" and name == "moe-sft"):
+                    continue
+                if not is_lora(ours) and is_lora(other):  # moe-sft-lora / moe-sft is the line for those
                     continue
                 same = "same tokens" if other["fed_digest"] == ours["fed_digest"] else "DIFFERENT tokens"
                 out.append(

@@ -18,7 +18,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_arm(args, work_dir: Path, max_steps: int):
     """An OursArm built for the arguments' model and already using their workload."""
-    from benchmarks.ours import OursArm
+    from benchmarks.ours import BENCH_LORA, OursArm
     from benchmarks.workload import Workload, hf_config
 
     work = Workload(
@@ -35,7 +35,7 @@ def build_arm(args, work_dir: Path, max_steps: int):
         max_steps=max_steps,
         device=args.device,
         cuda_graphs=getattr(args, "cuda_graphs", False),
-        lora=getattr(args, "lora", False),
+        lora=(BENCH_LORA.rank, BENCH_LORA.alpha) if getattr(args, "lora", False) else None,
     )
     arm.use(work)
     return arm

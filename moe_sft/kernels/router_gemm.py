@@ -15,6 +15,11 @@ one bf16 GEMM over both parts: dx = [hi | lo] @ [w ; w] rounded once to x's bf16
 fp32 product followed by its cast; dw = hi^T x + lo^T x in fp32, cast to the weight's dtype.
 The 8 bits dropped from g are below what either cast keeps. Elsewhere (CPU, fp32 or fp64
 weights, a bias) megatron's function runs.
+
+A frozen router (LoRA / DoRA without peft.train_router) gets no weight gradient: megatron's
+function computes it anyway (one more router GEMM per MoE layer, thrown away); here the bf16
+backward skips it, and elsewhere the logits are megatron's non-TE GEMM under plain autograd,
+which computes only the input's gradient (and saves the fp32 weight, not the input).
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ class _BF16RouterGating(torch.autograd.Function):
         flat = inp.reshape(-1, inp.shape[-1])
         parts = torch.cat(_split_bf16(grad_logits.reshape(-1, weight.shape[0]).float()), dim=1)  # [hi | lo]
         grad_input = torch.mm(parts, torch.cat([weight, weight], dim=0))
-        both = torch.mm(parts.t(), flat, out_dtype=torch.float32)
-        grad_weight = both.view(2, *weight.shape).sum(0).to(weight.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # a frozen router (LoRA): no weight gradient to compute
+            both = torch.mm(parts.t(), flat, out_dtype=torch.float32)
+            grad_weight = both.view(2, *weight.shape).sum(0).to(weight.dtype)
         return grad_input.view(inp.shape).to(inp.dtype), grad_weight
 
 
@@ -60,7 +67,18 @@ def router_gating_linear(inp, weight, bias, router_dtype):
     """megatron's `moe_utils.router_gating_linear` (same arguments, same logits)."""
     if _uses_bf16_gemms(inp, weight, bias, router_dtype):
         return _BF16RouterGating.apply(inp, weight)
+    if not weight.requires_grad and (bias is None or not bias.requires_grad):
+        return _frozen_router_logits(inp, weight, bias, router_dtype)
     return _megatron_router_gating_linear(inp, weight, bias, router_dtype)
+
+
+def _frozen_router_logits(inp, weight, bias, router_dtype):
+    """megatron's non-TE forward of `router_gating_linear` (same values), whose backward autograd
+    runs for the input only."""
+    flat = inp.reshape(-1, inp.shape[-1]).to(router_dtype)
+    w = weight.to(router_dtype).t()
+    out = torch.mm(flat, w) if bias is None else torch.addmm(bias.to(router_dtype), flat, w)
+    return out.view(*inp.shape[:-1], -1)
 
 
 def use_bf16_router_gemms() -> None:

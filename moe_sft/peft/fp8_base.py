@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from moe_sft.kernels.frozen_linear import input_grad_rows, linear_rows
+from moe_sft.layers import expert_bias
 from moe_sft.layers.experts import TorchGroupedMLP, grouped_matmul
 
 try:
@@ -269,12 +270,20 @@ def _fp8_experts_forward(self, permuted_local_hidden_states, tokens_per_expert, 
         return out + (self.adapter.zero_contribution() if self.adapter is not None else 0), None
     w1, w2 = self.weight1.view(n, hidden, -1), self.weight2.view(n, -1, hidden)
     h = _Fp8GroupedMatmul.apply(x, w1, self.weight1_scale_inv, tokens_per_expert, self.fp8_block)
+    if self.bias1 is not None:  # gpt-oss: biased experts and its clamped SwiGLU, as TorchGroupedMLP
+        h = h + expert_bias.per_row(self.bias1, tokens_per_expert, h.shape[0])
     if self.adapter is not None:
         h = h + self.adapter.fc1(x, tokens_per_expert)
-    h = self.activation_func_with_probs(h, permuted_probs.unsqueeze(-1))
+    probs = permuted_probs.unsqueeze(-1)
+    if self._extended_glu:
+        h = expert_bias.extended_glu_with_probs(self.config, h, probs)
+    else:
+        h = self.activation_func_with_probs(h, probs)
     out = _Fp8GroupedMatmul.apply(h, w2, self.weight2_scale_inv, tokens_per_expert, self.fp8_block)
     if self.adapter is not None:
         out = out + self.adapter.fc2(h, tokens_per_expert)
+    if self.bias2 is not None:
+        out = expert_bias.fc2_bias(out, self.bias2, tokens_per_expert, permuted_probs, self.tp_group.rank())
     return out, None
 
 

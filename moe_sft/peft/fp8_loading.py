@@ -48,6 +48,27 @@ def load_quantised(chunks, load) -> int:
     return calls + 1
 
 
+def fill_random(chunks, std: float) -> int:
+    """No checkpoint to load (the benchmark's random initialisation): each FP8 weight gets N(0, std)
+    values, megatron's init_method_std, quantised a layer at a time as `load_quantised` does; the
+    rest keeps megatron's initialisation. Returns the weights filled."""
+    targets = {
+        (c, f"{name}.{p}") for c, chunk in enumerate(chunks) for name, m in fp8_modules(chunk) for p, _ in _weights(m)
+    }
+    filled = []
+
+    def load(keep):
+        with torch.no_grad():
+            for c, chunk in enumerate(chunks):
+                for key, param in chunk.named_parameters():
+                    if (c, key) in targets and keep(c, key):
+                        param.normal_(0.0, std)
+                        filled.append(key)
+
+    load_quantised(chunks, load)
+    return len(filled)
+
+
 def _bf16_like(module, pname: str) -> torch.Tensor:
     fp8 = getattr(module, pname)
     return torch.empty(fp8.shape, dtype=module.base_dtype, device=fp8.device)
@@ -129,13 +150,18 @@ class _PlaceholderMode(torch.overrides.TorchFunctionMode):
 
 
 def materialise_placeholders(chunks) -> int:
-    """Real (uninitialised) storage for any placeholder weight `install` did not turn into FP8."""
+    """Real storage for any placeholder weight `install` did not turn into FP8 (the LM head), drawn
+    N(0, init_method_std) as megatron would have: the checkpoint load overwrites it, and a run
+    without one (the benchmark's random initialisation) must not read uninitialised memory (NaN
+    losses, seen once an earlier arm had used the memory)."""
     count = 0
     for chunk in chunks:
         for module in chunk.modules():
+            std = getattr(getattr(module, "config", None), "init_method_std", 0.02)
             for pname, param in list(module.named_parameters(recurse=False)):
                 if is_placeholder(param):
-                    real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device))
+                    values = torch.empty(param.shape, dtype=param.dtype, device=param.device).normal_(0.0, std)
+                    real = torch.nn.Parameter(values)
                     real.requires_grad_(param.requires_grad)
                     real.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
                     setattr(module, pname, real)

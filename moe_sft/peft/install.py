@@ -13,7 +13,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from moe_sft.config import ConfigError, PeftConfig
 from moe_sft.layers.experts import TorchGroupedMLP
-from moe_sft.peft import targets
+from moe_sft.peft import coverage, targets
 from moe_sft.peft.experts import ExpertAdapter
 from moe_sft.peft.linear import LinearAdapter, Part, add_adapter_output
 from moe_sft.peft.state import adapters
@@ -187,6 +187,7 @@ def add_adapters(chunks, cfg: PeftConfig, tconfig, device: str) -> list[str]:
         f"peft: {cfg.method} rank {cfg.rank} alpha {cfg.alpha:g} on {len(found)} modules ({', '.join(kinds)}); "
         f"{trained / 1e6:.3f}M trainable parameters on this rank, the base frozen"
     ]
+    lines.append(coverage.coverage_line(chunks, {n for n, *_ in found}, cfg, tconfig, device))
     if capped:
         lines.append(
             f"peft: the Gated DeltaNet gate projections {', '.join(f'{k} ({v} rows)' for k, v in capped.items())} "

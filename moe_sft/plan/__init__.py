@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moe_sft.models.shape import ModelShape
 from moe_sft.plan import hardware, memory, peft_memory, preflight
@@ -112,22 +112,56 @@ def make_plan(
         shape, lay, gpu, cfg.data.max_seq_len, plan.train.micro_batches, plan.train.recompute
     )
     if not plan.fits:
-        fixes = (
-            [
-                "full recompute (model.recompute_granularity=full model.recompute_method=uniform "
-                "model.recompute_num_layers=1)"
-            ]
-            if plan.train.recompute != "full"
-            else []
-        )
-        fixes += ["more pipeline / expert-parallel ranks (or nodes)", "a shorter data.pack_length"]
-        if plan.train.offload_fraction < 1:
-            fixes.append("optimizer.optimizer_cpu_offload=true with a larger optimizer.optimizer_offload_fraction")
+        fits, short = what_fits(plan, imbalance)
+        advice = f"; fits with {' | '.join(fits)}" if fits else ""
+        advice += f"; not enough alone: {', '.join(short)}" if short else ""
         plan.errors.append(
             f"[memory] stage {worst} needs {plan.largest.total / memory.GIB:.1f} GiB per GPU, more "
-            f"than the {plan.gpu_mem_gib:.1f} GiB of a {gpu.name}; use " + ", or ".join(fixes)
+            f"than the {plan.gpu_mem_gib:.1f} GiB of a {gpu.name}{advice}; or more pipeline / "
+            "expert-parallel ranks (or nodes)"
         )
     return plan
+
+
+def _fix_candidates(plan: Plan) -> list[tuple[str, memory.Training]]:
+    """One change of the recipe per entry (the overrides that make it, the Training it plans)."""
+    t, data = plan.train, plan.cfg.data
+    out = []
+    if t.recompute != "full":
+        full = "model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1"
+        out.append((full, replace(t, recompute="full", recompute_method="uniform", recompute_num_layers=1)))
+    if t.peft is not None and not t.peft.fp8_base:
+        out.append(("peft.fp8_base=true", replace(t, peft=replace(t.peft, fp8_base=True))))
+    if t.offload_fraction < 1:
+        offload = "optimizer.optimizer_cpu_offload=true optimizer.optimizer_offload_fraction=1.0"
+        out.append((offload, replace(t, offload_fraction=1.0)))
+    tokens = t.tokens // 2
+    while tokens >= 1024:  # smaller micro-batches, halving (the largest that fits is kept)
+        shorter = f"data.pack_length={tokens}" + (f" data.max_seq_len={tokens}" if tokens < data.max_seq_len else "")
+        out.append((shorter, replace(t, tokens=tokens)))
+        tokens //= 2
+    return out
+
+
+def what_fits(plan: Plan, imbalance: float = 1.0) -> tuple[list[str], list[str]]:
+    """The planner's answer to "what would make it fit": each single change of `_fix_candidates`
+    planned again, as (those that fit, those that do not), with their GiB per GPU. Of the shorter
+    micro-batches only the longest that fits is named (or the shortest tried, when none does)."""
+    fits, short = [], []
+    limit = plan.gpu_mem_gib * memory.GIB
+    shorter_fits = False
+    for overrides, train in _fix_candidates(plan):
+        total = max(st.total for st in memory.all_stages(plan.shape, plan.layout, train, imbalance))
+        text = f"{overrides} ({total / memory.GIB:.1f} GiB)"
+        is_shorter = overrides.startswith("data.pack_length=")
+        if total <= limit and not (is_shorter and shorter_fits):
+            fits.append(text)
+            shorter_fits = shorter_fits or is_shorter
+        elif total > limit and not is_shorter:
+            short.append(text)
+        elif total > limit and not shorter_fits and train.tokens < 2048:
+            short.append(text)  # the shortest tried does not fit either
+    return fits, short
 
 
 def dry_run(cfg, gpus: int | None = None) -> int:

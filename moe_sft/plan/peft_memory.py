@@ -105,14 +105,14 @@ def layer_linears(s: ModelShape, lay: Layout, moe: bool, layer: int | None = Non
     return out
 
 
-def _targeted(name: str, entries: tuple[str, ...]) -> bool:
+def targeted(name: str, entries: tuple[str, ...]) -> bool:
     """`name`: global module name (decoder.layers.{i}.…), matched as moe_sft/peft/targets.py does."""
     return any(fnmatch.fnmatchcase(name, pat) for e in entries for pat in patterns(e))
 
 
 def adapts_experts(p: PeftPlan) -> bool:
     """Whether the routed experts get adapters (any layer: the targets name modules, not layers)."""
-    return _targeted("decoder.layers.0.mlp.experts", p.target_modules)
+    return targeted("decoder.layers.0.mlp.experts", p.target_modules)
 
 
 def linear_adapter(lin: Linear, p: PeftPlan) -> int:
@@ -140,7 +140,7 @@ def _add_layer(st: PeftStage, s: ModelShape, lay: Layout, moe: bool, p: PeftPlan
             st.fp8_values += numel
             st.fp8_scales += _blocks(lin.out_local, lin.in_local)
             st.dequant_peak = max(st.dequant_peak, 2 * numel + min(4 * numel, DEQUANT_TEMP_BYTES))
-        if layer is not None and _targeted(f"{tag}.{lin.name}", p.target_modules):
+        if layer is not None and targeted(f"{tag}.{lin.name}", p.target_modules):
             n = linear_adapter(lin, p)
             st.dense += n
             st.adapters += n
@@ -156,7 +156,7 @@ def _add_layer(st: PeftStage, s: ModelShape, lay: Layout, moe: bool, p: PeftPlan
     if p.train_router:  # peft/install.py's router pattern reaches the MTP layer's router too
         st.dense += s.num_experts * h
         st.trained_base += s.num_experts * h
-    if layer is not None and _targeted(f"{tag}.mlp.experts", p.target_modules):
+    if layer is not None and targeted(f"{tag}.mlp.experts", p.target_modules):
         dense, expert = expert_adapter(s, lay, p)
         st.dense, st.expert, st.adapters = st.dense + dense, st.expert + expert, st.adapters + dense + expert
         st.by_module[f"{tag}.mlp.experts"] = dense + expert

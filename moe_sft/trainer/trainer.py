@@ -31,6 +31,7 @@ from moe_sft.conversion import mcore_io
 from moe_sft.data.pipeline import DataPipeline
 from moe_sft.kernels import install as kernels
 from moe_sft.layers.attention import attention_kernel_name, set_attention_kernel
+from moe_sft.peft import fp8_loading
 from moe_sft.peft import install as peft_install
 from moe_sft.peft import run_meta as peft_meta
 from moe_sft.plan.preflight import trainer_preflight
@@ -410,6 +411,9 @@ class Trainer:
         path = self.source.resume_path
         adapted = self.cfg.peft.method != "none"
         if self.source.random_init:  # the optimizer made its fp32 main params from these same weights
+            if adapted and self.cfg.peft.fp8_base:  # its FP8 storage was never initialised
+                chunks = checkpoint.unwrap(model)
+                fp8_loading.fill_random(chunks, chunks[0].config.init_method_std)
             log.info("random initialisation: no weights loaded")
             return 0, 0
         if path is None or adapted:  # a LoRA checkpoint holds the adapters, not the base

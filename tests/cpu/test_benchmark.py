@@ -25,6 +25,7 @@ from moe_sft.trainer import flops
 BUDGETS = (128, 256)
 TOKENS_PER_STEP = 512
 STEPS = 2
+LORA = (4, 8.0)  # rank, alpha of the LoRA arms (one budget: 128)
 
 
 def _benchmark():
@@ -55,6 +56,15 @@ def report(tmp_path_factory):
     ]
     try:
         assert tool.main(["compare", "--model", "tiny", *common]) == 0
+        lora = [
+            "--arms",
+            "moe-sft-lora,moe-sft-lora-fp8,transformers-peft",
+            "--lora-rank",
+            str(LORA[0]),
+            "--lora-alpha",
+            str(LORA[1]),
+        ]
+        assert tool.main(["compare", "--model", "tiny", *lora, *common[:1], "128", *common[2:]]) == 0
         assert tool.main(["train", "--arm", "moe-sft", "--model", "tiny_dsv3", *common[:1], "128", *common[2:]]) == 0
         assert (
             tool.main(
@@ -89,7 +99,8 @@ def test_every_run_is_complete(report):
     data, _ = report
     runs = _runs(data, "tiny")
     assert sorted((r["arm"], r["budget"]) for r in runs) == sorted(
-        (arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS
+        [(arm, b) for arm in ("moe-sft", "transformers") for b in BUDGETS]
+        + [("moe-sft-lora", 128), ("moe-sft-lora-fp8", 128), ("transformers-peft", 128)]
     )
     keys = {
         "tokens_per_s_per_gpu",
@@ -133,7 +144,12 @@ def test_tokens_and_flops_follow_from_the_workload(report):
         shape = model_shape(r["model"], r["layers"], run_mtp=r.get("mtp_trained", False))
         assert r["model_flop"] == sum(flops.train_step_flops(shape, b) for b in batches)
         # hardware FLOPs: our LM head runs over the loss rows only, transformers' over every token
-        if r["arm"].startswith("moe-sft"):
+        if "lora" in r["arm"] or r["arm"] == "transformers-peft":  # forward, input grads, adapter weight grads
+            plan = _lora_plan(r["arm"])
+            ours = r["arm"].startswith("moe-sft")  # our LM head runs over the loss rows only
+            lora = sum(flops.lora_step_flops(shape, b, plan, heads_over_loss_rows=ours) for b in batches)
+            assert r["executed_flop"] == lora < r["model_flop"]
+        elif r["arm"].startswith("moe-sft"):
             assert r["executed_flop"] == sum(flops.executed_step_flops(shape, b) for b in batches) < r["model_flop"]
         else:
             assert r["executed_flop"] == r["model_flop"]
@@ -142,6 +158,39 @@ def test_tokens_and_flops_follow_from_the_workload(report):
         assert r["tflops_per_gpu"] == pytest.approx(r["model_flop"] / seconds / 1e12)
         assert r["hw_tflops_per_gpu"] == pytest.approx(r["executed_flop"] / seconds / 1e12)
         assert r["mfu_pct"] == pytest.approx(100 * r["tflops_per_gpu"] / 989.0)
+
+
+def _lora_plan(arm: str):
+    from benchmarks.hf import PEFT_PLAN_TARGETS
+    from moe_sft.plan.peft_memory import PeftPlan
+
+    targets = ("attention", "experts") if arm.startswith("moe-sft-lora") else PEFT_PLAN_TARGETS
+    return PeftPlan(rank=LORA[0], target_modules=targets)
+
+
+def test_the_lora_arms_train_the_same_adapters_and_label_their_flops(report):
+    """moe-sft-lora and transformers-peft (peft's LoRA on q/k/v/o_proj and, through
+    target_parameters, the fused experts) train as many parameters; the report gives tokens/s
+    first, then what a LoRA step executes next to the model FLOPs of full SFT, each labelled."""
+    data, md = report
+    ours, peft = (
+        next(r for r in _runs(data, "tiny") if r["arm"] == arm) for arm in ("moe-sft-lora", "transformers-peft")
+    )
+    assert ours["peft"] == peft["peft"] == "lora"
+    assert ours["trained_params_rank0"] == peft["trained_params_rank0"] > 0
+    assert "target_parameters" in peft["implementation"] and "r4 alpha 8" in peft["implementation"]
+    assert ours["fed_digest"] == peft["fed_digest"]
+    for r in (ours, peft):
+        assert r["executed_flop_kind"] == "LoRA step: forward, input gradients, adapter weight gradients"
+        line = next(x for x in md.splitlines() if x.startswith(f"- {r['arm']} tiny L2 budget 128: "))
+        tokens = line.index(f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+        assert tokens < line.index("a LoRA step executes") < line.index("the model FLOPs of full SFT"), line
+    fp8 = next(r for r in _runs(data, "tiny") if r["arm"] == "moe-sft-lora-fp8")  # the base in FP8 (random values)
+    assert fp8["fp8_base"] and not ours["fp8_base"] and fp8["trained_params_rank0"] == ours["trained_params_rank0"]
+    assert fp8["losses"][0] == pytest.approx(ours["losses"][0], abs=0.05)  # B = 0: the base's loss, FP8-rounded
+    assert "tiny L2 budget 128: moe-sft-lora / transformers-peft tokens/s =" in md
+    assert "tiny L2 budget 128: moe-sft-lora-fp8 / moe-sft-lora tokens/s =" in md
+    assert "moe-sft / transformers-peft" not in md  # full SFT is not compared with a LoRA arm
 
 
 def test_mtp_is_counted_for_deepseek(report):
@@ -398,3 +447,28 @@ def test_phase_detail_lines_name_costly_ops_host_time_and_idle_gaps():
         "- moe-sft router: aten::topk 4.4, aten::sum 3.2; host 20.0 ms",
         "- moe-sft: GPU idle 12.5 ms in the profiled step, before: _rope_kernel 6.0",
     ]
+
+
+def test_the_lora_arms_take_the_whole_qwen3_30b_on_one_h200():
+    """`--layers 48` with the LoRA arms: the preset at 48 layers is the recipe's model, and the
+    planner puts the arm's run (rank 16 on attention + experts, no recompute, 8192 tokens) on one
+    H200 with the bf16 base, on one H100 with the FP8 base only (the recipes of issue 46)."""
+    from moe_sft.plan import hardware, memory
+    from moe_sft.plan.layout import Layout
+    from moe_sft.plan.peft_memory import PeftPlan
+    from moe_sft.plan.shapes import load_shape
+
+    shape = model_shape("qwen3_30b", 48, run_mtp=False)
+    recipe_shape, _ = load_shape("qwen3_30b_a3b")
+    assert (
+        (shape.num_layers, shape.num_experts, shape.hidden) == (recipe_shape.num_layers, 128, 2048) == (48, 128, 2048)
+    )
+    lay = Layout(world=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1)
+
+    def gib(fp8: bool, recompute=None) -> float:
+        train = memory.Training(tokens=8192, micro_batches=4, recompute=recompute, peft=PeftPlan(rank=16, fp8_base=fp8))
+        return memory.stage_memory(shape, lay, 0, train).total / memory.GIB
+
+    h200, h100 = hardware.GPUS["h200_141gb"].memory_gib, hardware.GPUS["h100_80gb"].memory_gib
+    assert gib(False) < h200 < gib(False) + 10  # measured: 117.1 GiB allocated (issue 46)
+    assert gib(False, "full") > h100 > gib(True, "full")

@@ -170,3 +170,93 @@ def test_executed_flops_count_each_head_over_the_rows_with_loss_only(mtp):
     skipped = (1 + mtp) * sum(LENGTHS) - rows
     assert 0 < skipped < (1 + mtp) * sum(LENGTHS)
     assert flops.executed_step_flops(shape, [mb]) == flops.train_step_flops(shape, [mb]) - 3 * head * skipped
+
+
+def test_lora_step_flops_by_hand_on_a_small_shape():
+    """Hidden 8, 2 q heads / 1 kv head of 4, a dense layer (ffn 12) then an MoE layer (4 experts,
+    top-2, ffn 6), vocab 10; LoRA rank 2 on the attention and the experts; documents of 3 and 5."""
+    from moe_sft.plan.peft_memory import PeftPlan
+
+    shape = flops.ModelShape(
+        name="hand",
+        model_type="qwen3_moe",
+        num_layers=2,
+        hidden=8,
+        vocab=10,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        qk_norm=True,
+        ffn=12,
+        num_experts=4,
+        topk=2,
+        moe_ffn=6,
+        shared_ffn=0,
+        moe_layers=(False, True),
+        mtp_layers=0,
+        tie_embeddings=False,
+    )
+    mb = build_micro_batch([PromptedDoc(list(range(n)), prompt=2) for n in (3, 5)], pad_to=1)
+    tokens = 8
+    # forward per token: q 2*8*8 + k 2*8*4 + v 2*8*4 + o 2*8*8 = 384 per layer; dense MLP 3 * 2*8*12 = 576;
+    # MoE router 2*8*4 + 2 experts x 3 * 2*8*6 = 640; LM head 2*8*10 = 160
+    per_token = 2 * 384 + 576 + 640 + 160
+    scores = 2 * 2 * (4 + 4) * 2 * (6 + 15)  # QK^T and AV, 2 layers, causal pairs 3*4/2 + 5*6/2
+    forward = tokens * per_token + scores
+    assert flops.train_step_flops(shape, [mb]) == 3 * forward
+    # adapters per token: qkv A 3 x (2 x 8) + B 16 x 2 -> 2*80; o A 2 x 8 + B 8 x 2 -> 2*32; per layer,
+    # both layers; experts (MoE layer) 2 visited x 2*2*(A1 8 + B1 gate/up 2*6 + A2 6 + B2 8)
+    adapters = 2 * (2 * 80 + 2 * 32) + 2 * 2 * 2 * (8 + 12 + 6 + 8)
+    plan = PeftPlan(rank=2, target_modules=("attention", "experts"))
+    assert flops.adapter_forward_flops_per_token(shape, plan) == adapters == 720
+    input_grads = tokens * per_token + 2 * scores  # every matmul's dgrad; the scores' backward is 2x
+    lora = flops.lora_step_flops(shape, [mb], plan)
+    assert lora == forward + input_grads + 3 * tokens * adapters == 55616
+    # the trainer runs the head over the rows with loss only: forward and input gradient there
+    skipped = flops.skipped_head_rows(shape, [mb])
+    assert skipped == 2 + 2  # per document: the first row (its label is a prompt token) and the last (no label)
+    assert flops.lora_step_flops(shape, [mb], plan, heads_over_loss_rows=True) == lora - 2 * 160 * skipped
+    # a trained router adds its weight gradient back
+    router = PeftPlan(rank=2, target_modules=("attention", "experts"), train_router=True)
+    assert flops.lora_step_flops(shape, [mb], router) == lora + tokens * 2 * 8 * 4
+
+
+@pytest.mark.parametrize("name,entries", [("qwen3_moe", ("attention", "experts")), ("deepseek_v3", ("all_linear",))])
+def test_lora_step_flops_equal_flop_counter_on_an_adapted_model(name, entries):
+    """What an adapted model's forward and backward run (torch's FlopCounterMode, the fused
+    kernels installed as the trainer has them: the frozen router computes no weight gradient)
+    equals the LoRA count, with the padded vocabulary and every query-key pair (per-document
+    attention computes the full L x L scores on CPU)."""
+    from moe_sft.config import KernelsConfig
+    from moe_sft.config.schema import PeftConfig
+    from moe_sft.conversion.single_rank import single_rank_model
+    from moe_sft.kernels import install as kernels
+    from moe_sft.peft import install
+    from moe_sft.plan.peft_memory import PeftPlan
+    from moe_sft.runtime import patches
+
+    family = registry.family_by_name(name)
+    hf_cfg = family.tiny_hf_config(vocab_size=VOCAB, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = single_rank_model(family, hf_cfg)
+    install.add_adapters([model], PeftConfig(method="lora", rank=4, target_modules=list(entries)), model.config, "cpu")
+    g = torch.Generator().manual_seed(1)
+    tokens, positions, params = packed_batch([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS])
+    kernels.install(KernelsConfig())
+    try:
+        out = {}
+        forward = _counted(
+            lambda: out.setdefault(
+                "y", model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
+            )
+        )
+        backward = _counted(lambda: out["y"].float().square().mean().backward())
+    finally:
+        patches.restore(patches.KERNELS)
+    padded = _shape(family, hf_cfg, vocab=padded_vocab_size(VOCAB))
+    mb = build_micro_batch([PromptedDoc(list(range(n))) for n in LENGTHS], pad_to=1)
+    plan = PeftPlan(rank=4, target_modules=entries)
+    assert forward + backward == flops.lora_step_flops(padded, [mb], plan, causal=False)
+    assert forward == flops.forward_flops(padded, LENGTHS, causal=False) + sum(
+        LENGTHS
+    ) * flops.adapter_forward_flops_per_token(padded, plan)

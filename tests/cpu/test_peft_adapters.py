@@ -235,8 +235,8 @@ def test_the_gated_deltanet_gates_do_not_cap_the_rank_but_other_widths_do(name):
 
     capped = ", ".join(f"in_proj_{p} ({w} rows)" for p, w in gates.items())
     lines = install_at(16)
-    assert len(lines) == 2 and f"gate projections {capped} are narrower than rank 16" in lines[1], lines
-    assert len(install_at(4)) == 1  # no note where the gates are wide enough
+    assert len(lines) == 3 and f"gate projections {capped} are narrower than rank 16" in lines[2], lines
+    assert len(install_at(4)) == 2  # no note where the gates are wide enough
     with pytest.raises(
         ConfigError, match=r"peft.rank=65 exceeds decoder.layers.1.self_attention.linear_qkv's out\[k\]=64, out\[v\]=64"
     ):
@@ -265,8 +265,57 @@ def test_only_adapters_train_and_the_router_on_request(family):
 
 def test_a_target_matching_nothing_lists_the_modules(family):
     model = _model(family)
-    with pytest.raises(ConfigError, match=r"peft.target_modules: \['shared_experts'\] match no module.*linear_qkv"):
+    with pytest.raises(ConfigError) as err:
         install.add_adapters([model], PeftConfig(method="lora", target_modules=["shared_experts"]), model.config, "cpu")
+    text = str(err.value)
+    assert "peft.target_modules: ['shared_experts'] match no module" in text, text
+    for name in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.experts"):  # what there is
+        assert f"'decoder.layers.*.{name}'" in text, text
+
+
+COVERAGE_CASES = [
+    (
+        "qwen3_moe",
+        {},
+        "lora",
+        ["attention", "experts"],
+        "attention q/k/v/o 2/2 layers, routed experts fc1/fc2 2/2 layers x 8 experts",
+    ),
+    (
+        "qwen3_moe",
+        {},
+        "lora",
+        ["decoder.layers.1.self_attention.linear_qkv"],
+        "attention q/k/v 1/2 layers, o 0/2 layers; not targeted: routed experts fc1/fc2 (2 layers)",
+    ),
+    (
+        "deepseek_v3",
+        {"first_k_dense_replace": 1},
+        "dora",
+        ["attention"],
+        "attention q_a/q_b/kv_a/kv_b/o 2/2 layers; not targeted: dense MLP fc1/fc2 (1 layer), "
+        "shared expert fc1/fc2 (1 layer), routed experts fc1/fc2 (1 layer)",
+    ),
+    (
+        "qwen3_5_moe",
+        {"layer_types": ["linear_attention", "full_attention"]},
+        "lora",
+        ["all_linear"],
+        "attention q/k/v/o 1/1 layer, linear attention (Gated DeltaNet) in_proj/out_proj 1/1 layer, "
+        "shared expert fc1/fc2 2/2 layers, routed experts fc1/fc2 2/2 layers x 8 experts",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "method", "entries", "coverage"), COVERAGE_CASES)
+def test_the_startup_log_says_where_the_adapters_went(name, overrides, method, entries, coverage):
+    """Per module kind, over the whole model: the layers (and experts) that got adapters, and the
+    kinds the model has that no target reached (issue 46 item 4)."""
+    family = registry.family_by_name(name)
+    model = _model(family, **overrides)
+    cfg = PeftConfig(method=method, rank=4, target_modules=entries)
+    lines = install.add_adapters([model], cfg, model.config, "cpu")
+    assert lines[1] == f"peft coverage: {dict(lora='LoRA', dora='DoRA')[method]} r4 on: {coverage}", lines
 
 
 def test_rank_above_a_width_is_refused_before_and_at_build(family):

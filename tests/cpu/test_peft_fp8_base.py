@@ -376,3 +376,20 @@ def test_the_trainer_trains_lora_on_an_fp8_base(tmp_path):
     meta = FileSystemReader(str(run / "checkpoints" / "step_0000003")).read_metadata().state_dict_metadata
     model = [k for k in meta if not k.startswith(("optimizer", "rng_state")) and hasattr(meta[k], "size")]
     assert model and all(".adapter." in k for k in model), model[:8]
+
+
+def test_fp8_base_keeps_gpt_oss_expert_biases_and_clamped_glu():
+    """gpt-oss's experts add a bias after each grouped GEMM and run its clamped SwiGLU
+    (layers/expert_bias.py): the FP8 experts' forward takes the same steps, so the FP8 model
+    equals its dequantised twin there too (a forward without them would differ)."""
+    family = registry.family_by_name("gpt_oss")
+    ours, theirs, values, _ = _fp8_and_dequantised(family)
+    assert any(k.endswith("mlp.experts.weight1") for k in values)
+    l_ours, l_theirs = _loss(ours), _loss(theirs)
+    assert torch.equal(l_ours, l_theirs)
+    l_ours.backward()
+    l_theirs.backward()
+    grads = {n: p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    for name, param in ours.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param.grad, grads[name], rtol=1e-6, atol=1e-9, msg=name)

@@ -72,6 +72,30 @@ def test_a_lora_run_plans_its_mtp_layer_frozen_and_not_run(monkeypatch):
     assert training_of(full, lay, "torch").mtp_trained and not training_of(lora, lay, "torch").mtp_trained
 
 
+@pytest.mark.parametrize(("model", "fix"), [("qwen3_30b_a3b", "peft.fp8_base=true (52.0 GiB)"), ("gpt_oss_20b", None)])
+def test_one_gpu_lora_recipes_take_what_the_planner_says_fits(model, fix, monkeypatch):
+    """Issue 46: the whole model's LoRA on one H200 with the base in bf16; on one H100 the bf16 base
+    does not fit, the planner names the single changes that do (each planned), and the H100 recipe
+    keeps its base in FP8, one of them."""
+    from moe_sft.plan import what_fits
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    h200, h100 = make_plan(_recipe(f"{model}_lora_1gpu_h200")), make_plan(_recipe(f"{model}_lora_1gpu"))
+    for plan in (h200, h100):
+        assert plan.layout.world == 1 and plan.fits and plan.cfg.peft.method == "lora"
+        assert plan.shape.num_layers == load_shape(model)[0].num_layers  # every layer, not a reduced stack
+    assert not h200.cfg.peft.fp8_base and h100.cfg.peft.fp8_base
+    bf16 = make_plan(_recipe(f"{model}_lora_1gpu", "peft.fp8_base=false"))
+    assert not bf16.fits
+    fits, short = what_fits(bf16)
+    assert any(f.startswith("peft.fp8_base=true (") for f in fits), fits
+    assert fix is None or fix in fits
+    assert any(s.startswith("optimizer.optimizer_cpu_offload=true") for s in short), short  # the base dominates
+    (error,) = [e for e in bf16.errors if e.startswith("[memory]")]
+    assert "fits with " + " | ".join(fits) in error
+
+
 def test_optimizer_offload_plans_with_its_measured_fragmentation(monkeypatch):
     """Offload churns the allocator more (measured reserved/allocated 1.12 vs 1.01-1.03 on H200 with
     expandable segments): its total counts 15% over allocated, not 10%, and the report says which."""

@@ -135,6 +135,18 @@ def test_lora_layout_matches_one_rank(source, one_rank, layout):
     assert sorted(run["printed"]) == list(range(1, STEPS + 1))
     print(layout, end=" ")
     _assert_same(one_rank, run, range(1, STEPS + 1))
+    # the startup line counts the whole model at every layout (pipeline stages add up, replicas once)
+    assert _coverage(run["log"]) == _coverage(one_rank["log"]) == COVERAGE, run["log"][-2000:]
+
+
+COVERAGE = (
+    "peft coverage: LoRA r8 on: attention q/k/v/o 4/4 layers, dense MLP fc1/fc2 1/1 layer, "
+    "shared expert fc1/fc2 3/3 layers, routed experts fc1/fc2 3/3 layers x 8 experts"
+)
+
+
+def _coverage(log: str) -> str:
+    return next(line[line.index("peft coverage:") :] for line in log.splitlines() if "peft coverage:" in line)
 
 
 def _checkpoint_tensors(step_dir) -> dict[str, int]:
