@@ -1019,7 +1019,7 @@ class _FlaLike:
     rms_norm_gated keeps x, the gate and an fp32 1/rms per row."""
 
     @staticmethod
-    def conv(x, weight, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+    def conv(x, weight, activation=None, **document_bounds):
         class Fn(torch.autograd.Function):
             @staticmethod
             def forward(ctx, x):
@@ -1027,6 +1027,12 @@ class _FlaLike:
                 return torch.zeros_like(x)
 
         return (Fn.apply(x),)
+
+    @staticmethod
+    def chunk_indices(cu, chunk):
+        """fla's (document, chunk within it) pairs: host-side bookkeeping, nothing kept for backward."""
+        counts = ((cu[1:] - cu[:-1] + chunk - 1) // chunk).tolist()
+        return torch.tensor([[d, c] for d, n in enumerate(counts) for c in range(n)], dtype=cu.dtype)
 
     @staticmethod
     def delta_rule(q, k, v, g, beta, **kwargs):
@@ -1077,6 +1083,7 @@ def test_gdn_activation_formula_matches_what_fla_kernels_keep(fake_world, monkey
     monkeypatch.setattr(gdn, "fla_causal_conv1d", _FlaLike.conv)
     monkeypatch.setattr(gdn, "fla_chunk_gated_delta_rule", _FlaLike.delta_rule)
     monkeypatch.setattr(gdn, "fla_rms_norm_gated", _FlaLike.norm)
+    monkeypatch.setattr(gdn, "fla_chunk_indices", _FlaLike.chunk_indices)
     hf = qwen3_5_moe.tiny_hf_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     shape = shape_from_hf_dict(hf.to_dict())
     assert shape.is_linear_layer(0) and not shape.is_linear_layer(1)
