@@ -8,11 +8,24 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 from moe_sft.layers.norm import RMSNorm
 
 
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["qwen3", "zero_centred"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_transformers(dtype):
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, params_dtype=dtype)
-    ours, theirs = RMSNorm(config, 64, eps=1e-6), Qwen3MoeRMSNorm(64, eps=1e-6).to(dtype)
-    weight = torch.randn(64).to(dtype)
+def test_rmsnorm_matches_transformers(dtype, zero_centred):
+    """Qwen3-MoE's norm, and Qwen3.5 / Qwen3-Next's zero-centred one (weight stored around 0, fp32
+    x-hat times fp32 (1 + w), rounded once) through the same autograd function: forward bit-equal
+    to transformers' in bf16, gradients within a rounding."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        params_dtype=dtype,
+        layernorm_zero_centered_gamma=zero_centred,
+    )
+    theirs = (Qwen3_5MoeRMSNorm if zero_centred else Qwen3MoeRMSNorm)(64, eps=1e-6).to(dtype)
+    ours = RMSNorm(config, 64, eps=1e-6)
+    weight = (torch.randn(64) * (0.1 if zero_centred else 1.0)).to(dtype)
     ours.weight.data.copy_(weight)
     theirs.weight.data.copy_(weight)
     x = (torch.randn(5, 3, 64) * 3).to(dtype)
@@ -76,34 +89,6 @@ def test_keeps_the_input_and_one_fp32_per_row_and_equals_torch_rms_norm(dtype):
     terms = (g.double() * y_hat.double()).reshape(-1, 256).abs().sum(0)
     unit = 2**-8 if dtype == torch.bfloat16 else 2**-20
     assert ((weight.grad.double() - wb.grad.double()).abs() <= unit * (terms + wb.grad.double().abs())).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero_centred_rmsnorm_matches_transformers(dtype):
-    """Qwen3.5 / Qwen3-Next's norm (weight stored around 0, fp32 x-hat times fp32 (1 + w), rounded
-    once) through the same autograd function as the plain norm: forward bit-equal to transformers'
-    Qwen3_5MoeRMSNorm in bf16, gradients within a rounding."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
-
-    config = TransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, params_dtype=dtype, layernorm_zero_centered_gamma=True
-    )
-    ours, theirs = RMSNorm(config, 64, eps=1e-6), Qwen3_5MoeRMSNorm(64, eps=1e-6).to(dtype)
-    weight = (torch.randn(64) * 0.1).to(dtype)
-    ours.weight.data.copy_(weight)
-    theirs.weight.data.copy_(weight)
-    x = (torch.randn(5, 3, 64) * 3).to(dtype)
-    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    ya, yb = ours(xa), theirs(xb)
-    assert ya.dtype == yb.dtype == dtype
-    exact = 0.0 if dtype == torch.bfloat16 else 1e-6
-    torch.testing.assert_close(ya, yb, rtol=exact, atol=exact)
-    g = torch.randn_like(ya)
-    ya.backward(g)
-    yb.backward(g)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(xa.grad, xb.grad, **tol)
-    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **tol)
 
 
 def test_round_once_backward_is_the_derivative_in_fp64():
