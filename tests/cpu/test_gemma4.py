@@ -124,3 +124,53 @@ def test_layer_attention_from_config_json_and_transformers_agree():
 def test_refusals_name_the_field(override, field):
     with pytest.raises(UnsupportedConfigError, match=field):
         FAMILY.check_supported(FAMILY.tiny_hf_config(**override))
+
+
+def test_router_math_equals_transformers_router():
+    """layers/gemma4_math: the scale-free norm, scale, hidden**-0.5, fp32 softmax top-k
+    renormalised and per_expert_scale give transformers' weights and experts exactly."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+    from moe_sft.layers import gemma4_math as G
+
+    cfg = FAMILY.tiny_hf_config()
+    torch.manual_seed(1)
+    router = Gemma4TextRouter(cfg)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(37, cfg.hidden_size)
+    _, hf_weights, hf_index = router(x)
+    logits = torch.nn.functional.linear(G.router_input(x, router.scale, cfg.rms_norm_eps), router.proj.weight)
+    probs, routing_map = G.scaled_topk(logits, router.per_expert_scale, cfg.top_k_experts)
+    assert torch.equal(probs.gather(-1, hf_index), hf_weights)
+    assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(-1, hf_index, True))
+    assert torch.equal(probs == 0, ~routing_map)
+
+
+@pytest.mark.parametrize("layer_type", [gemma4.SLIDING, gemma4.FULL])
+def test_rope_per_layer_type_through_megatrons_apply(layer_type):
+    """Proportional RoPE (full layers: a quarter of the pairs rotated, with frequencies over the
+    whole head) and the sliding layers' default RoPE, as megatron's apply_rotary_pos_emb computes
+    them from layers/gemma4_math's angles, equal transformers' on every position."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, apply_rotary_pos_emb
+
+    from moe_sft.layers import gemma4_math as G
+
+    cfg = FAMILY.tiny_hf_config()
+    rope = cfg.rope_parameters[layer_type]
+    head_dim = gemma4.layer_attention(cfg, cfg.layer_types.index(layer_type))[0]
+    if rope["rope_type"] == "proportional":
+        inv_freq = G.proportional_inv_freq(head_dim, rope["rope_theta"], rope["partial_rotary_factor"])
+        assert (inv_freq == 0).sum() == head_dim // 2 - int(rope["partial_rotary_factor"] * head_dim // 2) > 0
+    else:
+        inv_freq = G.default_inv_freq(head_dim, rope["rope_theta"])
+    hf_rope = Gemma4TextRotaryEmbedding(cfg)
+    assert torch.equal(inv_freq, getattr(hf_rope, f"{layer_type}_inv_freq"))
+    positions = torch.arange(300)
+    q = torch.randn(1, positions.numel(), 3, head_dim)
+    cos, sin = hf_rope(q, positions[None], layer_type)
+    want = apply_rotary_pos_emb(q, cos, sin, unsqueeze_dim=2)[0]
+    got = _apply_rotary_pos_emb_bshd(q[0][:, None], G.rotary_freqs(positions, inv_freq), rotary_interleaved=False)
+    torch.testing.assert_close(got[:, 0], want, rtol=0, atol=1e-5)
