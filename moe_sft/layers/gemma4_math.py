@@ -59,3 +59,15 @@ def rotary_freqs(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tenso
     head, which is transformers' rotate_half — also for the zero frequencies of proportional RoPE."""
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]
     return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+
+
+def split_qkv(mixed: torch.Tensor, groups: int, head_dim: int, k_eq_v: bool):
+    """linear_qkv's output [..., G*(R+2)*D] (per group: R queries, key, value) or, for a k-eq-v
+    layer, [..., G*(R+1)*D] (queries, key) → q [..., G*R, D], k [..., G, D], v [..., G, D]; a k-eq-v
+    layer's V is its K as projected (transformers takes it before k_norm and RoPE)."""
+    per_group = mixed.reshape(*mixed.shape[:-1], groups, -1, head_dim)
+    kv = 1 if k_eq_v else 2
+    q, k, *v = torch.split(per_group, [per_group.shape[-2] - kv] + [1] * kv, dim=-2)
+    q = q.reshape(*mixed.shape[:-1], -1, head_dim)
+    k = k.squeeze(-2)
+    return q, k, (k if k_eq_v else v[0].squeeze(-2))

@@ -174,3 +174,24 @@ def test_rope_per_layer_type_through_megatrons_apply(layer_type):
     want = apply_rotary_pos_emb(q, cos, sin, unsqueeze_dim=2)[0]
     got = _apply_rotary_pos_emb_bshd(q[0][:, None], G.rotary_freqs(positions, inv_freq), rotary_interleaved=False)
     torch.testing.assert_close(got[:, 0], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_linear_qkv_splits_into_transformers_projections(layer):
+    """The mapped linear_qkv applied to x and split by layers/gemma4_math.split_qkv gives
+    transformers' q_proj(x), k_proj(x) and v_proj(x) (k_proj(x) again on the k-eq-v full layer)."""
+    from moe_sft.layers import gemma4_math as G
+
+    cfg = FAMILY.tiny_hf_config()
+    state = _hf_state(cfg)
+    mcore, _ = _round_trip(cfg)
+    head_dim, groups = gemma4.layer_attention(cfg, layer)
+    x = torch.randn(5, 3, cfg.hidden_size)
+    mixed = x @ mcore[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"].t()
+    q, k, v = G.split_qkv(mixed, groups, head_dim, gemma4.k_eq_v(cfg, layer))
+    attn = f"model.layers.{layer}.self_attn."
+    proj = lambda name: (x @ state[attn + name + ".weight"].t()).reshape(5, 3, -1, head_dim)  # noqa: E731
+    torch.testing.assert_close(q, proj("q_proj"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(k, proj("k_proj"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(v, proj("k_proj" if layer == 1 else "v_proj"), rtol=0, atol=1e-5)
+    assert gemma4.k_eq_v(cfg, layer) == (layer == 1)
