@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+# Decoder layers of the quickstart's tiny model (`--num-layers`).
+NUM_LAYERS = 2
+
 
 def create_tiny_hf(
     hf_path: Path, tokenizer_dir: Path, seed: int = 0, family: str = "qwen3_moe", **config_overrides
@@ -50,7 +53,7 @@ def main() -> None:
     parser.add_argument("--hf-path", required=True, type=Path)
     parser.add_argument("--mcore-path", required=True, type=Path)
     parser.add_argument("--tokenizer", required=True, type=Path)
-    parser.add_argument("--num-layers", type=int, default=2, help="decoder layers of the tiny model")
+    parser.add_argument("--num-layers", type=int, default=NUM_LAYERS, help="decoder layers of the tiny model")
     parser.add_argument("--family", default="qwen3_moe", help="a moe_sft.models.registry family name")
     parser.add_argument("--experts", type=int, help="routed experts (the family's tiny default if unset)")
     parser.add_argument("--top-k", type=int, help="experts per token (the family's tiny default if unset)")

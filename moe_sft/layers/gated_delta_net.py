@@ -365,7 +365,7 @@ class Documents(NamedTuple):
 def _documents(packed_seq_params, batch: int, seq: int, device) -> Documents:
     """Read once per micro-batch and kept on its PackedSeqParams: every GDN layer of the forward
     and the backward shares them, so the host copy costs one device sync per micro-batch, not
-    several per layer (the H200 profile counted 48 such syncs in one 5-layer step)."""
+    several per layer (docs/benchmarks.md, "Hybrid Gated DeltaNet")."""
     if packed_seq_params is None:
         if batch == 1:
             return Documents(None, None)

@@ -352,7 +352,11 @@ def rules(cfg) -> list[Rule]:
 
 
 # The tiny hybrid model's dims (Qwen3.5's tiny config shares them): three GDN layers and one
-# gated-attention layer (the released pattern).
+# gated-attention layer (the released pattern). head_dim 128, not 32: at the releases' partial
+# rotary factor 0.25 and rope_theta 1e6-1e7, 32 leaves 8 rotary dims, one frequency fast enough to
+# tell the tokens of a conversation apart, and the quickstart stayed on its loss plateau (the
+# attention can hardly learn where a word sits). 128 gives 32 rotary dims, as Qwen3-MoE's tiny
+# model, and the quickstart learns (tests/cpu/test_quickstart_tiny.py, docs/log.md issue 44).
 TINY_HYBRID = dict(
     hidden_size=128,
     moe_intermediate_size=64,
@@ -360,7 +364,7 @@ TINY_HYBRID = dict(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=32,
+    head_dim=128,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=32,
@@ -383,7 +387,12 @@ def tiny_config(config_class, vocab_size: int, rope_theta: float, overrides: dic
     )
     kwargs.update(overrides)
     if "layer_types" not in overrides:
-        kwargs["layer_types"] = None  # the config's own pattern for this many layers
+        # The config's own pattern (a full-attention layer every 4th), except that a stack shorter
+        # than one period still ends on the gated-attention layer: the quickstart's 2 layers are one
+        # GDN and one attention layer. Two GDN layers alone cannot look a word up by position
+        # (the quickstart stayed on its plateau), and transformers' generate needs an attention layer.
+        kwargs["layer_types"] = None
+        kwargs["full_attention_interval"] = min(kwargs.get("full_attention_interval", 4), kwargs["num_hidden_layers"])
     return config_class(**kwargs)
 
 

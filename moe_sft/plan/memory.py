@@ -100,6 +100,42 @@ def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: str | No
     return out + lse
 
 
+# fla's chunk size (chunk_gated_delta_rule's default): its intra-chunk matrix A is [T, H, 64].
+FLA_CHUNK = 64
+
+
+def gdn_activation(s: ModelShape, lay: Layout, t: int) -> int:
+    """Saved bytes of one Gated DeltaNet mixer (moe_sft/layers/gated_delta_net.py) for t tokens on
+    one rank, on the CUDA path: fla-core 0.6.0's kernels, bf16 activations. What each keeps:
+
+    - in_proj (ColumnParallelLinear): its input, after the input norm (un-gathered under SP); its
+      output [t, 2qk + 2v + 2Hv] is not kept: only slices of it are, copied by fla's input guard;
+    - causal_conv1d: its input, the concatenated q, k, v [t, 2qk + v] (the SiLU output is recomputed);
+    - chunk_gated_delta_rule (ChunkGatedDeltaRuleFunction.save_for_backward): q and k after its
+      in-kernel L2 norm (bf16, key heads: the GVA sharing stays in the kernel) and their fp32
+      1/norm per head, a contiguous v, the fp32 cumulative decay g [t, Hv], raw b and a (bf16)
+      and beta = sigmoid(b) (fp32), the intra-chunk matrix A [t, Hv, 64] (bf16); the chunk states
+      h [t/64, Hv, Dk, Dv] are not saved: the backward recomputes them (working set, not here);
+    - the gated RMSNorm (fla's rms_norm_gated): its input (the delta rule's output), a contiguous
+      z, an fp32 1/rms per head;
+    - out_proj (RowParallelLinear): its input, the norm's output in [s, b, v] order.
+
+    The torch path (CPU; fp32 runs; fla absent or refusing its backward) keeps more: megatron's
+    torch chunked rule in fp32 with its per-chunk tensors; not modelled.
+    """
+    la = s.linear_attention
+    tsp = t // lay.tp if lay.tp > 1 else t
+    qk, v = la.key_heads * la.key_dim // lay.tp, la.value_heads * la.value_dim // lay.tp
+    hk, hv = la.key_heads // lay.tp, la.value_heads // lay.tp
+    out = _norm(tsp, s.hidden) + tsp * 2 * s.hidden  # input norm; in_proj's input
+    out += t * (2 * qk + v) * 2  # the convolution's input
+    out += t * (2 * qk * 2 + 2 * hk * 4)  # normalised q, k and their 1/norm
+    out += t * v * 2  # v
+    out += t * hv * (4 + 2 + 2 + 4 + FLA_CHUNK * 2)  # g, b, a, beta, A
+    out += t * v * 2 * 3 + t * hv * 4  # norm input, z, out_proj input; the norm's 1/rms
+    return out
+
+
 def mlp_activation(s: ModelShape, lay: Layout, t: int, moe: bool, imbalance: float = 1.0) -> int:
     """Saved bytes of one layer's MLP block (pre-MLP norm included)."""
     tsp = t // lay.tp if lay.tp > 1 else t
@@ -118,9 +154,17 @@ def mlp_activation(s: ModelShape, lay: Layout, t: int, moe: bool, imbalance: flo
 
 
 def layer_activation(
-    s: ModelShape, lay: Layout, t: int, moe: bool, recompute: str | None = None, imbalance: float = 1.0
+    s: ModelShape,
+    lay: Layout,
+    t: int,
+    moe: bool,
+    recompute: str | None = None,
+    imbalance: float = 1.0,
+    linear: bool = False,
 ) -> int:
-    return attention_activation(s, lay, t, recompute) + mlp_activation(s, lay, t, moe, imbalance)
+    """One decoder layer; `linear`: its mixer is Gated DeltaNet (ModelShape.is_linear_layer)."""
+    mixer = gdn_activation(s, lay, t) if linear else attention_activation(s, lay, t, recompute)
+    return mixer + mlp_activation(s, lay, t, moe, imbalance)
 
 
 def mtp_activation(s: ModelShape, lay: Layout, t: int, imbalance: float = 1.0) -> int:
@@ -241,7 +285,10 @@ def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imba
     tsp = t // lay.tp if lay.tp > 1 else t
     chunks = stage_layers(s.num_layers, lay, pp_rank)
     layer_ids = [i for r in chunks for i in r]
-    acts = [layer_activation(s, lay, t, s.moe_layers[i], train.recompute, imbalance) for i in layer_ids]
+    acts = [
+        layer_activation(s, lay, t, s.moe_layers[i], train.recompute, imbalance, s.is_linear_layer(i))
+        for i in layer_ids
+    ]
     last = pp_rank == lay.pp - 1
     mtp_depths = s.mtp_layers if (last and train.mtp_trained) else 0
     mtp = [mtp_activation(s, lay, t, imbalance)] * mtp_depths  # not recomputed

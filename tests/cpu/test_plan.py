@@ -29,6 +29,14 @@ RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 PRODUCTION = ("deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b")
 # Production recipes with no GPU calibration layout yet (benchmarks/gpu/plan_calibration.py).
 UNCALIBRATED = ("deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2")
+# Hybrid Gated DeltaNet recipes: (recipe, model config under recipes/models/); Qwen3.5's configs are
+# the releases' text_config, hence a name of their own.
+HYBRID = (
+    ("qwen3_next_80b_a3b", "qwen3_next_80b_a3b"),
+    ("qwen3_5_35b_a3b", "qwen3_5_35b_a3b_text"),
+    ("qwen3_5_122b_a10b", "qwen3_5_122b_a10b_text"),
+    ("qwen3_5_397b_a17b", "qwen3_5_397b_a17b_text"),
+)
 
 
 @functools.cache
@@ -89,6 +97,25 @@ def test_production_models_have_h100_and_h200_recipes_with_hf_config():
         assert (REPO / "recipes" / "slurm" / f"{model}.sbatch").is_file()
 
 
+def test_hybrid_models_have_h100_and_h200_recipes_and_their_own_sbatch():
+    for recipe, config in HYBRID:
+        base, h200 = _recipe(recipe), _recipe(f"{recipe}_h200")
+        assert base.hardware.gpu == "h100_80gb" and h200.hardware.gpu == "h200_141gb"
+        assert base.model.hf_config == h200.model.hf_config == config and config in known_models()
+        text = (REPO / "recipes" / "slurm" / f"{recipe}.sbatch").read_text()
+        for piece in (
+            f"#SBATCH --nodes={base.hardware.nodes}",
+            f"--nodes={h200.hardware.nodes} --export=ALL,RECIPE={recipe}_h200",
+            f"RECIPE:-{recipe}",
+            "#SBATCH --requeue",
+            "#SBATCH --signal=B:USR1@",
+            "convert.sbatch",
+            "train_common.sh",
+        ):
+            assert piece in text, (recipe, piece)
+        assert f"recipes/slurm/{recipe}.sbatch" in (REPO / "recipes" / f"{recipe}.yaml").read_text()
+
+
 def test_shipped_configs_match_the_families_translation():
     """Shapes read as plain JSON agree with transformers + our family's TransformerConfig kwargs."""
     from moe_sft.conversion.hf_source import load_hf_config
@@ -112,6 +139,8 @@ def test_shipped_configs_match_the_families_translation():
         "gpt_oss_120b": 116.8,
         "qwen3_next_80b_a3b": 81.3,
         "qwen3_5_35b_a3b_text": 35.5,
+        "qwen3_5_122b_a10b_text": 124.6,
+        "qwen3_5_397b_a17b_text": 402.9,
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer;
     # Qwen3-Next / Qwen3.5: + 1 MTP layer (embedding / head shared), without Qwen3.5's vision tower
     for name in known_models():
@@ -956,3 +985,102 @@ def test_deepseek_v3_lora_sbatch_matches_its_recipes():
         "train_common.sh",
     ):
         assert piece in text, piece
+
+
+class _FlaLike:
+    """CPU stand-ins for fla-core 0.6.0's three kernels that save for backward what fla's autograd
+    Functions save (their inputs made contiguous by fla's input guard), with fla's shapes and dtypes:
+    causal_conv1d keeps x; chunk_gated_delta_rule keeps q, k after its L2 norm and their fp32 1/norm,
+    v, the fp32 decay cumsum g, raw beta and g inputs, fp32 sigmoid(beta), A [T, H, 64];
+    rms_norm_gated keeps x, the gate and an fp32 1/rms per row."""
+
+    @staticmethod
+    def conv(x, weight, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x.contiguous())
+                return torch.zeros_like(x)
+
+        return (Fn.apply(x),)
+
+    @staticmethod
+    def delta_rule(q, k, v, g, beta, **kwargs):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, g, beta):
+                t, hv = v.shape[1], v.shape[2]
+                f32 = dict(dtype=torch.float32)
+                ctx.save_for_backward(
+                    q.contiguous().clone(),
+                    torch.empty(q.shape[:-1], **f32),
+                    k.contiguous().clone(),
+                    torch.empty(k.shape[:-1], **f32),
+                    v.contiguous(),
+                    torch.empty(g.shape, **f32),
+                    beta.contiguous(),
+                    torch.empty(beta.shape, **f32),
+                    torch.empty(1, t, hv, 64, dtype=v.dtype),
+                    g.contiguous(),
+                )
+                return torch.zeros_like(v)
+
+        return Fn.apply(q, k, v, g, beta), None
+
+    @staticmethod
+    def norm(x, gate, weight, bias, activation=None, eps=1e-6):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, gate):
+                ctx.save_for_backward(x.contiguous(), gate.contiguous(), torch.empty(x.shape[:-1]))
+                return torch.zeros_like(x)
+
+        return Fn.apply(x, gate)
+
+
+def test_gdn_activation_formula_matches_what_fla_kernels_keep(fake_world, monkeypatch):
+    """A Gated DeltaNet mixer's planned activation bytes (memory.gdn_activation, the fla CUDA path)
+    = what autograd keeps in our layer (bf16, TP1 and TP2 + SP) with fla's kernels standing in as
+    saving what they save: the layer's own tensors (in_proj's input, the conv input, the copies of
+    in_proj's slices, the norm's and out_proj's inputs) are measured, the kernels' saves itemised.
+    The input norm is left out: Qwen3.5's zero-centred norm is the family's, not the mixer's."""
+    from moe_sft.layers import gated_delta_net as gdn
+    from moe_sft.models import qwen3_5_moe
+    from moe_sft.models.forward import packed_batch
+    from moe_sft.plan import memory
+
+    monkeypatch.setattr(gdn, "_use_fla", lambda t: True)
+    monkeypatch.setattr(gdn, "fla_causal_conv1d", _FlaLike.conv)
+    monkeypatch.setattr(gdn, "fla_chunk_gated_delta_rule", _FlaLike.delta_rule)
+    monkeypatch.setattr(gdn, "fla_rms_norm_gated", _FlaLike.norm)
+    hf = qwen3_5_moe.tiny_hf_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    shape = shape_from_hf_dict(hf.to_dict())
+    assert shape.is_linear_layer(0) and not shape.is_linear_layer(1)
+    tokens = 256
+    for tp in (1, 2):
+        lay = Layout(world=tp, tp=tp, pp=1, vpp=None, cp=1, ep=1, etp=1)
+        model = fake_world(qwen3_5_moe.FAMILY, hf, 0, tp, tp=tp, etp=1, dispatcher="alltoall")[0]
+        mixer = model.decoder.layers[0].self_attention
+        assert isinstance(mixer, gdn.GatedDeltaNet)
+        names = {id(m) for m in mixer.modules()}
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        stack, seen = [False], {}
+        hooks = [m.register_forward_pre_hook(lambda m, a: stack.append(id(m) in names)) for m in model.modules()]
+        hooks += [m.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1]) for m in model.modules()]
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if stack[-1] and ptr not in params:
+                seen.setdefault(ptr, t.untyped_storage().nbytes())
+            return t
+
+        ids, pos, psp = packed_batch([list(range(1, tokens // 2 + 1))] * 2)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp)
+        for h in hooks:
+            h.remove()
+        tsp = tokens // tp if tp > 1 else tokens
+        predicted = memory.gdn_activation(shape, lay, tokens) - memory._norm(tsp, shape.hidden)
+        assert predicted == sum(seen.values()), (tp, predicted, sum(seen.values()))
+        full = memory.layer_activation(shape, lay, tokens, True, linear=True)
+        assert full == memory.gdn_activation(shape, lay, tokens) + memory.mlp_activation(shape, lay, tokens, True)

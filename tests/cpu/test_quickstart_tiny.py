@@ -10,6 +10,13 @@ normalise q and k (KL about 0.4), and gpt-oss's sinks and sliding window (0.16) 
 The check is necessary, not sufficient: Kimi-K2 at 0.035 (KL 0.0085) reached only 71/200, and too
 large an init hurts too (0.1: 85-143/200). Whether the model learns is measured by the runs in
 docs/quickstart_cpu.md; this check catches a tiny config that cannot.
+
+Two more properties came from the hybrid families (issue 44, docs/log.md): the quickstart's
+2-layer model needs an attention layer (two Gated DeltaNet layers stayed on the plateau, and
+transformers' generate fails without one), and the attention needs more than one rotary frequency
+fast enough to tell the tokens of a conversation apart (8 rotary dims, head_dim 32 at partial
+rotary 0.25, gave one and stayed on the plateau; 16 dims give two, as GLM-4.5's and MiniMax-M2's,
+and learned slowly; the hybrid tiny model now has 32, three).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from moe_sft.models import registry
+from moe_sft.quickstart_model import NUM_LAYERS
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "recipes" / "demo" / "tokenizer"
@@ -30,6 +38,11 @@ TRAIN = REPO / "recipes" / "demo" / "data" / "train.jsonl"
 # largest layer: at most 0.001 for the tiny models that stayed on the plateau, 0.011 or more for
 # every one that learned.
 MIN_KL = 0.005
+# Rotary frequencies of at least this many radians per token (a full turn within ~125 tokens, the
+# length of a few demo turns): every tiny model that learned has two or more, the hybrid one with
+# head_dim 32 had one (1.0; the next, 0.018-0.03, turns once in ~250 tokens).
+FAST_FREQUENCY = 0.05
+MIN_FAST_FREQUENCIES = 2
 
 
 def _demo_batch(tokenizer, rows: int = 8) -> torch.Tensor:
@@ -51,24 +64,46 @@ def _kl_from_uniform(probs: torch.Tensor) -> float:
     return float(torch.stack(kls).mean())
 
 
-def initial_attention_kl(family_name: str) -> list[float]:
-    """Per layer, for the tiny model exactly as moe_sft.quickstart_model creates it (seed 0)."""
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+def _quickstart_model(family_name: str, tokenizer):
+    """The tiny model exactly as moe_sft.quickstart_model creates it (its layer count, seed 0)."""
     family = registry.family_by_name(family_name)
-    cfg = family.tiny_hf_config(vocab_size=len(tokenizer))
+    cfg = family.tiny_hf_config(vocab_size=len(tokenizer), num_hidden_layers=NUM_LAYERS)
     cfg._attn_implementation = "eager"  # the attention probabilities are returned
     torch.manual_seed(0)
-    model = family.hf_model_class(cfg).eval()
+    return family.hf_model_class(cfg).eval()
+
+
+def initial_attention_kl(family_name: str) -> list[float]:
+    """Per attention layer (linear-attention layers return no probabilities) of the quickstart's model."""
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    model = _quickstart_model(family_name, tokenizer)
     with torch.no_grad():
         out = model(_demo_batch(tokenizer), output_attentions=True)
-    return [_kl_from_uniform(a) for a in out.attentions]
+    return [_kl_from_uniform(a) for a in out.attentions if a is not None]
 
 
 @pytest.mark.parametrize("family", sorted(f.name for f in registry.FAMILIES))
 def test_tiny_model_starts_off_the_attention_saddle(family):
     kl = initial_attention_kl(family)
+    assert kl, (
+        f"moe_sft/models/{family}.py tiny_hf_config: the quickstart's {NUM_LAYERS}-layer model has no "
+        "attention layer; it stays on the loss plateau and transformers' generate fails (docs/log.md issue 44)"
+    )
     assert max(kl) >= MIN_KL, (
         f"moe_sft/models/{family}.py tiny_hf_config: every attention layer starts uniform "
         f"(KL from uniform {[round(k, 4) for k in kl]} < {MIN_KL}); the quickstart's 200 steps stay on the "
         "loss plateau. Raise initializer_range (docs/quickstart_cpu.md)"
+    )
+
+
+@pytest.mark.parametrize("family", sorted(f.name for f in registry.FAMILIES))
+def test_tiny_model_attention_tells_nearby_positions_apart(family):
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    inv_freq = _quickstart_model(family, tokenizer).model.rotary_emb.inv_freq  # radians per token
+    fast = sorted((round(float(f), 4) for f in inv_freq if f >= FAST_FREQUENCY), reverse=True)
+    assert len(fast) >= MIN_FAST_FREQUENCIES, (
+        f"moe_sft/models/{family}.py tiny_hf_config: {2 * inv_freq.numel()} rotary dims give the rotary "
+        f"frequencies {fast} of at least {FAST_FREQUENCY} rad/token, fewer than {MIN_FAST_FREQUENCIES}: the "
+        "attention can hardly learn where a word sits and the quickstart stays on its loss plateau. Give the tiny "
+        "model more rotary dims (head_dim, partial_rotary_factor) or a smaller rope_theta (docs/log.md issue 44)"
     )
