@@ -41,6 +41,19 @@ class SFTTransformerConfig(TransformerConfig):
     """q/k RMSNorm over all heads at once, with one weight of width heads * head_dim (MiniMax-M2's
     q_norm / k_norm; moe_sft/layers/full_width_qk_norm.py). None: megatron's per-head qk_layernorm."""
 
+    gemma4_layers: bool | None = None
+    """Every decoder layer is Gemma 4's (layers/spec.py `gemma4_layer_spec`): Gemma4RMSNorm norms, the
+    dense MLP beside the routed experts with their own norms (layers/gemma4_moe.py), a layer scalar
+    on the output (layers/gemma4_layer.py). None: megatron's layer."""
+
+    embedding_multiplier: float | None = None
+    """The word embeddings' output is multiplied by this, first rounded to the embedding weight's
+    dtype (transformers' Gemma4TextScaledWordEmbedding: sqrt(hidden_size)). None: no multiplier."""
+
+    final_logit_softcapping: float | None = None
+    """Logits z become tanh(z / c) * c before the loss (transformers' `final_logit_softcapping`).
+    None: no cap."""
+
 
 @dataclass
 class SFTMLATransformerConfig(MLATransformerConfig, SFTTransformerConfig):

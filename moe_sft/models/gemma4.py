@@ -19,15 +19,15 @@ v_proj and use k_proj's output (before k_norm and RoPE) as V. Embeddings are mul
 sqrt(hidden_size) (in the weight's dtype), the LM head is tied, logits may be soft-capped
 (`final_logit_softcapping`). Every norm is `x * w` (not Gemma 3's `x * (1 + w)`).
 
-The megatron side this table maps onto (modules still to be written in moe_sft/layers/; the
-mapping plan in docs/log.md, 2026-11-29 "issue 45 step 1"):
+The megatron side this table maps onto (the mapping plan in docs/log.md, 2026-11-29 "issue 45
+step 1"; `gemma4_layers` selects the layer spec, layers/spec.py `gemma4_layer_spec`):
 
 * megatron's TransformerLayer with `pre_mlp_layernorm` an identity and a persistent
-  `layer_scalar` buffer multiplying its output (Gemma4 layer);
+  `layer_scalar` buffer multiplying its output (layers/gemma4_layer.py);
 * the attention owns its output norm (`self_attention.post_layernorm`), the scale-free v norm,
   per-layer head dims and query groups, k-eq-v (linear_qkv holding [q, k] per group) and its
   per-layer-type RoPE;
-* the MLP is megatron's MoELayer with the dense MLP as its shared expert
+* the MLP is megatron's MoELayer (layers/gemma4_moe.py) with the dense MLP as its shared expert
   (`mlp.shared_experts.*`, TP like any dense MLP, experts EP/ETP) and five norms of its own:
   `pre_shared_layernorm` (pre_feedforward_layernorm), `post_shared_layernorm` (_1),
   `pre_experts_layernorm` (pre_feedforward_layernorm_2), `post_experts_layernorm` (_2),
@@ -138,9 +138,9 @@ def check_supported(cfg) -> None:
 
 
 def transformer_config_kwargs(cfg) -> dict:
-    """The fields megatron's TransformerConfig has. The base attention dims are the sliding
-    layers'; the full layers' dims, k-eq-v, the v norm, RoPE per layer type, the embedding scale
-    and the logit soft cap are fields of SFTTransformerConfig still to be added (docs/log.md)."""
+    """megatron's TransformerConfig fields and SFTTransformerConfig's Gemma 4 layer, embedding
+    multiplier and logit soft cap. The base attention dims are the sliding layers'; the full layers'
+    dims, k-eq-v, the v norm and RoPE per layer type are the attention's (docs/log.md)."""
     types = layer_types(cfg)
     head_dim, kv_heads = layer_attention(cfg, types.index(SLIDING)) if SLIDING in types else layer_attention(cfg, 0)
     ffn = int(cfg.intermediate_size)
@@ -167,6 +167,10 @@ def transformer_config_kwargs(cfg) -> dict:
         moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
         moe_shared_expert_intermediate_size=ffn,
         **common.softmax_routing_config(int(cfg.top_k_experts), normalize=True),
+        gemma4_layers=True,
+        # transformers' Gemma4TextScaledWordEmbedding: sqrt(hidden), cast to the weight's dtype
+        embedding_multiplier=math.sqrt(int(cfg.hidden_size)),
+        final_logit_softcapping=cfg.final_logit_softcapping,
     )
 
 
@@ -181,11 +185,6 @@ def gpt_model_kwargs(cfg) -> dict:
     kwargs = common.gpt_model_kwargs(cfg, rope_in_gpt_model=False)
     kwargs["position_embedding_type"] = "none"
     return kwargs
-
-
-def embedding_scale(cfg) -> float:
-    """transformers' Gemma4TextScaledWordEmbedding: sqrt(hidden), cast to the weight's dtype."""
-    return math.sqrt(int(cfg.hidden_size))
 
 
 def shape(cfg, name: str = "model") -> S.ModelShape:
