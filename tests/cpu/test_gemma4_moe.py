@@ -150,3 +150,24 @@ def test_embedding_multiplier_rounds_to_bf16_first():
         want = hf.model.embed_tokens(ids)
     assert ours.dtype == want.dtype == torch.bfloat16
     assert torch.equal(ours.transpose(0, 1), want)
+
+
+def test_block_refuses_what_would_skip_its_norms():
+    """megatron's shared-expert overlap (the dense MLP inside the dispatcher) is refused by name, and
+    the chunked dispatch (layers/split_dispatch.py: its own forward, without the block's norms)
+    says why it leaves the block alone."""
+    import copy
+
+    from moe_sft.layers import split_dispatch
+    from moe_sft.layers.gemma4_moe import Gemma4MoELayer
+    from moe_sft.layers.spec import gemma4_layer_spec
+
+    model = build_single_rank_model(FAMILY, FAMILY.tiny_hf_config(vocab_size=VOCAB))
+    moe = model.decoder.layers[0].mlp
+    config = copy.copy(moe.config)
+    config.moe_shared_expert_overlap = True
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap"):
+        Gemma4MoELayer(config, gemma4_layer_spec(config).submodules.mlp.submodules)
+    moe.token_dispatcher.ep_size = 2
+    reason = split_dispatch.splittable(moe)
+    assert reason is not None and "Gemma4MoELayer" in reason, reason
