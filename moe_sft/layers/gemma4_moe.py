@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from moe_sft.layers.gemma4_math import router_input
-from moe_sft.layers.gemma4_norm import Gemma4RMSNorm
+from moe_sft.layers.norm import Gemma4RMSNorm
 from moe_sft.layers.router import FamilyRouter
 
 NORMS = ("pre_shared_layernorm", "post_shared_layernorm", "pre_experts_layernorm", "post_experts_layernorm")

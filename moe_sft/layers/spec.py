@@ -38,10 +38,10 @@ from moe_sft.layers.config import is_linear_attention_layer, is_moe_layer_of_con
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.layers.full_width_qk_norm import FullWidthKNorm, FullWidthQNorm
 from moe_sft.layers.gated_delta_net import GatedDeltaNet
+from moe_sft.layers.gemma4_attention import gemma4_attention_spec
 from moe_sft.layers.gemma4_layer import Gemma4TransformerLayer
 from moe_sft.layers.gemma4_moe import Gemma4MoELayer, Gemma4Router
-from moe_sft.layers.gemma4_norm import Gemma4RMSNorm
-from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
+from moe_sft.layers.norm import Gemma4RMSNorm, LatentRMSNorm, RMSNorm
 from moe_sft.layers.router import FamilyRouter
 
 
@@ -129,22 +129,11 @@ def torch_layer_spec(config: TransformerConfig, is_moe: bool, linear_attention: 
     )
 
 
-def gemma4_attention(config: TransformerConfig) -> ModuleSpec:
-    """The self_attention of a Gemma 4 layer.
-
-    For now the GQA attention with Gemma 4's norm on q and k: it has neither the per-layer head
-    dims, k-eq-v, the v norm, the output norm nor the RoPE per layer type, so a Gemma 4 model built
-    with it does not match transformers (layers/gemma4_attention.py, being written, replaces it)."""
-    spec = _gqa_attention(config)
-    spec.submodules.q_layernorm = spec.submodules.k_layernorm = Gemma4RMSNorm
-    return spec
-
-
-def gemma4_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """A Gemma 4 decoder layer: its attention norms its own output, the router reads the raw
-    residual (identity pre_mlp_layernorm), the MoE block holds the dense MLP as its shared expert
-    and five norms, and the layer scales its output (layers/gemma4_moe.py, gemma4_layer.py). No
-    key is renamed: Transformer Engine has no Gemma 4 layer to share names with."""
+def gemma4_layer_spec() -> ModuleSpec:
+    """A Gemma 4 decoder layer: its attention norms its own output (layers/gemma4_attention.py), the
+    router reads the raw residual (identity pre_mlp_layernorm), the MoE block holds the dense MLP as
+    its shared expert and five norms, and the layer scales its output (layers/gemma4_moe.py,
+    gemma4_layer.py). No key is renamed: Transformer Engine has no Gemma 4 layer to share names with."""
     shared = ModuleSpec(
         module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     )
@@ -158,7 +147,7 @@ def gemma4_layer_spec(config: TransformerConfig) -> ModuleSpec:
         module=Gemma4TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=Gemma4RMSNorm,
-            self_attention=gemma4_attention(config),
+            self_attention=gemma4_attention_spec(),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=IdentityOp,
             mlp=moe,
@@ -177,6 +166,7 @@ def _check_te_covers(config: TransformerConfig) -> None:
             "mla_latent_layernorm_epsilon",
             "qk_norm_full_width",
             "linear_attention_layers",
+            "gemma4_attention_layers",
             "gemma4_layers",
             "embedding_multiplier",
             "final_logit_softcapping",
@@ -199,7 +189,7 @@ def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, p
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
     if getattr(config, "gemma4_layers", None):
-        specs, final_norm = [gemma4_layer_spec(config)] * config.num_layers, Gemma4RMSNorm
+        specs, final_norm = [gemma4_layer_spec()] * config.num_layers, Gemma4RMSNorm
     else:
         specs = [
             torch_layer_spec(config, is_moe_layer_of_config(config, i), is_linear_attention_layer(config, i))

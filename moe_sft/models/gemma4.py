@@ -45,6 +45,7 @@ import math
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
+from moe_sft.layers.config import Gemma4AttentionKind
 from moe_sft.models import common
 from moe_sft.models import shape as S
 from moe_sft.models import transforms as T
@@ -54,6 +55,10 @@ L = common.LAYER
 DECODER = "decoder.layers.{layer}."
 SLIDING, FULL = "sliding_attention", "full_attention"
 GLOBAL_HEAD_DIM = 512  # transformers' default of `global_head_dim` (Gemma4TextConfig.__post_init__)
+DEFAULT_ROPE = {  # transformers' rope_parameters when a config has none (Gemma4TextConfig.__post_init__)
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
 
 
 # --- config reading: a transformers config or a config.json dict (shape() needs no torch) -------
@@ -97,6 +102,23 @@ def k_eq_v(cfg, i: int) -> bool:
     return bool(_get(cfg, "attention_k_eq_v", False)) and layer_types(cfg)[i] == FULL
 
 
+def attention_kind(cfg, i: int) -> Gemma4AttentionKind:
+    """Layer i's attention for moe_sft/layers/gemma4_attention.py: its dims, k-eq-v and the RoPE of
+    its layer type (transformers' Gemma4TextRotaryEmbedding: `default` ignores the partial factor)."""
+    kind = layer_types(cfg)[i]
+    head_dim, kv_heads = layer_attention(cfg, i)
+    rope = (_get(cfg, "rope_parameters") or DEFAULT_ROPE).get(kind) or DEFAULT_ROPE[kind]
+    return Gemma4AttentionKind(
+        head_dim=head_dim,
+        num_query_groups=kv_heads,
+        k_eq_v=k_eq_v(cfg, i),
+        rope_type=rope.get("rope_type", "default"),
+        rope_theta=float(rope["rope_theta"]),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+        rope_factor=float(rope.get("factor", 1.0)),
+    )
+
+
 def is_moe_layer(cfg, i: int) -> bool:
     return True
 
@@ -138,9 +160,9 @@ def check_supported(cfg) -> None:
 
 
 def transformer_config_kwargs(cfg) -> dict:
-    """megatron's TransformerConfig fields and SFTTransformerConfig's Gemma 4 layer, embedding
-    multiplier and logit soft cap. The base attention dims are the sliding layers'; the full layers'
-    dims, k-eq-v, the v norm and RoPE per layer type are the attention's (docs/log.md)."""
+    """megatron's TransformerConfig fields and SFTTransformerConfig's Gemma 4 fields: every layer's
+    attention (`gemma4_attention_layers`: dims, k-eq-v, RoPE), the Gemma 4 layer, the embedding
+    multiplier and the logit soft cap. The base attention dims are the sliding layers'."""
     types = layer_types(cfg)
     head_dim, kv_heads = layer_attention(cfg, types.index(SLIDING)) if SLIDING in types else layer_attention(cfg, 0)
     ffn = int(cfg.intermediate_size)
@@ -163,6 +185,7 @@ def transformer_config_kwargs(cfg) -> dict:
         init_method_std=cfg.initializer_range,
         window_size=(int(cfg.sliding_window) - 1, 0) if SLIDING in types else None,
         window_attn_skip_freq=[1 if t == SLIDING else 0 for t in types],
+        gemma4_attention_layers=tuple(attention_kind(cfg, i) for i in range(len(types))),
         num_moe_experts=int(cfg.num_experts),
         moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
         moe_shared_expert_intermediate_size=ffn,

@@ -167,7 +167,7 @@ def test_block_refuses_what_would_skip_its_norms():
     config = copy.copy(moe.config)
     config.moe_shared_expert_overlap = True
     with pytest.raises(ValueError, match="moe_shared_expert_overlap"):
-        Gemma4MoELayer(config, gemma4_layer_spec(config).submodules.mlp.submodules)
+        Gemma4MoELayer(config, gemma4_layer_spec().submodules.mlp.submodules)
     moe.token_dispatcher.ep_size = 2
     reason = split_dispatch.splittable(moe)
     assert reason is not None and "Gemma4MoELayer" in reason, reason
