@@ -191,6 +191,9 @@ def transformer_config_kwargs(cfg) -> dict:
         moe_shared_expert_intermediate_size=ffn,
         **common.softmax_routing_config(int(cfg.top_k_experts), normalize=True),
         gemma4_layers=True,
+        # full layers' attention is wider than the sliding layers': one checkpoint key per layer,
+        # not one tensor stacked over the layers (megatron's TransformerBlock.sharded_state_dict)
+        hetereogenous_dist_checkpoint=True,
         # transformers' Gemma4TextScaledWordEmbedding: sqrt(hidden), cast to the weight's dtype
         embedding_multiplier=math.sqrt(int(cfg.hidden_size)),
         final_logit_softcapping=cfg.final_logit_softcapping,
@@ -355,7 +358,6 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> Gemma4TextConfig:
         intermediate_size=96,
         moe_intermediate_size=64,
         num_hidden_layers=2,
-        layer_types=[SLIDING, FULL],
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -374,6 +376,8 @@ def tiny_hf_config(vocab_size: int = 512, **overrides) -> Gemma4TextConfig:
         rms_norm_eps=1e-6,
     )
     kwargs.update(overrides)
+    layers = kwargs["num_hidden_layers"]  # sliding layers, then the full one transformers wants last
+    kwargs.setdefault("layer_types", [SLIDING] * (layers - 1) + [FULL])
     return Gemma4TextConfig(**kwargs)
 
 
