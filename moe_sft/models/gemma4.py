@@ -218,7 +218,6 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
     heads and k-eq-v are not yet counted: docs/log.md, next steps)."""
     c = S.config_view(cfg)
     fields = S.common_shape_fields(c, name)
-    fields["topk"] = int(c.top_k_experts or 0)
     raw = cfg if isinstance(cfg, dict) else c
     types = layer_types(raw)
     head_dim, kv_heads = layer_attention(raw, types.index(SLIDING) if SLIDING in types else 0)
