@@ -150,9 +150,8 @@ class Gemma4SelfAttention(SelfAttention):
         self.post_layernorm = build_module(
             submodules.post_layernorm, hidden_size=self.config.hidden_size, config=self.config, eps=eps
         )
-        # A plain tensor, not a buffer: a model built on the meta device (conversion/verify.py)
-        # gives its buffers empty storage, which would lose these values.
-        self.inv_freq = inv_freq(kind)
+        # Made at the first forward, not here and not as a buffer: a model built on the meta device
+        # (conversion/verify.py) would have it on meta, or give a buffer empty storage.
         self._inv_freq_on_device: torch.Tensor | None = None
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
@@ -170,7 +169,7 @@ class Gemma4SelfAttention(SelfAttention):
     def _rotary_freqs(self, length: int, device: torch.device) -> torch.Tensor:
         """Angles [length, 1, 1, D] for positions 0..length-1 in megatron's layout."""
         if self._inv_freq_on_device is None or self._inv_freq_on_device.device != device:
-            self._inv_freq_on_device = self.inv_freq.to(device)
+            self._inv_freq_on_device = inv_freq(self.kind).to(device)
         positions = torch.arange(length, device=device)
         return gemma4_math.rotary_freqs(positions, self._inv_freq_on_device)
 
