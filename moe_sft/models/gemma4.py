@@ -421,8 +421,6 @@ def sample_hf_config(rng, vocab_size: int) -> Gemma4TextConfig:
     )
 
 
-# Not in registry.FAMILIES yet: the registry-driven tests build the megatron model, which needs
-# the layer modules above (docs/log.md, next steps). tests/cpu/test_gemma4.py checks the table.
 FAMILY = Family(
     name="gemma4",
     model_types=("gemma4_text",),

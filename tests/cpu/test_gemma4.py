@@ -1,9 +1,9 @@
 """Gemma 4 MoE (moe_sft/models/gemma4.py): the mapping table against transformers' own model.
 
-The family is not in registry.FAMILIES yet (its layer modules are the next step), so the
-registry-driven tests do not cover it; these check what exists: every tensor of a tiny random
-`Gemma4ForCausalLM` consumed exactly once, the bit-exact round trip through the table's
-transforms, megatron's expected shapes, the per-layer attention dims, and the refusals.
+Beside the registry-driven tests (test_families.py, test_config_space.py: the whole model), these
+check the table and the math on their own: every tensor of a tiny random `Gemma4ForCausalLM`
+consumed exactly once, the bit-exact round trip through the table's transforms, megatron's
+expected shapes, the per-layer attention dims, and the refusals.
 """
 
 from __future__ import annotations
