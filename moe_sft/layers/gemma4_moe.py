@@ -23,7 +23,13 @@ from moe_sft.layers.gemma4_math import router_input
 from moe_sft.layers.norm import Gemma4RMSNorm
 from moe_sft.layers.router import FamilyRouter
 
-NORMS = ("pre_shared_layernorm", "post_shared_layernorm", "pre_experts_layernorm", "post_experts_layernorm")
+NORMS = (
+    "pre_shared_layernorm",
+    "post_shared_layernorm",
+    "pre_experts_layernorm",
+    "post_experts_layernorm",
+    "post_layernorm",
+)
 
 
 class Gemma4Router(FamilyRouter):
@@ -59,7 +65,7 @@ class Gemma4MoELayer(MoELayer):
         super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
         if not self.use_shared_expert:
             raise ValueError("Gemma 4's MoE block needs its dense MLP: set moe_shared_expert_intermediate_size")
-        for name in (*NORMS, "post_layernorm"):
+        for name in NORMS:
             setattr(self, name, Gemma4RMSNorm(config, config.hidden_size, config.layernorm_epsilon))
 
     def shared_experts_compute(self, hidden_states: torch.Tensor) -> torch.Tensor:
