@@ -19,8 +19,9 @@ v_proj and use k_proj's output (before k_norm and RoPE) as V. Embeddings are mul
 sqrt(hidden_size) (in the weight's dtype), the LM head is tied, logits may be soft-capped
 (`final_logit_softcapping`). Every norm is `x * w` (not Gemma 3's `x * (1 + w)`).
 
-The megatron side this table maps onto (modules still to be written in moe_sft/layers/; the
-mapping plan in docs/log.md, 2026-11-29 "issue 45 step 1"):
+The megatron side this table maps onto (the attention is moe_sft/layers/gemma4_attention.py; the
+other modules are still to be written; the mapping plan in docs/log.md, 2026-11-29 "issue 45
+step 1"):
 
 * megatron's TransformerLayer with `pre_mlp_layernorm` an identity and a persistent
   `layer_scalar` buffer multiplying its output (Gemma4 layer);
@@ -186,6 +187,9 @@ def transformer_config_kwargs(cfg) -> dict:
         window_size=(int(cfg.sliding_window) - 1, 0) if SLIDING in types else None,
         window_attn_skip_freq=[1 if t == SLIDING else 0 for t in types],
         gemma4_attention_layers=tuple(attention_kind(cfg, i) for i in range(len(types))),
+        # Sliding and full layers' attention tensors differ in shape, so the dist checkpoint keeps
+        # one key per layer (megatron's TransformerBlock.sharded_state_dict) instead of stacking them.
+        hetereogenous_dist_checkpoint=True,
         num_moe_experts=int(cfg.num_experts),
         moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
         moe_shared_expert_intermediate_size=ffn,
