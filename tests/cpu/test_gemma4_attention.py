@@ -40,7 +40,7 @@ def _world(tp: int):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_rank_world():
     """A one-rank fake process group (megatron's linears read the TP group at construction)."""
     from tests.cpu.test_plan import _reset_world
