@@ -73,13 +73,15 @@ def gemma4_attention_spec() -> ModuleSpec:
 
 
 def inv_freq(kind: Gemma4AttentionKind) -> torch.Tensor:
-    """transformers' inverse frequencies of this layer's rope type, on the CPU, fp32."""
-    if kind.rope_type == "proportional":
-        return gemma4_math.proportional_inv_freq(
-            kind.head_dim, kind.rope_theta, kind.partial_rotary_factor, kind.rope_factor
-        )
-    if kind.rope_type == "default":
-        return gemma4_math.default_inv_freq(kind.head_dim, kind.rope_theta)
+    """transformers' inverse frequencies of this layer's rope type, fp32, on the CPU also where the
+    model is built under `torch.device("meta")` (conversion/meta_model.py)."""
+    with torch.device("cpu"):
+        if kind.rope_type == "proportional":
+            return gemma4_math.proportional_inv_freq(
+                kind.head_dim, kind.rope_theta, kind.partial_rotary_factor, kind.rope_factor
+            )
+        if kind.rope_type == "default":
+            return gemma4_math.default_inv_freq(kind.head_dim, kind.rope_theta)
     raise ValueError(f"Gemma 4 attention: rope_type={kind.rope_type!r} (expected default or proportional)")
 
 
@@ -150,7 +152,7 @@ class Gemma4SelfAttention(SelfAttention):
         self.post_layernorm = build_module(
             submodules.post_layernorm, hidden_size=self.config.hidden_size, config=self.config, eps=eps
         )
-        # A plain tensor, not a buffer: a model built on the meta device (conversion/verify.py)
+        # A plain CPU tensor, not a buffer: a model built on the meta device (conversion/verify.py)
         # gives its buffers empty storage, which would lose these values.
         self.inv_freq = inv_freq(kind)
         self._inv_freq_on_device: torch.Tensor | None = None

@@ -256,3 +256,23 @@ def test_dist_checkpoint_keys_are_per_layer_with_each_layers_shape(one_rank_worl
         assert sharded[f"decoder.layers.{index}.self_attention.post_layernorm.weight"].global_shape == (
             cfg.hidden_size,
         )
+
+
+def test_built_on_the_meta_device_keeps_its_rope(one_rank_world):
+    """Layer-wise verify (conversion/verify.py) builds the model on the meta device, gives its
+    parameters and buffers empty storage and loads the checkpoint's tensors: the RoPE frequencies,
+    which are in no checkpoint, must survive that."""
+    from moe_sft.conversion.verify import _materialise
+
+    cfg = FAMILY.tiny_hf_config()
+    _, ours = _pair(cfg, 1)
+    with torch.device("meta"):
+        meta = build_module(gemma4_attention_spec(), config=ours.config, layer_number=2)
+    _materialise(meta)
+    meta.load_state_dict(ours.state_dict())
+    x = torch.randn(sum(LENGTHS), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    params = packed_seq_params(torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32), max(LENGTHS))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            meta(x, None, packed_seq_params=params)[0], ours(x, None, packed_seq_params=params)[0]
+        )
