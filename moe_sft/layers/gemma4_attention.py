@@ -53,6 +53,9 @@ from moe_sft.layers.norm import Gemma4RMSNorm
 
 @dataclass
 class Gemma4AttentionSubmodules(SelfAttentionSubmodules):
+    """SelfAttention's submodules and the norm on the attention's output (transformers'
+    post_attention_layernorm), which megatron's TransformerLayer has no slot for."""
+
     post_layernorm: type | ModuleSpec | None = None
 
 
