@@ -53,6 +53,9 @@ from moe_sft.layers.norm import Gemma4RMSNorm
 
 @dataclass
 class Gemma4AttentionSubmodules(SelfAttentionSubmodules):
+    """SelfAttention's submodules and the norm on the attention's output (transformers'
+    post_attention_layernorm), which megatron's TransformerLayer has no slot for."""
+
     post_layernorm: type | ModuleSpec | None = None
 
 
@@ -73,13 +76,15 @@ def gemma4_attention_spec() -> ModuleSpec:
 
 
 def inv_freq(kind: Gemma4AttentionKind) -> torch.Tensor:
-    """transformers' inverse frequencies of this layer's rope type, on the CPU, fp32."""
-    if kind.rope_type == "proportional":
-        return gemma4_math.proportional_inv_freq(
-            kind.head_dim, kind.rope_theta, kind.partial_rotary_factor, kind.rope_factor
-        )
-    if kind.rope_type == "default":
-        return gemma4_math.default_inv_freq(kind.head_dim, kind.rope_theta)
+    """transformers' inverse frequencies of this layer's rope type, fp32, on the CPU also where the
+    model is built under `torch.device("meta")` (conversion/meta_model.py)."""
+    with torch.device("cpu"):
+        if kind.rope_type == "proportional":
+            return gemma4_math.proportional_inv_freq(
+                kind.head_dim, kind.rope_theta, kind.partial_rotary_factor, kind.rope_factor
+            )
+        if kind.rope_type == "default":
+            return gemma4_math.default_inv_freq(kind.head_dim, kind.rope_theta)
     raise ValueError(f"Gemma 4 attention: rope_type={kind.rope_type!r} (expected default or proportional)")
 
 
@@ -150,8 +155,9 @@ class Gemma4SelfAttention(SelfAttention):
         self.post_layernorm = build_module(
             submodules.post_layernorm, hidden_size=self.config.hidden_size, config=self.config, eps=eps
         )
-        # Made at the first forward, not here and not as a buffer: a model built on the meta device
-        # (conversion/verify.py) would have it on meta, or give a buffer empty storage.
+        # A plain CPU tensor, not a buffer: a model built on the meta device (conversion/verify.py)
+        # gives its buffers empty storage, which would lose these values.
+        self.inv_freq = inv_freq(kind)
         self._inv_freq_on_device: torch.Tensor | None = None
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
@@ -169,7 +175,7 @@ class Gemma4SelfAttention(SelfAttention):
     def _rotary_freqs(self, length: int, device: torch.device) -> torch.Tensor:
         """Angles [length, 1, 1, D] for positions 0..length-1 in megatron's layout."""
         if self._inv_freq_on_device is None or self._inv_freq_on_device.device != device:
-            self._inv_freq_on_device = inv_freq(self.kind).to(device)
+            self._inv_freq_on_device = self.inv_freq.to(device)
         positions = torch.arange(length, device=device)
         return gemma4_math.rotary_freqs(positions, self._inv_freq_on_device)
 

@@ -20,7 +20,8 @@ sqrt(hidden_size) (in the weight's dtype), the LM head is tied, logits may be so
 (`final_logit_softcapping`). Every norm is `x * w` (not Gemma 3's `x * (1 + w)`).
 
 The megatron side this table maps onto (the mapping plan in docs/log.md, 2026-11-29 "issue 45
-step 1"; `gemma4_layers` selects the layer spec, layers/spec.py `gemma4_layer_spec`):
+step 1"; `gemma4_layers` selects the layer spec, layers/spec.py `gemma4_layer_spec`, and
+`gemma4_attention_layers` each layer's attention, layers/gemma4_attention.py):
 
 * megatron's TransformerLayer with `pre_mlp_layernorm` an identity and a persistent
   `layer_scalar` buffer multiplying its output (layers/gemma4_layer.py);
@@ -186,14 +187,14 @@ def transformer_config_kwargs(cfg) -> dict:
         window_size=(int(cfg.sliding_window) - 1, 0) if SLIDING in types else None,
         window_attn_skip_freq=[1 if t == SLIDING else 0 for t in types],
         gemma4_attention_layers=tuple(attention_kind(cfg, i) for i in range(len(types))),
+        # Sliding and full layers' attention tensors differ in shape, so the dist checkpoint keeps
+        # one key per layer (megatron's TransformerBlock.sharded_state_dict) instead of stacking them.
+        hetereogenous_dist_checkpoint=True,
         num_moe_experts=int(cfg.num_experts),
         moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
         moe_shared_expert_intermediate_size=ffn,
         **common.softmax_routing_config(int(cfg.top_k_experts), normalize=True),
         gemma4_layers=True,
-        # full layers' attention is wider than the sliding layers': one checkpoint key per layer,
-        # not one tensor stacked over the layers (megatron's TransformerBlock.sharded_state_dict)
-        hetereogenous_dist_checkpoint=True,
         # transformers' Gemma4TextScaledWordEmbedding: sqrt(hidden), cast to the weight's dtype
         embedding_multiplier=math.sqrt(int(cfg.hidden_size)),
         final_logit_softcapping=cfg.final_logit_softcapping,

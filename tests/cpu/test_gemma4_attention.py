@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextAttention, Gemma4TextRotaryEmbedding
 
@@ -40,7 +40,7 @@ def _world(tp: int):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_rank_world():
     """A one-rank fake process group (megatron's linears read the TP group at construction)."""
     from tests.cpu.test_plan import _reset_world
@@ -202,3 +202,77 @@ def test_tensor_parallel_splits_groups_and_refuses_indivisible_kv_heads():
             build_module(gemma4_attention_spec(), config=config, layer_number=2)
     finally:
         _reset_world()
+
+
+def test_drops_into_megatrons_transformer_layer_as_self_attention(one_rank_world):
+    """megatron's TransformerLayer with this spec as `self_attention` (no MLP) computes the HF
+    layer's attention half, x + post_attention_layernorm(attn(input_layernorm(x))), on packed
+    documents: the keyword interface and the (output, None) the layer's bias-dropout-add takes."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from moe_sft.layers.norm import Gemma4RMSNorm
+
+    cfg = FAMILY.tiny_hf_config()
+    ref, ours = _pair(cfg, 1)
+    spec = TransformerLayerSubmodules(
+        input_layernorm=Gemma4RMSNorm, self_attention=gemma4_attention_spec(), self_attn_bda=get_bias_dropout_add
+    )
+    layer = TransformerLayer(ours.config, spec, layer_number=2)
+    input_norm = Gemma4RMSNorm(ours.config, cfg.hidden_size, eps=cfg.rms_norm_eps)
+    with torch.no_grad():
+        input_norm.weight.copy_(1 + 0.3 * torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(7)))
+    layer.input_layernorm.load_state_dict(input_norm.state_dict())
+    layer.self_attention.load_state_dict(ours.state_dict())
+    x = torch.randn(sum(LENGTHS), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        out, _ = layer(x, attention_mask=None, packed_seq_params=packed_seq_params(cu, max(LENGTHS)))
+        with cpu_compat.suspended():
+            normed = input_norm(x)
+            docs = [ref(doc.transpose(0, 1)).transpose(0, 1) for doc in torch.split(normed, LENGTHS)]
+    torch.testing.assert_close(out, x + torch.cat(docs), **TOL)
+
+
+def test_dist_checkpoint_keys_are_per_layer_with_each_layers_shape(one_rank_world):
+    """Sliding and full layers' tensors differ in shape: the family's config makes megatron's
+    TransformerBlock key them per layer (stacked keys would need one shape for all layers)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    cfg = FAMILY.tiny_hf_config()
+    config = build_transformer_config(FAMILY, cfg, ModelOptions(precision="fp32", backend="torch", device="cpu"))
+    layer = ModuleSpec(
+        module=TransformerLayer, submodules=TransformerLayerSubmodules(self_attention=gemma4_attention_spec())
+    )
+    block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[layer, layer]), post_layer_norm=False)
+    sharded = block.sharded_state_dict(prefix="decoder.")
+    for index in (0, 1):
+        head_dim, groups = gemma4.layer_attention(cfg, index)
+        per_group = cfg.num_attention_heads // groups + (1 if gemma4.k_eq_v(cfg, index) else 2)
+        qkv = sharded[f"decoder.layers.{index}.self_attention.linear_qkv.weight"]
+        assert qkv.key == f"decoder.layers.{index}.self_attention.linear_qkv.weight"
+        assert qkv.global_shape == (groups * per_group * head_dim, cfg.hidden_size)
+        assert sharded[f"decoder.layers.{index}.self_attention.post_layernorm.weight"].global_shape == (
+            cfg.hidden_size,
+        )
+
+
+def test_built_on_the_meta_device_keeps_its_rope(one_rank_world):
+    """Layer-wise verify (conversion/verify.py) builds the model on the meta device, gives its
+    parameters and buffers empty storage and loads the checkpoint's tensors: the RoPE frequencies,
+    which are in no checkpoint, must survive that."""
+    from moe_sft.conversion.verify import _materialise
+
+    cfg = FAMILY.tiny_hf_config()
+    _, ours = _pair(cfg, 1)
+    with torch.device("meta"):
+        meta = build_module(gemma4_attention_spec(), config=ours.config, layer_number=2)
+    _materialise(meta)
+    meta.load_state_dict(ours.state_dict())
+    x = torch.randn(sum(LENGTHS), 1, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    params = packed_seq_params(torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32), max(LENGTHS))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            meta(x, None, packed_seq_params=params)[0], ours(x, None, packed_seq_params=params)[0]
+        )
