@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import tempfile
 import time
@@ -309,12 +310,26 @@ class _HFLayers:
                         # a linear-attention layer reads a [batch, tokens] padding mask; none: no padding
                         attention_mask=None if self._linear_attention(index) else causal[None, None],
                         position_ids=positions,
-                        position_embeddings=self.rotary(x, positions),
+                        position_embeddings=self._position_embeddings(index, x, positions),
+                        **self._shared_kv(layer),
                     )
                     outs.append((out[0] if isinstance(out, tuple) else out)[0])
                 return torch.cat(outs)
             finally:
                 layer.to("meta")  # back to no storage: one layer at a time
+
+    def _position_embeddings(self, index: int, x: torch.Tensor, positions: torch.Tensor):
+        """transformers' (cos, sin) for layer `index`: a model whose RoPE differs per layer type
+        (Gemma 4) takes the layer's type."""
+        if "layer_type" in inspect.signature(self.rotary.forward).parameters:
+            return self.rotary(x, positions, self.model.config.layer_types[index])
+        return self.rotary(x, positions)
+
+    @staticmethod
+    def _shared_kv(layer) -> dict:
+        """A Gemma 4 layer writes its keys and values into `shared_kv_states` for the layers that
+        share them (none here: one layer runs alone)."""
+        return {"shared_kv_states": {}} if "shared_kv_states" in inspect.signature(layer.forward).parameters else {}
 
     def _model_name(self, index: int, name: str) -> str:
         """A checkpoint name as transformers' model (with the MTP layers appended) names it: a
@@ -456,7 +471,8 @@ def _run_megatron_layer(model, prefix: str, reader, hidden: torch.Tensor, length
     try:
         params = packed_seq_params(torch.tensor([0] + lengths).cumsum(0), max(lengths))
         rotary = None
-        if not model.config.multi_latent_attention:  # MLA layers make their own from params
+        # MLA's and Gemma 4's attention make their own from params (GPTModel then has none)
+        if not model.config.multi_latent_attention and hasattr(model, "rotary_pos_emb"):
             rotary = model.rotary_pos_emb(max(lengths), packed_seq=True)  # as GPTModel._preprocess
             if isinstance(rotary, tuple):  # YaRN (gpt-oss) also returns its cos/sin scale
                 rotary = rotary[0]

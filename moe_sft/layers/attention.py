@@ -303,11 +303,17 @@ def torch_varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     )
 
 
+# flash-attn 2's and torch's flash kernels (and flash-attn-4 on SM90) take head dims up to 256
+FLASH_MAX_HEAD_DIM = 256
+
+
 def _has_cuda_kernel(q) -> bool:
-    """The flash kernels take fp16/bf16 only: fp32 on CUDA (a reference run) takes the SDPA path."""
+    """The flash kernels take fp16/bf16 heads up to FLASH_MAX_HEAD_DIM wide: fp32 on CUDA (a
+    reference run) and wider heads (Gemma 4's full layers: 512) take the SDPA path."""
     half = q.dtype in (torch.float16, torch.bfloat16)
     kernel = fa4_varlen_func is not None or flash_attn_varlen_func is not None or varlen_attn is not None
-    return half and kernel and _cuda_capability(q.device) is not None
+    narrow = q.shape[-1] <= FLASH_MAX_HEAD_DIM
+    return half and kernel and narrow and _cuda_capability(q.device) is not None
 
 
 def cp_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sink=None, window=None):

@@ -13,6 +13,23 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
+@dataclass(frozen=True)
+class Gemma4AttentionKind:
+    """One decoder layer's attention as moe_sft/layers/gemma4_attention.py computes it: transformers'
+    Gemma4TextAttention of that layer (its `per_layer_config` dims) and the RoPE of its layer type
+    (`rope_parameters[layer_type]`)."""
+
+    head_dim: int
+    num_query_groups: int
+    k_eq_v: bool
+    """linear_qkv holds [queries, key] per group and V is the projected K (`attention_k_eq_v`)."""
+    rope_type: str
+    """"default" (θ^(-2j/D) over the whole head) or "proportional" (gemma4_math.proportional_inv_freq)."""
+    rope_theta: float
+    partial_rotary_factor: float = 1.0
+    rope_factor: float = 1.0
+
+
 @dataclass
 class SFTTransformerConfig(TransformerConfig):
     moe_router_group_score_topk: int | None = None
@@ -41,6 +58,24 @@ class SFTTransformerConfig(TransformerConfig):
     """q/k RMSNorm over all heads at once, with one weight of width heads * head_dim (MiniMax-M2's
     q_norm / k_norm; moe_sft/layers/full_width_qk_norm.py). None: megatron's per-head qk_layernorm."""
 
+    gemma4_attention_layers: tuple[Gemma4AttentionKind, ...] | None = None
+    """One per decoder layer: every layer's mixer is Gemma 4's attention
+    (moe_sft/layers/gemma4_attention.py) with these dims, k-eq-v and RoPE; kv_channels and
+    num_query_groups are then the sliding layers'. None: megatron's SelfAttention."""
+
+    gemma4_layers: bool | None = None
+    """Every decoder layer is Gemma 4's (layers/spec.py `gemma4_layer_spec`): Gemma4RMSNorm norms, the
+    dense MLP beside the routed experts with their own norms (layers/gemma4_moe.py), a layer scalar
+    on the output (layers/gemma4_layer.py). None: megatron's layer."""
+
+    embedding_multiplier: float | None = None
+    """The word embeddings' output is multiplied by this, first rounded to the embedding weight's
+    dtype (transformers' Gemma4TextScaledWordEmbedding: sqrt(hidden_size)). None: no multiplier."""
+
+    final_logit_softcapping: float | None = None
+    """Logits z become tanh(z / c) * c before the loss (transformers' `final_logit_softcapping`).
+    None: no cap."""
+
 
 @dataclass
 class SFTMLATransformerConfig(MLATransformerConfig, SFTTransformerConfig):
@@ -65,6 +100,13 @@ class SFTYarnTransformerConfig(SFTTransformerConfig):
 def is_linear_attention_layer(config, index: int) -> bool:
     """Layer `index` (0-based, over the whole decoder) runs Gated DeltaNet."""
     return index in (getattr(config, "linear_attention_layers", None) or ())
+
+
+def gemma4_attention_kind(config, layer_number: int) -> Gemma4AttentionKind | None:
+    """The Gemma 4 attention of megatron's `layer_number` (1-based, over the whole decoder), None
+    when the config has none."""
+    kinds = getattr(config, "gemma4_attention_layers", None)
+    return kinds[layer_number - 1] if kinds else None
 
 
 def config_class(multi_latent_attention: bool, yarn: bool = False) -> type:

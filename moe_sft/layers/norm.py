@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_sft.kernels import rms_norm as kernels
 from moe_sft.kernels.rms_norm import triton_fits  # noqa: F401  (the default choice of `rms_norm`)
+from moe_sft.layers import gemma4_math
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -123,3 +124,12 @@ class LatentRMSNorm(RMSNorm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6):
         latent_eps = getattr(config, "mla_latent_layernorm_epsilon", None)
         super().__init__(config, hidden_size, eps if latent_eps is None else latent_eps)
+
+
+class Gemma4RMSNorm(RMSNorm):
+    """transformers' Gemma4RMSNorm: the fp32 normalised x times the fp32 weight, rounded once
+    (gemma4_math.rms_norm). Equal to `RMSNorm` in fp32; in bf16 that one rounds x̂ before the
+    weight (Qwen's order), which Gemma 4 does not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma4_math.rms_norm(x, self.eps, self.weight)

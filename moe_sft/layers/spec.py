@@ -38,7 +38,10 @@ from moe_sft.layers.config import is_linear_attention_layer, is_moe_layer_of_con
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.layers.full_width_qk_norm import FullWidthKNorm, FullWidthQNorm
 from moe_sft.layers.gated_delta_net import GatedDeltaNet
-from moe_sft.layers.norm import LatentRMSNorm, RMSNorm
+from moe_sft.layers.gemma4_attention import gemma4_attention_spec
+from moe_sft.layers.gemma4_layer import Gemma4TransformerLayer
+from moe_sft.layers.gemma4_moe import Gemma4MoELayer, Gemma4Router
+from moe_sft.layers.norm import Gemma4RMSNorm, LatentRMSNorm, RMSNorm
 from moe_sft.layers.router import FamilyRouter
 
 
@@ -126,6 +129,33 @@ def torch_layer_spec(config: TransformerConfig, is_moe: bool, linear_attention: 
     )
 
 
+def gemma4_layer_spec() -> ModuleSpec:
+    """A Gemma 4 decoder layer: its attention norms its own output (layers/gemma4_attention.py), the
+    router reads the raw residual (identity pre_mlp_layernorm), the MoE block holds the dense MLP as
+    its shared expert and five norms, and the layer scales its output (layers/gemma4_moe.py,
+    gemma4_layer.py). No key is renamed: Transformer Engine has no Gemma 4 layer to share names with."""
+    shared = ModuleSpec(
+        module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
+    moe = ModuleSpec(
+        module=Gemma4MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=TorchGroupedMLP), shared_experts=shared, router=Gemma4Router
+        ),
+    )
+    return ModuleSpec(
+        module=Gemma4TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Gemma4RMSNorm,
+            self_attention=gemma4_attention_spec(),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=moe,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
 def _check_te_covers(config: TransformerConfig) -> None:
     """TE's spec builds megatron's router and fuses MLA's latent norms with layernorm_epsilon."""
     differs = [
@@ -136,6 +166,10 @@ def _check_te_covers(config: TransformerConfig) -> None:
             "mla_latent_layernorm_epsilon",
             "qk_norm_full_width",
             "linear_attention_layers",
+            "gemma4_attention_layers",
+            "gemma4_layers",
+            "embedding_multiplier",
+            "final_logit_softcapping",
         )
         if getattr(config, name, None) is not None
     ]
@@ -154,13 +188,17 @@ def decoder_block_spec(config: TransformerConfig, backend: str, vp_stage=None, p
         return gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
-    specs = [
-        torch_layer_spec(config, is_moe_layer_of_config(config, i), is_linear_attention_layer(config, i))
-        for i in range(config.num_layers)
-    ]
+    if getattr(config, "gemma4_layers", None):
+        specs, final_norm = [gemma4_layer_spec()] * config.num_layers, Gemma4RMSNorm
+    else:
+        specs = [
+            torch_layer_spec(config, is_moe_layer_of_config(config, i), is_linear_attention_layer(config, i))
+            for i in range(config.num_layers)
+        ]
+        final_norm = RMSNorm
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=final_norm)
 
 
 def mtp_block_spec(config: TransformerConfig, backend: str, vp_stage=None):

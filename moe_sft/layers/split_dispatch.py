@@ -40,7 +40,11 @@ import types
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+# MoELayer methods whose work split_forward does in its own way instead of calling them
+_HOOKS_SPLIT_FORWARD_INLINES = ("preprocess", "postprocess")
 
 
 class _InFlight:
@@ -200,6 +204,9 @@ def splittable(layer) -> str | None:
         return "MoE-layer recomputation (its checkpoint would launch each collective twice)"
     if config.moe_latent_size or getattr(layer, "shared_expert_overlap", False):
         return "latent MoE projections or megatron's shared-expert overlap"
+    if any(getattr(type(layer), hook) is not getattr(MoELayer, hook) for hook in _HOOKS_SPLIT_FORWARD_INLINES):
+        # split_forward dispatches the raw tokens and adds the shared output itself
+        return f"a MoE layer with its own preprocess or postprocess ({type(layer).__name__})"
     return None
 
 

@@ -22,6 +22,9 @@ class SFTGPTModel(GPTModel):
     `run_mtp` (set by the trainer) decides whether the MTP layers run: False for eval, for
     frozen MTP layers and for verification against HF, so the output is the main logits only.
     Output shape [b, (1 + depths) * s, V/tp]; depth k predicts the token k + 1 places further.
+
+    Two per-family transforms of megatron's GPTModel live here too (SFTTransformerConfig fields):
+    the embedding multiplier and the logits' soft cap.
     """
 
     run_mtp: bool = False
@@ -35,6 +38,22 @@ class SFTGPTModel(GPTModel):
             return super().forward(*args, **kwargs)
         finally:
             self._loss_rows = None
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, *args, **kwargs):
+        """GPTModel's, with the word embeddings times `embedding_multiplier` (rounded to the
+        embedding weight's dtype first, as transformers' Gemma4TextScaledWordEmbedding)."""
+        embeds_here = decoder_input is None and self.pre_process
+        out = super()._preprocess(input_ids, position_ids, decoder_input, *args, **kwargs)
+        multiplier = getattr(self.config, "embedding_multiplier", None)
+        if not embeds_here or multiplier is None:
+            return out
+        weight = self.embedding.word_embeddings.weight
+        return (out[0] * torch.tensor(multiplier, dtype=weight.dtype, device=out[0].device), *out[1:])
+
+    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """tanh(z / c) * c with c = `final_logit_softcapping` (transformers' Gemma 2-4 order)."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def mtp_depths(self) -> int:
         return self.config.mtp_num_layers if self.config.mtp_num_layers and self.run_mtp else 0
@@ -59,12 +78,16 @@ class SFTGPTModel(GPTModel):
         extra_block_kwargs=None,
         inference_context=None,
     ):
+        if labels is not None and getattr(self.config, "final_logit_softcapping", None) is not None:
+            raise ValueError(
+                "final_logit_softcapping: GPTModel's own loss (labels=) would skip the cap; pass no labels"
+            )
         if (
             labels is not None
             or inference_context is not None
             or (not self.config.mtp_num_layers and self._loss_rows is None)
         ):
-            return super()._postprocess(
+            out = super()._postprocess(
                 hidden_states,
                 input_ids,
                 position_ids,
@@ -83,6 +106,7 @@ class SFTGPTModel(GPTModel):
                 extra_block_kwargs=extra_block_kwargs,
                 inference_context=inference_context,
             )
+            return self._soft_capped(out) if self.post_process and labels is None else out
         depths = self.mtp_depths()
         if mtp_in_postprocess and depths:
             hidden_states = self.mtp(
@@ -106,12 +130,12 @@ class SFTGPTModel(GPTModel):
             picked = _whole_sequences(hidden_states, depths, self.output_layer).index_select(0, self._loss_rows.rows)
             with _replicated_input(self.output_layer):
                 logits = self.output_layer(picked, weight=weight, runtime_gather_output=runtime_gather_output)[0]
-            return logits.transpose(0, 1)
+            return self._soft_capped(logits.transpose(0, 1))
         logits = [
             self.output_layer(h, weight=weight, runtime_gather_output=runtime_gather_output)[0]
             for h in torch.chunk(hidden_states, 1 + depths, dim=0)
         ]
-        return torch.cat(logits, dim=0).transpose(0, 1).contiguous()
+        return self._soft_capped(torch.cat(logits, dim=0).transpose(0, 1).contiguous())
 
 
 def _whole_sequences(hidden_states, depths: int, output_layer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moe_sft.models import (
     deepseek_v3,
+    gemma4,
     glm4_moe,
     gpt_oss,
     kimi_k2,
@@ -25,6 +26,7 @@ FAMILIES: tuple[Family, ...] = (
     gpt_oss.FAMILY,
     qwen3_next.FAMILY,
     qwen3_5_moe.FAMILY,
+    gemma4.FAMILY,
 )
 
 

@@ -108,7 +108,7 @@ def common_shape_fields(c, name: str) -> dict:
         vocab=int(c.vocab_size),
         num_heads=int(c.num_attention_heads),
         num_experts=num_experts_field(c),
-        topk=int(c.num_experts_per_tok or 0),
+        topk=int(field(c, "num_experts_per_tok", "top_k_experts", default=0)),
         tie_embeddings=bool(c.tie_word_embeddings or False),
     )
 

@@ -39,13 +39,16 @@ def _parts(name: str, module, tconfig) -> tuple[list[Part], int]:
     out_local = module.weight.shape[0]
     if name.endswith("self_attention.linear_qkv"):
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        groups = tconfig.num_query_groups // tp
+        config = getattr(module, "config", tconfig)  # a Gemma 4 layer's own head dim and kv heads
+        groups = config.num_query_groups // tp
         # a gated attention's q_proj emits each head's query and output gate: per query group
         # megatron holds [queries, gates] where q_proj interleaves them per head (the export's
         # transform reorders B's rows as it does the weight's)
-        q = tconfig.num_attention_heads // tp * tconfig.kv_channels * (2 if tconfig.attention_output_gate else 1)
-        kv = groups * tconfig.kv_channels
-        return [Part("q", q), Part("k", kv), Part("v", kv)], groups
+        q = config.num_attention_heads // tp * config.kv_channels * (2 if config.attention_output_gate else 1)
+        kv = groups * config.kv_channels
+        # a k-eq-v layer (Gemma 4's full layers) holds [queries, key] per group: its key is its value
+        value = [] if out_local == q + kv else [Part("v", kv)]
+        return [Part("q", q), Part("k", kv), *value], groups
     if name.endswith("self_attention.in_proj") and getattr(tconfig, "linear_attention_layers", None):
         return _in_proj_parts(name, tconfig), 1
     if name.endswith("linear_fc1") and tconfig.gated_linear_unit:

@@ -293,6 +293,15 @@ def test_fp32_on_cuda_stays_on_the_reference(kernels):
     assert kernels.used() == []
 
 
+def test_heads_wider_than_the_flash_kernels_take_stay_on_the_reference(kernels):
+    """Gemma 4's 512-wide full-attention heads: no flash kernel takes them; 256 still goes to one."""
+    kernels.gpu((9, 0))
+    for d, used in ((attention.FLASH_MAX_HEAD_DIM + 8, []), (attention.FLASH_MAX_HEAD_DIM, ["fa4"])):
+        q, k, v = _qkv(d=d, dv=d)
+        _module()(q, k, v, None, packed_seq_params=_thd())
+        assert kernels.used() == used, d
+
+
 def test_cpu_tensors_never_reach_a_cuda_kernel(kernels):
     module = _module()  # no kernels.gpu(): the real capability check, a CPU device
     q, k, v = _qkv()

@@ -99,11 +99,16 @@ def test_tiny_model_starts_off_the_attention_saddle(family):
 @pytest.mark.parametrize("family", sorted(f.name for f in registry.FAMILIES))
 def test_tiny_model_attention_tells_nearby_positions_apart(family):
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    inv_freq = _quickstart_model(family, tokenizer).model.rotary_emb.inv_freq  # radians per token
-    fast = sorted((round(float(f), 4) for f in inv_freq if f >= FAST_FREQUENCY), reverse=True)
-    assert len(fast) >= MIN_FAST_FREQUENCIES, (
-        f"moe_sft/models/{family}.py tiny_hf_config: {2 * inv_freq.numel()} rotary dims give the rotary "
-        f"frequencies {fast} of at least {FAST_FREQUENCY} rad/token, fewer than {MIN_FAST_FREQUENCIES}: the "
-        "attention can hardly learn where a word sits and the quickstart stays on its loss plateau. Give the tiny "
-        "model more rotary dims (head_dim, partial_rotary_factor) or a smaller rope_theta (docs/log.md issue 44)"
-    )
+    rotary = _quickstart_model(family, tokenizer).model.rotary_emb
+    # radians per token: one table, or one per layer type (Gemma 4's sliding_attention_inv_freq, ...)
+    tables = {n: b for n, b in rotary.named_buffers() if n.endswith("inv_freq") and "original" not in n}
+    assert tables, f"{family}: no inv_freq buffer in {type(rotary).__name__}"
+    for name, inv_freq in tables.items():
+        fast = sorted((round(float(f), 4) for f in inv_freq if f >= FAST_FREQUENCY), reverse=True)
+        assert len(fast) >= MIN_FAST_FREQUENCIES, (
+            f"moe_sft/models/{family}.py tiny_hf_config: {2 * inv_freq.numel()} rotary dims ({name}) give the "
+            f"rotary frequencies {fast} of at least {FAST_FREQUENCY} rad/token, fewer than {MIN_FAST_FREQUENCIES}: "
+            "the attention can hardly learn where a word sits and the quickstart stays on its loss plateau. Give "
+            "the tiny model more rotary dims (head_dim, partial_rotary_factor) or a smaller rope_theta (docs/log.md "
+            "issue 44)"
+        )

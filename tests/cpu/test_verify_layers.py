@@ -67,6 +67,7 @@ LAYERS = {
         (3, "moe"),
     ],
     "minimax_m2": [(0, "moe"), (1, "moe")],
+    "gemma4": [(0, "moe"), (1, "moe")],  # sliding, then full (k-eq-v, wider heads)
 }
 
 
@@ -206,6 +207,13 @@ CORRUPTIONS = {  # family → [(description, edit, the layer it must fail)]
         ),
         ("o_proj scaled by 1.05 in layer 0", _scale("model.layers.0.self_attn.o_proj.weight", 1.05), 0),
     ],
+    "gemma4": [  # experts stacked in one tensor per layer, as gpt-oss's
+        ("experts reversed in the sliding layer", _flip_experts("model.layers.0.experts.down_proj"), 0),
+        # (a common factor on the routed weights, e.g. every per_expert_scale x1.5, the experts' post-norm undoes)
+        ("router logits x2 in the full layer", _scale("model.layers.1.router.proj.weight", 2.0), 1),
+        # (q, k, v and the attention output are each RMS-normed: a factor on a projection vanishes)
+        ("q_norm x1.5 in the full layer", _scale("model.layers.1.self_attn.q_norm.weight", 1.5), 1),
+    ],
 }
 
 
@@ -246,7 +254,9 @@ def test_a_rope_the_conversion_got_wrong_fails_every_layer(converted):  # every 
     shutil.copytree(tmp / "hf", source)
     config = json.loads((source / "config.json").read_text())
     rope = config.get("rope_parameters") or config
-    rope["rope_theta"] = 2 * rope.get("rope_theta", 10000.0)
+    per_layer_type = [v for v in rope.values() if isinstance(v, dict) and "rope_theta" in v]  # Gemma 4
+    for params in per_layer_type or [rope]:
+        params["rope_theta"] = 2 * params.get("rope_theta", 10000.0)
     (source / "config.json").write_text(json.dumps(config))
     results = verify_layers(source, tmp / "mcore", "all")
     lines = "\n".join(r.line(CLI_TOL) for r in results)
