@@ -28,7 +28,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe_sft.kernels import rms_norm as kernels
 from moe_sft.kernels.rms_norm import triton_fits  # noqa: F401  (the default choice of `rms_norm`)
-from moe_sft.layers import gemma4_math
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -127,9 +126,10 @@ class LatentRMSNorm(RMSNorm):
 
 
 class Gemma4RMSNorm(RMSNorm):
-    """transformers' Gemma4RMSNorm: the fp32 normalised x times the fp32 weight, rounded once
-    (gemma4_math.rms_norm). Equal to `RMSNorm` in fp32; in bf16 that one rounds x̂ before the
-    weight (Qwen's order), which Gemma 4 does not."""
+    """transformers' Gemma4RMSNorm (gemma4_math.rms_norm): the fp32 normalised x times the fp32
+    weight, rounded once, in the same fused kernels as `RMSNorm` (`round_hat=False`). Equal to
+    `RMSNorm` in fp32; in bf16 that one rounds x̂ before the weight (Qwen's order), which Gemma 4
+    does not."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma4_math.rms_norm(x, self.eps, self.weight)
+        return rms_norm(x, self.weight, self.eps, round_hat=False)
