@@ -87,6 +87,9 @@ PRESETS = {
     "qwen3_next_80b": Preset(
         "qwen3_next", "qwen3_next_80b_a3b", layers=4, overrides=dict(mtp_num_hidden_layers=0), hf_arm=True
     ),
+    # 6 layers (5 sliding + 1 full, the release's pattern): 5.4 B parameters (its 0.74 B tied
+    # embedding included) on one H200 with the distributed optimizer
+    "gemma4_26b": Preset("gemma4", "gemma4_26b_a4b", layers=6, hf_arm=True),
     "tiny": Preset("qwen3_moe", None, layers=2, hf_arm=True),
     "tiny_dsv3": Preset(
         "deepseek_v3", None, layers=2, overrides=dict(num_nextn_predict_layers=1), model_options=DSV3_ROUTER
