@@ -215,8 +215,9 @@ def gpt_model_kwargs(cfg) -> dict:
 
 
 def shape(cfg, name: str = "model") -> S.ModelShape:
-    """The sliding layers' attention dims (ModelShape has one head dim; the full layers' wider
-    heads and k-eq-v are not yet counted: docs/log.md, next steps)."""
+    """The sliding layers' attention dims as the shape's own, every layer's in `attention_layers`
+    (full layers: global_head_dim, their kv heads, k-eq-v), the attention's output norm and the
+    block's five norms and router scales (plan/params.py counts them exactly)."""
     cfg = text_config(cfg)
     c = S.config_view(cfg)
     fields = S.common_shape_fields(c, name)
@@ -235,6 +236,10 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
         mtp_layers=0,
         moe_layers=tuple(True for _ in range(fields["num_layers"])),
         attention_windows=tuple(window if t == SLIDING else None for t in types),
+        attention_layers=tuple(S.LayerAttention(*layer_attention(raw, i), k_eq_v(raw, i)) for i in range(len(types))),
+        attention_output_norm=True,
+        moe_block_norms=5,
+        router_scales=True,
     )
 
 

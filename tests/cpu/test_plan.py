@@ -358,8 +358,11 @@ def fake_world():
 
 
 def test_parameter_counts_per_rank_are_exact(fake_world):
-    from moe_sft.models import deepseek_v3, glm4_moe, gpt_oss, kimi_k2, minimax_m2, mixtral, qwen3_moe
+    from moe_sft.models import deepseek_v3, gemma4, glm4_moe, gpt_oss, kimi_k2, minimax_m2, mixtral, qwen3_moe
     from moe_sft.plan.params import stage_params
+
+    # Gemma 4: sliding and full layers of their own dims (k-eq-v on the full ones, one with its own v)
+    gemma4_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
     cases = [
         (
@@ -385,6 +388,18 @@ def test_parameter_counts_per_rank_are_exact(fake_world):
         (minimax_m2.FAMILY, minimax_m2.tiny_hf_config(num_hidden_layers=2), 4, dict(tp=2, ep=2, etp=2)),
         (kimi_k2.FAMILY, kimi_k2.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
         (gpt_oss.FAMILY, gpt_oss.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
+        (
+            gemma4.FAMILY,
+            gemma4.tiny_hf_config(num_hidden_layers=4, layer_types=gemma4_types, num_global_key_value_heads=2),
+            8,
+            dict(tp=2, pp=2, ep=2, etp=1),
+        ),
+        (
+            gemma4.FAMILY,
+            gemma4.tiny_hf_config(num_hidden_layers=2, attention_k_eq_v=False, tie_word_embeddings=False),
+            4,
+            dict(ep=2, etp=1),
+        ),
     ]
     for family, hf, world, par in cases:
         shape = shape_from_hf_dict(hf.to_dict())
