@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 PRODUCTION = ("deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b")
 # Production recipes with no GPU calibration layout yet (benchmarks/gpu/plan_calibration.py).
-UNCALIBRATED = ("deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2")
+UNCALIBRATED = ("deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2", "gemma4_26b_a4b")
 # Hybrid Gated DeltaNet recipes: (recipe, model config under recipes/models/); Qwen3.5's configs are
 # the releases' text_config, hence a name of their own.
 HYBRID = (
@@ -141,6 +141,7 @@ def test_shipped_configs_match_the_families_translation():
         "qwen3_5_35b_a3b_text": 35.5,
         "qwen3_5_122b_a10b_text": 124.6,
         "qwen3_5_397b_a17b_text": 402.9,
+        "gemma4_26b_a4b": 25.2,  # the language model of the VL release (its text_config), as transformers counts it
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer;
     # Qwen3-Next / Qwen3.5: + 1 MTP layer (embedding / head shared), without Qwen3.5's vision tower
     for name in known_models():
