@@ -902,16 +902,23 @@ def test_lora_and_fp8_base_counts_per_rank_are_exact(fake_world):
 def test_lora_and_dora_counts_on_the_hybrid_mixers_are_exact(fake_world):
     """The planner's adapters on Qwen3-Next's and Qwen3.5's mixers (Gated DeltaNet in_proj with one
     A per transformers projection, out_proj; the gated attention's q with its gate rows) and
-    shared experts at TP2·PP2 equal real adapted models'."""
+    shared experts at TP2·PP2 equal real adapted models'; and on Gemma 4's per-layer attention
+    (sliding layers [q, k, v], k-eq-v full layers [q, k] with wider heads) and its dense MLP."""
     from moe_sft.config.schema import PeftConfig
-    from moe_sft.models import qwen3_5_moe, qwen3_next
+    from moe_sft.models import gemma4, qwen3_5_moe, qwen3_next
     from moe_sft.peft import install
     from moe_sft.plan.params import stage_params
     from moe_sft.plan.peft_memory import PeftPlan, stage
 
     lay = Layout(world=4, tp=2, pp=2, vpp=None, cp=1, ep=1, etp=1)
-    for family in (qwen3_next.FAMILY, qwen3_5_moe.FAMILY):
-        hf = family.tiny_hf_config()
+    gemma4_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    cases = [(f, f.tiny_hf_config()) for f in (qwen3_next.FAMILY, qwen3_5_moe.FAMILY)] + [
+        (
+            gemma4.FAMILY,
+            gemma4.tiny_hf_config(num_hidden_layers=4, layer_types=gemma4_types, num_global_key_value_heads=2),
+        )
+    ]
+    for family, hf in cases:
         shape = shape_from_hf_dict(hf.to_dict())
         for method in ("lora", "dora"):
             entries = ("attention", "shared_experts")
