@@ -186,3 +186,18 @@ def test_a_tensor_neither_mapped_nor_carried_fails_the_gate(vl, tmp_path):
     with pytest.raises(MappingError, match=r"neither loads nor lists as dropped: model\.video_tower\.proj\.weight"):
         convert(tmp_path / "hf", tmp_path / "mcore")
     assert not (tmp_path / "mcore").exists()
+
+
+def test_the_peft_adapter_export_of_a_multimodal_run_is_refused_naming_the_merged_export(vl, tmp_path):
+    """The PEFT-format adapter would target the text-only class: refused before anything is read
+    (the end-of-training export logs it and writes the merged multimodal model)."""
+    from moe_sft.peft.hf_adapter import AdapterExportError, check_adapter_export
+
+    src, _ = vl
+    run = tmp_path / "checkpoints" / "step_0000001"
+    shutil.copytree(src / "mcore", run)
+    (run / "checksums.json").unlink(missing_ok=True)
+    base = {"path": str(src / "mcore"), "id": mcore_io.base_identity(src / "mcore")}
+    mcore_io.write_meta(run, dict(mcore_io.read_meta(src / "mcore"), peft={"method": "lora"}, peft_base=base))
+    with pytest.raises(AdapterExportError, match=r"Gemma4ForConditionalGeneration.*merged export"):
+        check_adapter_export(run, tmp_path / "adapter")
