@@ -194,7 +194,7 @@ class RunAdapters:
                 run = []
         if run or not parts:
             raise AdapterRunError(f"{self.reader.path}: {module}'s adapter entries {sorted(keys)} do not fit a linear")
-        groups = self.ctx["num_query_groups"] if module.endswith(QKV_SUFFIX) else 1
+        groups = _query_groups(self.ctx, module) if module.endswith(QKV_SUFFIX) else 1
         a = {n: _read(self.reader, keys[name("lora_A", n)]) for n in set(a_of.values())}
         if "lora_magnitude" in keys:
             magnitude = _read(self.reader, keys["lora_magnitude"])
@@ -252,3 +252,14 @@ class _CastingReader:
         box = torch.empty(dest.shape, dtype=stored)
         self._reader.read_into(key, offsets, box)
         dest.copy_(box)
+
+
+def _query_groups(ctx: dict, module: str) -> int:
+    """linear_qkv's query groups: the layer's own where they differ per layer (the family's
+    transform context `query_groups_per_layer`, Gemma 4's full layers), else the model's."""
+    per_layer = ctx.get("query_groups_per_layer")
+    head, _, rest = module.partition("decoder.layers.")
+    index = rest.split(".", 1)[0]
+    if per_layer and not head and index.isdigit():
+        return per_layer[int(index)]
+    return ctx["num_query_groups"]

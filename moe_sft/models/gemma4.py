@@ -489,6 +489,12 @@ COMPOSITE = Composite(
 )
 
 
+def transform_context(cfg) -> dict:
+    """Each layer's key/value heads: an adapter on linear_qkv interleaves its rows per group
+    (conversion/adapter_merge.py), and the full layers have their own count."""
+    return {"query_groups_per_layer": tuple(layer_attention(cfg, i)[1] for i in range(int(cfg.num_hidden_layers)))}
+
+
 FAMILY = Family(
     name="gemma4",
     model_types=("gemma4_text",),
@@ -504,4 +510,5 @@ FAMILY = Family(
     sample_hf_config=sample_hf_config,
     training_defaults={"moe_router_load_balancing_type": "none"},
     composite=COMPOSITE,
+    transform_context=transform_context,
 )

@@ -226,7 +226,7 @@ def _plan(run, family, hf_cfg, hf_model, meta: dict) -> _Plan:
 def _lora_config(plan: _Plan, meta: dict):
     from peft import LoraConfig
 
-    saved_modules = sorted({n.rpartition(".")[0] for n in plan.saved})
+    saved_modules = _outermost({n.rpartition(".")[0] for n in plan.saved})
     return LoraConfig(
         r=int(meta["peft"]["rank"]),
         lora_alpha=float(meta["peft"]["alpha"]),
@@ -236,6 +236,13 @@ def _lora_config(plan: _Plan, meta: dict):
         modules_to_save=saved_modules or None,
         use_dora=meta["peft"]["method"] == "dora",
     )
+
+
+def _outermost(modules: set[str]) -> list[str]:
+    """The modules not inside another one of the set: Gemma 4's trained router holds `scale` and
+    `per_expert_scale` itself and its weight in `router.proj`; peft saves `router` whole, and a
+    module inside it as well would be wrapped twice."""
+    return sorted(m for m in modules if not any(m.startswith(f"{o}.") for o in modules))
 
 
 def _peft_model(plan: _Plan, new_model, meta: dict):

@@ -87,7 +87,8 @@ def check_against_model(cfg: TrainConfig, hf: HFModel) -> None:
         c.num_hidden_layers,
         num_experts(c) or None,
         c.num_attention_heads,
-        c.num_key_value_heads,
+        # the shape's: Gemma 4's config refuses a global key/value head count (it varies per layer)
+        shape.num_kv_heads,
         c.vocab_size,
         expert_biases=shape.linear_bias,
         topk=shape.topk,

@@ -131,6 +131,15 @@ def test_merged_and_peft_exports_give_the_adapted_models_logits(base, case, tmp_
     _check_exports(base, CASES[case], case, tmp_path)
 
 
+# Gemma 4: the full layer's linear_qkv has its own query groups and no v rows (k-eq-v); the trained
+# router is one module holding scale, per_expert_scale and proj. Its logits reach 30 (the soft
+# cap): measured 1.05e-5 merged vs ours.
+@pytest.mark.parametrize("base", ["gemma4"], indirect=True)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gemma4_exports_give_the_adapted_models_logits(base, case, tmp_path):
+    _check_exports(base, CASES[case], case, tmp_path, tol=3e-5)
+
+
 @pytest.mark.parametrize("base", sorted(MIXER_TARGETS), indirect=True)
 @pytest.mark.parametrize("method", ["lora", "dora"])
 def test_a_rank_above_the_gated_deltanet_gates_exports_exactly(base, method, tmp_path):
@@ -143,7 +152,7 @@ def test_a_rank_above_the_gated_deltanet_gates_exports_exactly(base, method, tmp
     assert config["r"] == 16 and not config.get("rank_pattern"), config
 
 
-def _check_exports(base: Path, cfg: PeftConfig, case: str, tmp_path: Path) -> dict:
+def _check_exports(base: Path, cfg: PeftConfig, case: str, tmp_path: Path, tol: float = TOL) -> dict:
     """Merged export == our adapted model, peft's adapter on transformers' model == merged; the
     adapter's config."""
     from peft import PeftModel
@@ -166,8 +175,8 @@ def _check_exports(base: Path, cfg: PeftConfig, case: str, tmp_path: Path) -> di
         peft_model = PeftModel.from_pretrained(_load_hf(base / "hf"), str(tmp_path / "adapter")).eval()
     peft_diff = _diff(_hf_logits(peft_model), merged)
     print(f"{base.name} {case}: merged vs ours {merged_diff:.2e}, peft vs merged {peft_diff:.2e}")
-    assert merged_diff <= TOL
-    assert peft_diff <= TOL
+    assert merged_diff <= tol
+    assert peft_diff <= tol
     return config
 
 

@@ -22,7 +22,7 @@ from tests.dist.launch import REPO, step_metrics, torchrun
 from tests.glm4_moe_mtp import write_tiny_glm4_moe_with_mtp
 from tests.qwen3_next_mtp import write_tiny_with_mtp
 
-NEW_FAMILY_LAYOUTS = ["glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe"]
+NEW_FAMILY_LAYOUTS = ["glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe", "gemma4"]
 # family -> writer(path, vocab) of its tiny HF checkpoint with MTP layers; others: no MTP layer.
 # GLM's expert bias (spread 0.5) steers whole micro-batches away from one EP rank's experts: EP2
 # first crashed there (gather_sum of no rows), then deadlocked (that rank's backward skipped the
@@ -41,6 +41,8 @@ LAYOUTS = {
     "pp2": ["parallel.pipeline_model_parallel_size=2"],
     "cp2": ["parallel.context_parallel_size=2"],
 }
+# Gemma 4's tiny model has one key/value head on its full layer; TP2 needs two on every layer
+TINY_OVERRIDES = {"gemma4": {"num_global_key_value_heads": 2}}
 # gpt-oss's experts have biases, which megatron-core 0.16.1 allows only at expert TP 1
 FAMILY_OVERRIDES = {"gpt_oss": {"tp2_sp": ["parallel.expert_tensor_parallel_size=1"]}}
 # Qwen3-Next shares every module with Qwen3.5 but the GDN projections' HF layout (conversion tests);
@@ -53,7 +55,7 @@ def _write_tiny(family_name: str, path, vocab: int) -> bool:
         MTP_WRITERS[family_name](path, vocab)
         return True
     family = registry.family_by_name(family_name)
-    _hf_model(family, family.tiny_hf_config(vocab_size=vocab), path)
+    _hf_model(family, family.tiny_hf_config(vocab_size=vocab, **TINY_OVERRIDES.get(family_name, {})), path)
     return False
 
 
