@@ -179,6 +179,19 @@ def test_ep_must_fit_the_ranks_of_one_pipeline_stage():
     assert "world_size=64" in msg and "world_size/pp=4" in msg
 
 
+def test_tp_must_divide_the_key_value_heads_of_every_layer():
+    """Gemma 4: TP4 divides the sliding layers' 8 key/value heads, not the full layers' 2."""
+    msg = _errors(
+        "gemma4_26b_a4b_h200",
+        8,
+        "parallel.tensor_model_parallel_size=4",
+        "parallel.sequence_parallel=true",
+        "parallel.expert_model_parallel_size=2",
+    )
+    assert "tensor_model_parallel_size=4 does not divide the key/value heads of some layers" in msg
+    assert "(num_global_key_value_heads)=2; use one of 1, 2" in msg
+
+
 def test_heads_layers_and_memory_errors_name_values_and_fix():
     msg = _errors(
         "qwen3_235b_a22b_h200",
