@@ -65,7 +65,7 @@ def phase_flops(shape: flops.ModelShape, seqlens) -> dict[str, float]:
     moe_layers = sum(shape.moe_layers) + (shape.mtp_layers if shape.moe_layers and shape.moe_layers[-1] else 0)
     return {
         "experts": 3.0 * tokens * moe_layers * shape.topk * mats * 2 * shape.hidden * shape.moe_ffn,
-        "attention_core": 3.0 * flops.attention_pair_flops(shape) * flops.attention_layer_pairs(shape, seqlens),
+        "attention_core": 3.0 * flops.attention_score_flops(shape, seqlens),
     }
 
 

@@ -44,13 +44,13 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
 from moe_sft.layers.config import Gemma4AttentionKind
 from moe_sft.models import common
 from moe_sft.models import shape as S
 from moe_sft.models import transforms as T
-from moe_sft.models.family import Family, Rule, UnsupportedConfigError
+from moe_sft.models.family import Composite, Family, Rule, UnsupportedConfigError
 
 L = common.LAYER
 DECODER = "decoder.layers.{layer}."
@@ -215,8 +215,10 @@ def gpt_model_kwargs(cfg) -> dict:
 
 
 def shape(cfg, name: str = "model") -> S.ModelShape:
-    """The sliding layers' attention dims (ModelShape has one head dim; the full layers' wider
-    heads and k-eq-v are not yet counted: docs/log.md, next steps)."""
+    """The sliding layers' attention dims as the shape's own, every layer's in `attention_layers`
+    (full layers: global_head_dim, their kv heads, k-eq-v), the attention's output norm and the
+    block's five norms and router scales (plan/params.py counts them exactly)."""
+    cfg = text_config(cfg)
     c = S.config_view(cfg)
     fields = S.common_shape_fields(c, name)
     raw = cfg if isinstance(cfg, dict) else c
@@ -234,6 +236,10 @@ def shape(cfg, name: str = "model") -> S.ModelShape:
         mtp_layers=0,
         moe_layers=tuple(True for _ in range(fields["num_layers"])),
         attention_windows=tuple(window if t == SLIDING else None for t in types),
+        attention_layers=tuple(S.LayerAttention(*layer_attention(raw, i), k_eq_v(raw, i)) for i in range(len(types))),
+        attention_output_norm=True,
+        moe_block_norms=5,
+        router_scales=True,
     )
 
 
@@ -422,6 +428,67 @@ def sample_hf_config(rng, vocab_size: int) -> Gemma4TextConfig:
     )
 
 
+# --- the vision-language releases (Gemma4ForConditionalGeneration) -------------------------------
+
+
+def text_config(cfg):
+    """The language model's config of a vision-language config (object or config.json dict); a
+    text-only one is its own."""
+    if isinstance(cfg, dict):
+        return cfg.get("text_config", cfg) if cfg.get("model_type") == COMPOSITE_TYPE else cfg
+    return cfg.text_config if getattr(cfg, "model_type", None) == COMPOSITE_TYPE else cfg
+
+
+# Towers as small as transformers builds them (one layer each); the clipped linears' bounds and the
+# vision standardisation are buffers in the checkpoint, so the tiny model holds them too.
+TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    patch_size=4,
+    position_embedding_size=64,
+    pooling_kernel_size=2,
+    use_clipped_linears=True,
+    standardize=True,
+)
+TINY_AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    subsampling_conv_channels=[8, 4],
+    conv_kernel_size=3,
+    output_proj_dims=48,
+)
+
+
+def tiny_vl_hf_config(vocab_size: int = 512, **overrides) -> Gemma4Config:
+    """The tiny model as a multimodal release: tiny_hf_config's language model, a one-layer vision
+    tower and a one-layer audio tower, each with its embedder into the language model."""
+    text = tiny_hf_config(vocab_size, **overrides)
+    return Gemma4Config(text_config=text.to_dict(), vision_config=TINY_VISION, audio_config=TINY_AUDIO)
+
+
+COMPOSITE_TYPE = "gemma4"
+COMPOSITE = Composite(
+    model_type=COMPOSITE_TYPE,
+    hf_model_class=Gemma4ForConditionalGeneration,
+    text_config=text_config,
+    # transformers' Gemma4Model holds the language model as `language_model`; lm_head stays at the
+    # top (tied to the embeddings in the releases, so absent from their files)
+    renames=(("model.", "model.language_model."),),
+    carried={
+        r"model\.vision_tower\..*": "vision tower",
+        r"model\.embed_vision\..*": "vision embedder",
+        r"model\.audio_tower\..*": "audio tower",
+        r"model\.embed_audio\..*": "audio embedder",
+    },
+    tiny_hf_config=tiny_vl_hf_config,
+)
+
+
 def transform_context(cfg) -> dict:
     """Each layer's key/value heads: an adapter on linear_qkv interleaves its rows per group
     (conversion/adapter_merge.py), and the full layers have their own count."""
@@ -442,5 +509,6 @@ FAMILY = Family(
     tiny_hf_config=tiny_hf_config,
     sample_hf_config=sample_hf_config,
     training_defaults={"moe_router_load_balancing_type": "none"},
+    composite=COMPOSITE,
     transform_context=transform_context,
 )

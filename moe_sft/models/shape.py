@@ -143,6 +143,16 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """One decoder layer's attention dims where layers differ (Gemma 4: full layers have wider
+    heads, their own key/value head count and may take V from the key projection)."""
+
+    head_dim: int
+    num_kv_heads: int
+    k_eq_v: bool = False  # the q/k/v projection holds [q, k] per group; V is the projected K
+
+
+@dataclass(frozen=True)
 class MLA:
     """DeepSeek multi-latent attention sizes (q_lora None: plain q projection)."""
 
@@ -186,6 +196,20 @@ class ModelShape:
     attention_gate: bool = False
     shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert's output
     linear_attention: LinearAttention | None = None
+    # per decoder layer when layers' attention dims differ (Gemma 4), else () (every layer:
+    # head_dim, num_kv_heads)
+    attention_layers: tuple[LayerAttention, ...] = ()
+    attention_output_norm: bool = False  # a norm on the attention output (Gemma 4's post-attention norm)
+    # hidden-wide norms of an MoE layer's MLP block: 1, its pre-MLP norm; Gemma 4: 5 around its
+    # dense and routed halves (the pre-MLP norm an identity)
+    moe_block_norms: int = 1
+    router_scales: bool = False  # the router's input scale [hidden] and per-expert scale [experts] (Gemma 4)
+
+    def attention_of(self, layer: int | None) -> LayerAttention:
+        """Decoder layer `layer`'s attention dims (None: the shape's own, e.g. an MTP layer)."""
+        if layer is not None and self.attention_layers:
+            return self.attention_layers[layer]
+        return LayerAttention(self.head_dim, self.num_kv_heads)
 
     def is_linear_layer(self, i: int) -> bool:
         return self.linear_attention is not None and i < self.num_layers and self.linear_attention.layers[i]
@@ -254,7 +278,22 @@ class ModelShape:
             mla=mla,
             glu=bool(config.gated_linear_unit),
             attention_windows=_config_windows(config),
+            **_config_gemma4_fields(config),
         )
+
+
+def _config_gemma4_fields(config) -> dict:
+    """The per-layer attention and the block of a megatron config built for Gemma 4
+    (SFTTransformerConfig's gemma4_layers / gemma4_attention_layers); {} for any other."""
+    if not getattr(config, "gemma4_layers", False):
+        return {}
+    kinds = getattr(config, "gemma4_attention_layers", None) or ()
+    return dict(
+        attention_layers=tuple(LayerAttention(k.head_dim, k.num_query_groups, k.k_eq_v) for k in kinds),
+        attention_output_norm=True,
+        moe_block_norms=5,
+        router_scales=True,
+    )
 
 
 def _config_windows(config) -> tuple[int | None, ...]:
@@ -274,11 +313,14 @@ def _config_windows(config) -> tuple[int | None, ...]:
 # ----------------------------------------------------------------------------- FLOPs
 
 
-def attention_projection_flops(s: ModelShape) -> int:
-    """Forward FLOPs per token of one layer's q/k/v/o projections."""
+def attention_projection_flops(s: ModelShape, layer: int | None = None) -> int:
+    """Forward FLOPs per token of one layer's q/k/v/o projections (`layer`: a decoder layer
+    index, for shapes whose layers' attention dims differ)."""
     h = s.hidden
     if s.mla is None:
-        return 2 * h * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 2 * s.num_heads * s.head_dim * h
+        a = s.attention_of(layer)
+        kv = (1 if a.k_eq_v else 2) * a.num_kv_heads
+        return 2 * h * (s.num_heads + kv) * a.head_dim + 2 * s.num_heads * a.head_dim * h
     m = s.mla
     q_dim = s.num_heads * (m.qk_nope + m.qk_rope)
     q = 2 * h * m.q_lora + 2 * m.q_lora * q_dim if m.q_lora else 2 * h * q_dim
@@ -286,9 +328,10 @@ def attention_projection_flops(s: ModelShape) -> int:
     return q + kv + 2 * s.num_heads * m.v_head * h
 
 
-def attention_pair_flops(s: ModelShape) -> int:
+def attention_pair_flops(s: ModelShape, layer: int | None = None) -> int:
     """Forward FLOPs of one layer's QK^T and AV per (query, key) pair."""
-    d_qk, d_v = (s.mla.qk_nope + s.mla.qk_rope, s.mla.v_head) if s.mla else (s.head_dim, s.head_dim)
+    d = s.attention_of(layer).head_dim
+    d_qk, d_v = (s.mla.qk_nope + s.mla.qk_rope, s.mla.v_head) if s.mla else (d, d)
     return 2 * s.num_heads * (d_qk + d_v)
 
 
@@ -308,7 +351,7 @@ def forward_flops_per_token(s: ModelShape) -> dict[str, int]:
     """Forward FLOPs per token by part, excluding the attention scores (see attention_pairs)."""
     attn = attention_projection_flops(s)
     parts = {
-        "attention_projections": attn * len(s.moe_layers),
+        "attention_projections": sum(attention_projection_flops(s, i) for i in range(len(s.moe_layers))),
         "dense_mlp": sum(mlp_flops(s, False) for moe in s.moe_layers if not moe),
         "moe_mlp": sum(mlp_flops(s, True) for moe in s.moe_layers if moe),
         "lm_head": 2 * s.hidden * s.vocab,
@@ -339,9 +382,16 @@ def attention_layer_pairs(s: ModelShape, seqlens: Sequence[int], causal: bool = 
     return per_layer + s.mtp_layers * full
 
 
+def attention_score_flops(s: ModelShape, seqlens: Sequence[int], causal: bool = True) -> int:
+    """Forward FLOPs of QK^T and AV over every attention layer (decoder layers with their windows
+    and head dims, then MTP) for documents of these lengths."""
+    if not s.attention_layers:
+        return attention_pair_flops(s) * attention_layer_pairs(s, seqlens, causal)
+    windows = s.attention_windows or (None,) * len(s.moe_layers)
+    per_layer = sum(attention_pair_flops(s, i) * attention_pairs(seqlens, causal, w) for i, w in enumerate(windows))
+    return per_layer + s.mtp_layers * attention_pair_flops(s) * attention_pairs(seqlens, causal)
+
+
 def forward_flops(s: ModelShape, seqlens: Sequence[int], causal: bool = True) -> int:
     """Forward model FLOPs of documents of these lengths (any packing of them gives the same)."""
-    tokens = sum(seqlens)
-    return tokens * sum(forward_flops_per_token(s).values()) + attention_pair_flops(s) * attention_layer_pairs(
-        s, seqlens, causal
-    )
+    return sum(seqlens) * sum(forward_flops_per_token(s).values()) + attention_score_flops(s, seqlens, causal)

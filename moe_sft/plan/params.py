@@ -57,15 +57,18 @@ def attention_params(s: ModelShape, tp: int, backend: str = "torch", layer: int 
     h = s.hidden
     norms = h  # input_layernorm
     if s.mla is None:
+        a = s.attention_of(layer)  # the layer's own dims where layers differ (Gemma 4)
         q_heads = s.num_heads * (2 if s.attention_gate else 1)
-        qkv = (h + s.qkv_bias) * (q_heads + 2 * s.num_kv_heads) * s.head_dim // tp
-        proj = s.num_heads * s.head_dim * h // tp
-        qk_norm = 2 * s.head_dim if s.qk_norm else 0
+        kv_heads = (1 if a.k_eq_v else 2) * a.num_kv_heads  # k-eq-v: [q, k] per group
+        qkv = (h + s.qkv_bias) * (q_heads + kv_heads) * a.head_dim // tp
+        proj = s.num_heads * a.head_dim * h // tp
+        qk_norm = 2 * a.head_dim if s.qk_norm else 0
         if s.qk_norm_full_width:  # one weight per q and k channel, split over TP with the heads
-            qk_norm = (s.num_heads + s.num_kv_heads) * s.head_dim // tp
+            qk_norm = (s.num_heads + a.num_kv_heads) * a.head_dim // tp
         proj_bias = h if s.linear_bias else 0  # a row-parallel bias: whole on every TP rank
         sinks = s.num_heads // tp if s.attention_sinks else 0
-        return norms + qkv + proj + qk_norm + proj_bias + sinks
+        out_norm = h if s.attention_output_norm else 0  # replicated
+        return norms + qkv + proj + qk_norm + proj_bias + sinks + out_norm
     m = s.mla
     qhd = m.qk_nope + m.qk_rope
     down_tp = 1 if backend == "te" else tp  # TE: down projections duplicated on every TP rank
@@ -83,7 +86,9 @@ def mlp_params(s: ModelShape, moe: bool, lay: Layout) -> tuple[int, int]:
     h = s.hidden
     if not moe:
         return h + 3 * h * s.ffn // lay.tp, 0
-    dense = h + s.num_experts * h  # norm + router (replicated)
+    dense = s.moe_block_norms * h + s.num_experts * h  # norm(s) + router (replicated)
+    if s.router_scales:  # Gemma 4's router: input scale [H], per-expert scale [E]
+        dense += h + s.num_experts
     if s.shared_ffn:
         dense += 3 * h * s.shared_ffn // lay.tp + (h if s.shared_expert_gate else 0)
     expert = (s.num_experts // lay.ep) * 3 * h * s.moe_ffn // lay.etp
@@ -156,7 +161,7 @@ def active_params_per_token(s: ModelShape) -> int:
     h, total = s.hidden, 0
     one = Layout(world=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1)
     for i, moe in enumerate(list(s.moe_layers) + [s.moe_layers[-1]] * s.mtp_layers):
-        total += attention_params(s, 1, layer=i) - h
+        total += attention_params(s, 1, layer=i) - h - (h if s.attention_output_norm else 0)  # less norms
         if moe:
             total += s.num_experts * h + 3 * h * s.shared_ffn + s.topk * 3 * h * s.moe_ffn
         else:

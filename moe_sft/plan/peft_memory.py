@@ -80,10 +80,12 @@ def layer_linears(s: ModelShape, lay: Layout, moe: bool, layer: int | None = Non
         out.append(Linear("self_attention.in_proj", la.in_proj_width // tp, h, True, len(la.projections)))
         out.append(Linear("self_attention.out_proj", h, la.value_heads * la.value_dim // tp, False))
     elif s.mla is None:
+        a = s.attention_of(layer)  # the layer's own dims where layers differ (Gemma 4)
         q_heads = s.num_heads * (2 if s.attention_gate else 1)  # a gated attention's q: query and gate
-        qkv = (q_heads + 2 * s.num_kv_heads) * s.head_dim // tp
-        out.append(Linear("self_attention.linear_qkv", qkv, h, True, 3))
-        out.append(Linear("self_attention.linear_proj", h, s.num_heads * s.head_dim // tp, False))
+        parts = 2 if a.k_eq_v else 3  # k-eq-v: [q, k] per group, one LoRA A each (peft/install.py)
+        qkv = (q_heads + (parts - 1) * a.num_kv_heads) * a.head_dim // tp
+        out.append(Linear("self_attention.linear_qkv", qkv, h, True, parts))
+        out.append(Linear("self_attention.linear_proj", h, s.num_heads * a.head_dim // tp, False))
     else:
         m = s.mla
         qhd = m.qk_nope + m.qk_rope

@@ -63,6 +63,11 @@ def _width_errors(cfg, shape, backend: str) -> list[str]:
         widths.append(("shared-expert intermediate size", shape.shared_ffn, tp, "tensor_model_parallel_size"))
     if shape.num_experts:
         widths.append(("moe_intermediate_size", shape.moe_ffn, etp, "expert_tensor_parallel_size (null = TP)"))
+    # layers with their own key/value heads (Gemma 4's full layers: num_global_key_value_heads)
+    for kv in sorted({a.num_kv_heads for a in shape.attention_layers} - {shape.num_kv_heads}):
+        widths.append(
+            ("key/value heads of some layers (num_global_key_value_heads)", kv, tp, "tensor_model_parallel_size")
+        )
     if shape.mla and backend != "te":  # torch-native spec: the down projections are column-parallel
         if shape.mla.q_lora:
             widths.append(("q_lora_rank", shape.mla.q_lora, tp, "tensor_model_parallel_size"))

@@ -26,6 +26,7 @@ from moe_sft.models.shape import (  # noqa: F401  (the FLOP formula, re-exported
     attention_pair_flops,
     attention_pairs,
     attention_projection_flops,
+    attention_score_flops,
     default_peak_tflops,
     forward_flops,
     forward_flops_per_token,

@@ -28,7 +28,13 @@ from tests.train_steps import PromptedDoc
 
 VOCAB = 300
 LENGTHS = (19, 40, 7)
-HF_CASES = [("qwen3_moe", {}), ("mixtral", {}), ("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": None})]
+HF_CASES = [
+    ("qwen3_moe", {}),
+    ("mixtral", {}),
+    ("deepseek_v3", {}),
+    ("deepseek_v3", {"q_lora_rank": None}),
+    ("gemma4", {}),  # per-layer head dims, k-eq-v full layer, dense MLP beside the experts
+]
 
 
 def _counted(fn) -> int:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 PRODUCTION = ("deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b")
 # Production recipes with no GPU calibration layout yet (benchmarks/gpu/plan_calibration.py).
-UNCALIBRATED = ("deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2")
+UNCALIBRATED = ("deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2", "gemma4_26b_a4b")
 # Hybrid Gated DeltaNet recipes: (recipe, model config under recipes/models/); Qwen3.5's configs are
 # the releases' text_config, hence a name of their own.
 HYBRID = (
@@ -165,6 +165,7 @@ def test_shipped_configs_match_the_families_translation():
         "qwen3_5_35b_a3b_text": 35.5,
         "qwen3_5_122b_a10b_text": 124.6,
         "qwen3_5_397b_a17b_text": 402.9,
+        "gemma4_26b_a4b": 25.2,  # the language model of the VL release (its text_config), as transformers counts it
     }  # DeepSeek-V3(.1): 671B + the MTP layer (its embedding/head shared); GLM-4.5(-Air): + 1 MTP layer;
     # Qwen3-Next / Qwen3.5: + 1 MTP layer (embedding / head shared), without Qwen3.5's vision tower
     for name in known_models():
@@ -200,6 +201,19 @@ def test_ep_must_fit_the_ranks_of_one_pipeline_stage():
     )
     assert "expert_model_parallel_size=32" in msg and "pipeline_model_parallel_size=16" in msg
     assert "world_size=64" in msg and "world_size/pp=4" in msg
+
+
+def test_tp_must_divide_the_key_value_heads_of_every_layer():
+    """Gemma 4: TP4 divides the sliding layers' 8 key/value heads, not the full layers' 2."""
+    msg = _errors(
+        "gemma4_26b_a4b_h200",
+        8,
+        "parallel.tensor_model_parallel_size=4",
+        "parallel.sequence_parallel=true",
+        "parallel.expert_model_parallel_size=2",
+    )
+    assert "tensor_model_parallel_size=4 does not divide the key/value heads of some layers" in msg
+    assert "(num_global_key_value_heads)=2; use one of 1, 2" in msg
 
 
 def test_heads_layers_and_memory_errors_name_values_and_fix():
@@ -382,8 +396,11 @@ def fake_world():
 
 
 def test_parameter_counts_per_rank_are_exact(fake_world):
-    from moe_sft.models import deepseek_v3, glm4_moe, gpt_oss, kimi_k2, minimax_m2, mixtral, qwen3_moe
+    from moe_sft.models import deepseek_v3, gemma4, glm4_moe, gpt_oss, kimi_k2, minimax_m2, mixtral, qwen3_moe
     from moe_sft.plan.params import stage_params
+
+    # Gemma 4: sliding and full layers of their own dims (k-eq-v on the full ones, one with its own v)
+    gemma4_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
     cases = [
         (
@@ -409,6 +426,18 @@ def test_parameter_counts_per_rank_are_exact(fake_world):
         (minimax_m2.FAMILY, minimax_m2.tiny_hf_config(num_hidden_layers=2), 4, dict(tp=2, ep=2, etp=2)),
         (kimi_k2.FAMILY, kimi_k2.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
         (gpt_oss.FAMILY, gpt_oss.tiny_hf_config(num_hidden_layers=4), 8, dict(tp=2, pp=2, ep=2, etp=1)),
+        (
+            gemma4.FAMILY,
+            gemma4.tiny_hf_config(num_hidden_layers=4, layer_types=gemma4_types, num_global_key_value_heads=2),
+            8,
+            dict(tp=2, pp=2, ep=2, etp=1),
+        ),
+        (
+            gemma4.FAMILY,
+            gemma4.tiny_hf_config(num_hidden_layers=2, attention_k_eq_v=False, tie_word_embeddings=False),
+            4,
+            dict(ep=2, etp=1),
+        ),
     ]
     for family, hf, world, par in cases:
         shape = shape_from_hf_dict(hf.to_dict())
@@ -910,16 +939,23 @@ def test_lora_and_fp8_base_counts_per_rank_are_exact(fake_world):
 def test_lora_and_dora_counts_on_the_hybrid_mixers_are_exact(fake_world):
     """The planner's adapters on Qwen3-Next's and Qwen3.5's mixers (Gated DeltaNet in_proj with one
     A per transformers projection, out_proj; the gated attention's q with its gate rows) and
-    shared experts at TP2·PP2 equal real adapted models'."""
+    shared experts at TP2·PP2 equal real adapted models'; and on Gemma 4's per-layer attention
+    (sliding layers [q, k, v], k-eq-v full layers [q, k] with wider heads) and its dense MLP."""
     from moe_sft.config.schema import PeftConfig
-    from moe_sft.models import qwen3_5_moe, qwen3_next
+    from moe_sft.models import gemma4, qwen3_5_moe, qwen3_next
     from moe_sft.peft import install
     from moe_sft.plan.params import stage_params
     from moe_sft.plan.peft_memory import PeftPlan, stage
 
     lay = Layout(world=4, tp=2, pp=2, vpp=None, cp=1, ep=1, etp=1)
-    for family in (qwen3_next.FAMILY, qwen3_5_moe.FAMILY):
-        hf = family.tiny_hf_config()
+    gemma4_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    cases = [(f, f.tiny_hf_config()) for f in (qwen3_next.FAMILY, qwen3_5_moe.FAMILY)] + [
+        (
+            gemma4.FAMILY,
+            gemma4.tiny_hf_config(num_hidden_layers=4, layer_types=gemma4_types, num_global_key_value_heads=2),
+        )
+    ]
+    for family, hf in cases:
         shape = shape_from_hf_dict(hf.to_dict())
         for method in ("lora", "dora"):
             entries = ("attention", "shared_experts")

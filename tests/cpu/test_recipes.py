@@ -18,6 +18,7 @@ def test_the_family_recipes_are_shipped():
     assert {"quickstart", "qwen3_30b_a3b", "mixtral_8x7b", "deepseek_v3"} <= set(RECIPES)
     assert {"deepseek_v3_1", "kimi_k2", "glm4_5", "glm4_5_air", "minimax_m2"} <= set(RECIPES)
     assert {"gpt_oss_20b", "gpt_oss_120b", "gpt_oss_120b_h200"} <= set(RECIPES)
+    assert {"gemma4_26b_a4b", "gemma4_26b_a4b_h200", "gemma4_26b_a4b_lora", "gemma4_26b_a4b_lora_h200"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
