@@ -112,6 +112,8 @@ def hf_config(model: str, layers: int | None = None):
                 delattr(cfg, name)
     else:
         cfg = family.tiny_hf_config()
+    if family.composite:  # a vision-language release's config: its language model
+        cfg = family.composite.text_config(cfg)
     cfg = copy.deepcopy(cfg)
     for key, value in preset.overrides.items():
         setattr(cfg, key, value)

@@ -472,3 +472,16 @@ def test_the_lora_arms_take_the_whole_qwen3_30b_on_one_h200():
     h200, h100 = hardware.GPUS["h200_141gb"].memory_gib, hardware.GPUS["h100_80gb"].memory_gib
     assert gib(False) < h200 < gib(False) + 10  # measured: 117.1 GiB allocated (issue 46)
     assert gib(False, "full") > h100 > gib(True, "full")
+
+
+def test_every_preset_reads_its_config_with_its_layers():
+    """Each preset's config (a vision-language release's: its language model) passes its family's
+    checks at the preset's layer count, the layer types cut to match, and gives a model shape."""
+    from benchmarks.workload import PRESETS
+
+    for name, preset in PRESETS.items():
+        family, cfg = hf_config(name)
+        assert family.name == preset.family and cfg.num_hidden_layers == preset.layers, name
+        if getattr(cfg, "layer_types", None):
+            assert len(cfg.layer_types) == preset.layers, name
+        assert model_shape(name).num_layers == preset.layers, name
