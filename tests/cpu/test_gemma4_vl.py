@@ -9,11 +9,10 @@ import contextlib
 import io
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from moe_sft.conversion import mcore_io
 from moe_sft.conversion.convert import convert
@@ -25,10 +24,9 @@ from moe_sft.models.forward import packed_logits
 from moe_sft.plan.shapes import shape_from_hf_dict
 from moe_sft.runtime import cpu_compat
 from tests.train_steps import adam_steps, random_batches
+from tests.vl_checkpoints import DOCS, PARITY_TOL, load_vl, max_diff, tensors, text_logits
 
 VOCAB = 300
-PARITY_TOL = 1e-4  # fp32 on CPU, as tests/cpu/test_families.py
-DOCS = [[5, 17, 42, 99, 3, 250, 11], list(range(20, 61))]  # the second longer than the window (16)
 VL = gemma4.COMPOSITE.hf_model_class
 LANGUAGE = "model.language_model."
 # what each carried part is called in the conversion's line, by its prefix in the checkpoint
@@ -38,29 +36,6 @@ PARTS = {
     "model.audio_tower.": "audio tower",
     "model.embed_audio.": "audio embedder",
 }
-
-
-def _tensors(path: Path) -> dict:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _load_vl(path: Path):
-    with cpu_compat.suspended():
-        model, info = VL.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
-    return model.eval(), info
-
-
-def _text_logits(model) -> list[torch.Tensor]:
-    """The multimodal model on text alone (no image, no audio): its language model's logits."""
-    with cpu_compat.suspended(), torch.no_grad():
-        return [model(input_ids=torch.tensor([d])).logits[0].float() for d in DOCS]
-
-
-def _diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 def _carried_by_part(names) -> dict[str, list[str]]:
@@ -89,7 +64,7 @@ def test_conversion_carries_every_tensor_outside_the_language_model(vl):
     """Vision tower, audio tower (clipped linears' bounds included) and both embedders: each named
     in the conversion's line, stored in hf/carried/, counted in the meta; nothing else is carried."""
     tmp, log = vl
-    source = _tensors(tmp / "hf")
+    source = tensors(tmp / "hf")
     outside = sorted(n for n in source if not n.startswith(LANGUAGE) and n != "lm_head.weight")
     parts = _carried_by_part(outside)
     assert set(parts) == set(PARTS.values()), parts  # the tiny model has all four parts
@@ -99,7 +74,7 @@ def test_conversion_carries_every_tensor_outside_the_language_model(vl):
     for what, names in parts.items():
         assert f"{len(names)} {what} tensor{'s' if len(names) != 1 else ''}" in log, (what, log)
     assert "carried through, not trained" in log, log
-    carried = _tensors(tmp / "mcore" / mcore_io.HF_SUBDIR / mcore_io.CARRIED_DIR)
+    carried = tensors(tmp / "mcore" / mcore_io.HF_SUBDIR / mcore_io.CARRIED_DIR)
     assert sorted(carried) == outside
     assert all(torch.equal(carried[n], source[n]) for n in outside)
     meta = mcore_io.read_meta(tmp / "mcore")
@@ -125,7 +100,7 @@ def test_round_trip_without_training_is_the_source(vl):
     it whole and its text logits are the source's."""
     tmp, _ = vl
     out = export(tmp / "mcore", tmp / "round_trip", dtype="fp32")
-    before, after = _tensors(tmp / "hf"), _tensors(out)
+    before, after = tensors(tmp / "hf"), tensors(out)
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
     index = json.loads((out / mcore_io.EXPORT_INDEX).read_text())
@@ -133,7 +108,7 @@ def test_round_trip_without_training_is_the_source(vl):
     source = json.loads((tmp / "hf" / "config.json").read_text())
     assert json.loads((out / "config.json").read_text()) == source  # fp32 source exported fp32
     assert not (out / mcore_io.CARRIED_DIR).exists()
-    _, info = _load_vl(out)
+    _, info = load_vl(VL, out)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
@@ -157,9 +132,9 @@ def test_trained_on_text_exports_the_multimodal_model(vl):
     mcore_io.copy_hf_side_files(tmp / "mcore" / mcore_io.HF_SUBDIR, ckpt / mcore_io.HF_SUBDIR)
     out = export(ckpt, tmp / "run" / "hf", dtype="fp32")
 
-    exported, info = _load_vl(out)
+    exported, info = load_vl(VL, out)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    source, written = _tensors(tmp / "hf"), _tensors(out)
+    source, written = tensors(tmp / "hf"), tensors(out)
     assert sorted(source) == sorted(written)
     carried = [n for names in _carried_by_part(source).values() for n in names]
     assert all(torch.equal(source[n], written[n]) for n in carried)
@@ -168,7 +143,7 @@ def test_trained_on_text_exports_the_multimodal_model(vl):
     assert len(trained) > len(language) // 2  # the language model changed
     with torch.no_grad():
         ours = packed_logits(model.eval(), DOCS, VOCAB)
-    assert _diff(_text_logits(exported), ours) <= PARITY_TOL
+    assert max_diff(text_logits(exported), ours) <= PARITY_TOL
 
 
 def test_a_tensor_neither_mapped_nor_carried_fails_the_gate(vl, tmp_path):

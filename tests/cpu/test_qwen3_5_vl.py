@@ -8,11 +8,10 @@ import contextlib
 import io
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from moe_sft.conversion import mcore_io
 from moe_sft.conversion.convert import convert
@@ -25,34 +24,10 @@ from moe_sft.models.forward import packed_logits
 from moe_sft.plan.shapes import shape_from_hf_dict
 from moe_sft.runtime import cpu_compat
 from tests.train_steps import adam_steps, random_batches
+from tests.vl_checkpoints import DOCS, PARITY_TOL, load_vl, max_diff, tensors, text_logits
 
 VOCAB = 300
-PARITY_TOL = 1e-4  # fp32 on CPU, as tests/cpu/test_families.py
-DOCS = [[5, 17, 42, 99, 3, 250, 11], list(range(20, 61))]
 VL = qwen3_5_moe.COMPOSITE.hf_model_class
-
-
-def _tensors(path: Path) -> dict:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _load_vl(path: Path):
-    with cpu_compat.suspended():
-        model, info = VL.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
-    return model.eval(), info
-
-
-def _text_logits(model) -> list[torch.Tensor]:
-    """The VL model on text alone (no image): its language model's logits."""
-    with cpu_compat.suspended(), torch.no_grad():
-        return [model(input_ids=torch.tensor([d])).logits[0].float() for d in DOCS]
-
-
-def _diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +45,10 @@ def vl(tmp_path_factory):
 
 def test_conversion_names_the_vision_tensors_it_carries(vl):
     tmp, log = vl
-    vision = [n for n in _tensors(tmp / "hf") if n.startswith("model.visual.")]
+    vision = [n for n in tensors(tmp / "hf") if n.startswith("model.visual.")]
     assert len(vision) > 10
     assert f"{len(vision)} vision tensors carried through, not trained" in log, log
-    carried = _tensors(tmp / "mcore" / mcore_io.HF_SUBDIR / mcore_io.CARRIED_DIR)
+    carried = tensors(tmp / "mcore" / mcore_io.HF_SUBDIR / mcore_io.CARRIED_DIR)
     assert sorted(carried) == sorted(vision)
     meta = mcore_io.read_meta(tmp / "mcore")
     assert meta["model_type"] == "qwen3_5_moe" and meta["carried_tensors"] == {"vision": len(vision)}
@@ -98,7 +73,7 @@ def test_round_trip_without_training_is_the_source(vl):
     """convert → export: every tensor bit-identical, the VL config back, transformers loads it whole."""
     tmp, _ = vl
     out = export(tmp / "mcore", tmp / "round_trip", dtype="fp32")
-    before, after = _tensors(tmp / "hf"), _tensors(out)
+    before, after = tensors(tmp / "hf"), tensors(out)
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
     index = json.loads((out / mcore_io.EXPORT_INDEX).read_text())
@@ -106,7 +81,7 @@ def test_round_trip_without_training_is_the_source(vl):
     source = json.loads((tmp / "hf" / "config.json").read_text())
     assert json.loads((out / "config.json").read_text()) == source  # fp32 source exported fp32
     assert not (out / mcore_io.CARRIED_DIR).exists()
-    _, info = _load_vl(out)
+    _, info = load_vl(VL, out)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
@@ -129,9 +104,9 @@ def test_trained_on_text_exports_the_vl_model(vl):
     mcore_io.copy_hf_side_files(tmp / "mcore" / mcore_io.HF_SUBDIR, ckpt / mcore_io.HF_SUBDIR)
     out = export(ckpt, tmp / "run" / "hf", dtype="fp32")
 
-    exported, info = _load_vl(out)
+    exported, info = load_vl(VL, out)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    source, written = _tensors(tmp / "hf"), _tensors(out)
+    source, written = tensors(tmp / "hf"), tensors(out)
     assert sorted(source) == sorted(written)
     vision = [n for n in source if n.startswith("model.visual.")]
     assert all(torch.equal(source[n], written[n]) for n in vision)
@@ -139,7 +114,7 @@ def test_trained_on_text_exports_the_vl_model(vl):
     assert len(trained) > len(source) // 2  # the language model changed
     with torch.no_grad():
         ours = packed_logits(model.eval(), DOCS, VOCAB)
-    assert _diff(_text_logits(exported), ours) <= PARITY_TOL
+    assert max_diff(text_logits(exported), ours) <= PARITY_TOL
 
 
 def test_a_tensor_neither_mapped_nor_carried_fails_the_gate(vl, tmp_path):
@@ -178,24 +153,24 @@ def test_an_fp8_vision_tower_is_dequantised_like_the_language_model(vl, tmp_path
 
     src, _ = vl
     block = (32, 32)
-    tensors, expected = {}, {}
-    for name, t in _tensors(src / "hf").items():
+    fp8_source, expected = {}, {}
+    for name, t in tensors(src / "hf").items():
         t = t.to(torch.bfloat16)
         if t.dim() == 2 and name.startswith("model.visual.") and name.endswith("proj.weight"):
             q, s = fp8.quantize_blocks(t, block)
-            tensors[name], tensors[fp8.scale_name(name)] = q, s
+            fp8_source[name], fp8_source[fp8.scale_name(name)] = q, s
             expected[name] = fp8.dequantize_blocks(q, s, block)
         else:
-            tensors[name] = expected[name] = t
-    assert any(n.endswith("_scale_inv") for n in tensors)
+            fp8_source[name] = expected[name] = t
+    assert any(n.endswith("_scale_inv") for n in fp8_source)
     (tmp_path / "fp8").mkdir()
-    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    save_file(fp8_source, str(tmp_path / "fp8" / "model.safetensors"))
     config = json.loads((src / "hf" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     convert(tmp_path / "fp8", tmp_path / "mcore")
     out = export(tmp_path / "mcore", tmp_path / "out", dtype="bf16")
-    written = _tensors(out)
+    written = tensors(out)
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[n], expected[n]) for n in expected)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
