@@ -28,14 +28,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# -graphs: trainer.cuda_graphs; -lora: LoRA (--lora-rank, --lora-alpha) on attention and experts, base
-# frozen (ours.BENCH_LORA); -lora-fp8: the same on a base kept in FP8 (peft.fp8_base); transformers-peft:
-# peft's LoRA of the same rank and alpha (hf.py)
+# -graphs: trainer.cuda_graphs (the MoE half, adapters included); -lora: LoRA (--lora-rank, --lora-alpha)
+# on attention and experts, base frozen (ours.BENCH_LORA); -lora-fp8: the same on a base kept in FP8
+# (peft.fp8_base); transformers-peft: peft's LoRA of the same rank and alpha (hf.py)
 ARMS = (
     "moe-sft",
     "moe-sft-graphs",
     "moe-sft-lora",
     "moe-sft-lora-fp8",
+    "moe-sft-lora-graphs",
+    "moe-sft-lora-fp8-graphs",
     "transformers",
     "transformers-peft",
     "torchtitan",
@@ -176,7 +178,7 @@ def _forwarded(args) -> list[str]:
 def _make_arm(name: str, args, device: str, layers: int, first):
     from benchmarks.workload import hf_config
 
-    if name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "moe-sft-lora-fp8"):
+    if name.startswith("moe-sft"):
         from benchmarks.ours import OursArm
         from moe_sft.config import layout
         from moe_sft.kernels import bounded_rows
@@ -197,9 +199,9 @@ def _make_arm(name: str, args, device: str, layers: int, first):
             first=first,
             max_steps=max_steps,
             device=device,
-            cuda_graphs=name == "moe-sft-graphs",
+            cuda_graphs=name.endswith("-graphs"),
             lora=(args.lora_rank, args.lora_alpha) if name.startswith("moe-sft-lora") else None,
-            lora_fp8_base=name == "moe-sft-lora-fp8",
+            lora_fp8_base=name.startswith("moe-sft-lora-fp8"),
             static_rows_capacity=args.static_rows_capacity,
             combine_dtype=args.combine_dtype,
             dispatch_chunks=args.dispatch_chunks,

@@ -126,13 +126,10 @@ class OursArm:
         attention_kernel: str = "auto",
     ):
         self.name = (
-            "moe-sft-graphs"
-            if cuda_graphs
-            else "moe-sft-lora-fp8"
-            if lora and lora_fp8_base
-            else "moe-sft-lora"
-            if lora
-            else "moe-sft"
+            "moe-sft"
+            + ("-lora" if lora else "")
+            + ("-fp8" if lora and lora_fp8_base else "")
+            + ("-graphs" if cuda_graphs else "")
         )
         self.heads_over_loss_rows = loss_rows.ENABLED  # the hardware FLOPs (no CP here)
         cfg = bench_config(

@@ -163,10 +163,10 @@ def ratio_lines(runs: list[dict]) -> list[str]:
         if r.get("status") == "ok" and r["gpus"] == 1:
             by.setdefault((r["model"], r["layers"], r["budget"]), {})[r["arm"]] = r
     for (model, layers, budget), arms in sorted(by.items()):
-        for ours_name in ("moe-sft", "moe-sft-graphs", "moe-sft-lora", "moe-sft-lora-fp8"):
-            ours = arms.get(ours_name)
+        for ours_name in [a for a in arms if a.startswith("moe-sft")]:
+            ours = arms[ours_name]
             for name, other in arms.items():
-                if ours is None or name == ours_name or (ours_name == "moe-sft-graphs" and name == "moe-sft"):
+                if name == ours_name:
                     continue
                 if not is_lora(ours) and is_lora(other):  # moe-sft-lora / moe-sft is the line for those
                     continue

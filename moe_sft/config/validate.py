@@ -10,12 +10,14 @@ repeated here so they fail in seconds with a fix instead of minutes later with a
 """
 
 import dataclasses
+import fnmatch
 import importlib.util
 import math
 import os
 from collections.abc import Callable
 
 from moe_sft.config.layout import Layout
+from moe_sft.config.peft_shorthands import patterns
 from moe_sft.config.schema import SECTIONS, ConfigError, ParallelConfig, TrainConfig, format_errors
 
 Check = Callable[[TrainConfig, int], list[str]]
@@ -330,11 +332,6 @@ def cuda_graphs_ineligible(device: str, cfg: TrainConfig) -> list[str]:
     if parallel.expert_tp != 1:
         reasons.append(
             f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} (null = TP): needs 1"
-        )
-    if cfg.peft.method != "none":
-        reasons.append(
-            f"peft.method={cfg.peft.method}: the graphed MoE half does not capture the expert adapters "
-            "(their grouped GEMMs and gradient sums run eager only)"
         )
     if parallel.overlap_grad_reduce or parallel.overlap_param_gather:
         # The graphed weights whose gradient goes into main_grad inside the graph never reach
@@ -734,7 +731,18 @@ def _graphed_dispatch_errors(cfg: TrainConfig, num_experts: int, topk: int, expe
             "trainer.cuda_graphs=true with parallel.expert_model_parallel_size>1: this model's experts "
             "have biases, which read every row of the static-row permutation; set trainer.cuda_graphs=false"
         )
+    if cfg.peft.method != "none" and _targets_routed_experts(cfg.peft.target_modules):
+        errors.append(
+            "trainer.cuda_graphs=true with parallel.expert_model_parallel_size>1: adapters on the routed "
+            "experts read every row of the static-row permutation; leave 'experts' out of "
+            "peft.target_modules, or set parallel.expert_model_parallel_size=1 or trainer.cuda_graphs=false"
+        )
     return errors
+
+
+def _targets_routed_experts(entries) -> bool:
+    experts = "decoder.layers.0.mlp.experts"  # the grouped experts' module name (peft/targets.py)
+    return any(fnmatch.fnmatchcase(experts, p) for entry in entries for p in patterns(entry))
 
 
 def _pipeline_layer_errors(p: ParallelConfig, num_layers: int) -> list[str]:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from moe_sft.config import ConfigError
+from moe_sft.config.peft_shorthands import SHORTHANDS, patterns
 from moe_sft.layers.experts import TorchGroupedMLP
-from moe_sft.peft.shorthands import SHORTHANDS, patterns
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from moe_sft.config.peft_shorthands import patterns
 from moe_sft.models.shape import ModelShape
-from moe_sft.peft.shorthands import patterns
 from moe_sft.plan.layout import Layout, is_last_chunk, stage_layers
 
 FP8_BLOCK = 128

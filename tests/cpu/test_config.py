@@ -690,6 +690,22 @@ def test_graphed_expert_parallel_is_checked_against_the_model(good):
         expert_biases=True,
     )
     assert "this model's experts have biases" in msg and "set trainer.cuda_graphs=false" in msg
+    # adapters: graphed at EP1 (the adapters' grouped GEMMs are captured with the MoE half); at EP2 not
+    # on the routed experts (they read every static row), but on attention alone they are
+    lora = dict(peft__method="lora", peft__target_modules=["all_linear"])
+    validate_config(_with(good, **graphs, **lora), 8)
+    validate_against_model(_with(good, **graphs, **lora), **QWEN3_30B, topk=8)
+    msg = _error(
+        validate_against_model,
+        _with(good, **graphs, **lora, parallel__expert_model_parallel_size=2),
+        **QWEN3_30B,
+        topk=8,
+    )
+    assert "adapters on the routed experts read every row of the static-row permutation" in msg
+    attention = dict(peft__method="lora", peft__target_modules=["attention"])
+    validate_against_model(
+        _with(good, **graphs, **attention, parallel__expert_model_parallel_size=2), **QWEN3_30B, topk=8
+    )
 
 
 def test_dense_model_and_mha_defaults(good):

@@ -156,3 +156,40 @@ def test_zero_centred_kernel_matches_transformers_and_fp64_math(shape):
     dw = (dyd * x_hat).reshape(-1, shape[-1]).sum(0)
     torch.testing.assert_close(x.grad.double(), dx, rtol=2**-7, atol=1e-5 * dx.abs().max().item())
     torch.testing.assert_close(ours.weight.grad.double(), dw, rtol=2**-7, atol=1e-5 * dw.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [HIDDEN, (4096, 2, 512)], ids=["hidden", "full_attention_qk_norm"])
+def test_gemma4_norm_kernel_matches_transformers_and_fp64_math(shape):
+    """Gemma 4's norm (fp32 x-hat times the fp32 weight, rounded once: `round_hat=False`) in the same
+    kernels, at the hidden width and its 512-wide full-attention heads: the forward equals
+    transformers' Gemma4RMSNorm in bf16 (to the reduction order's rare 1-ulp differences), dx and dw
+    are their fp64 values within one bf16 rounding."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm as TheirNorm
+
+    from moe_sft.layers.norm import Gemma4RMSNorm, triton_fits
+
+    config = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=16, params_dtype=torch.bfloat16)
+    ours = Gemma4RMSNorm(config, shape[-1]).cuda()
+    theirs = TheirNorm(shape[-1], eps=1e-6).to("cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        ours.weight.copy_(1 + torch.randn(shape[-1], device="cuda", generator=g) * 0.2)
+        theirs.weight.copy_(ours.weight)
+    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
+    assert triton_fits(x, ours.weight)
+    y = ours(x)
+    reference = theirs(x)
+    assert y.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference, rtol=2**-7, atol=0)
+    assert (y != reference).float().mean() < 1e-4
+    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    xd, wd, dyd = x.detach().double(), ours.weight.detach().double(), dy.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x_hat = xd * rstd
+    gd = dyd * wd
+    dx = rstd * (gd - x_hat * (gd * x_hat).mean(-1, keepdim=True))
+    dw = (dyd * x_hat).reshape(-1, shape[-1]).sum(0)
+    torch.testing.assert_close(x.grad.double(), dx, rtol=2**-7, atol=1e-5 * dx.abs().max().item())
+    torch.testing.assert_close(ours.weight.grad.double(), dw, rtol=2**-7, atol=1e-5 * dw.abs().max().item())

@@ -1,5 +1,5 @@
 """The `peft.target_modules` shorthands: fnmatch patterns over module names with global layer
-numbers. Torch-free, so the planner counts the same modules the trainer adapts."""
+numbers. Torch-free (config/), so the planner, the config checks and the trainer match the same modules."""
 
 from __future__ import annotations
 
