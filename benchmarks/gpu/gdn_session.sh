@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu/gdn_session.sh LOG_DIR tests     # GPU tests (fla vs torch, fwd+bwd; bf16 parity; 20 steps)
 #                                                        # + the GDN layer against fla's kernel alone
 #   bash benchmarks/gpu/gdn_session.sh LOG_DIR qwen3_5   # moe-sft vs transformers (+ fla), Qwen3.5-35B-A3B x 5 layers
+#                                                        # (ARMS=moe-sft-graphs,moe-sft,transformers: other arms)
 #   bash benchmarks/gpu/gdn_session.sh LOG_DIR qwen3_next  # the same, Qwen3-Next-80B-A3B x 4 layers
 # fla's gated backward needs Triton >= 3.7.1 on Hopper (fla issue #640); an image with an older Triton
 # can put a newer one first on PYTHONPATH (docs/benchmarks.md says how it was carried).
@@ -23,7 +24,7 @@ part() {  # name time-limit-seconds command...
 }
 
 compare() {  # preset limit
-  part "$1" "$2" python3 benchmarks/benchmark.py compare --model "$1" --arms moe-sft,transformers \
+  part "$1" "$2" python3 benchmarks/benchmark.py compare --model "$1" --arms "${ARMS:-moe-sft,transformers}" \
     --tokens-per-step 32768 --budgets 4096,8192 --warmup "${WARMUP:-3}" --steps "${STEPS:-8}" --profile-steps 1 --out "$log/results"
 }
 
