@@ -97,6 +97,18 @@ PRESETS = {
 }
 
 
+def _first_layers(cfg, n: int):
+    """`cfg` cut to its first `n` layers: their per-layer attention kinds (gpt-oss, Gemma 4) and
+    transformers' per-layer overrides (Gemma 4's full layers), which it checks against the layer count."""
+    d = cfg.to_dict()
+    d["num_hidden_layers"] = n
+    if d.get("layer_types"):
+        d["layer_types"] = list(d["layer_types"][:n])
+    if isinstance(d.get("per_layer_config"), dict):
+        d["per_layer_config"] = {k: v for k, v in d["per_layer_config"].items() if int(k) < n}
+    return type(cfg).from_dict(d)
+
+
 def hf_config(model: str, layers: int | None = None):
     """(family, HF config) of preset `model` with `layers` decoder layers (default: the preset's)."""
     from moe_sft.models import registry
@@ -117,9 +129,7 @@ def hf_config(model: str, layers: int | None = None):
     cfg = copy.deepcopy(cfg)
     for key, value in preset.overrides.items():
         setattr(cfg, key, value)
-    cfg.num_hidden_layers = layers or preset.layers
-    if getattr(cfg, "layer_types", None):  # per-layer attention kinds (gpt-oss): keep the first ones
-        cfg.layer_types = list(cfg.layer_types[: cfg.num_hidden_layers])
+    cfg = _first_layers(cfg, layers or preset.layers)
     if hasattr(cfg, "mlp_only_layers"):
         cfg.mlp_only_layers = []
     family.check_supported(cfg)
