@@ -15,7 +15,7 @@ from moe_sft.config import ConfigError, PeftConfig
 from moe_sft.layers.experts import TorchGroupedMLP
 from moe_sft.peft import coverage, targets
 from moe_sft.peft.experts import ExpertAdapter
-from moe_sft.peft.linear import LinearAdapter, Part, add_adapter_output
+from moe_sft.peft.linear import LinearAdapter, Part, add_adapter_output, norms_once
 from moe_sft.peft.state import adapters
 
 ROUTER_PATTERN = "*.mlp.router.*"
@@ -209,6 +209,12 @@ def _activations_require_grad(module, args, output):
 
 def targets_kind(global_name: str) -> str:
     return global_name.split(".", 3)[-1]
+
+
+def dora_norms_once(chunks):
+    """Context: inside, each DoRA adapter of `chunks` computes its weight norm once (peft/linear.py
+    `norms_once`); for one step's forward-backward or an evaluation, where the weights stay put."""
+    return norms_once(adapter for chunk in chunks for _, _, adapter in adapters(chunk))
 
 
 def init_dora_magnitudes(chunks) -> None:

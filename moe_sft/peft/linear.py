@@ -28,11 +28,16 @@ its names must not depend on the TP degree: one query group per rank is still li
 
 DoRA (Liu et al. 2024, as peft computes it): y = base + (m/|W'| - 1) * base_nobias +
 (m/|W'|) * scale * B A x, with W' = W + scale * B A, |.| the norm of each output row taken without
-gradient (the paper's section 4.3), and m initialised to |W|.
+gradient (the paper's section 4.3), and m initialised to |W|. |W'| changes only at the optimizer
+step, so inside `norms_once` (the trainer's forward-backward of one step, and an evaluation) the
+first forward computes it and the step's other micro-batches and recomputed forwards reuse that
+tensor: the same values, without reading W in fp32 and all-reducing the row-parallel norms per
+micro-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +124,8 @@ class LinearAdapter(torch.nn.Module):
             with torch.no_grad():
                 self.set_magnitude(self._row_norm(base.weight.detach().float()))
         self._base_has_bias_in_output = getattr(base, "bias", None) is not None and not base.skip_bias_add
+        self.keep_norm = False  # set by `norms_once`
+        self._kept_norm: torch.Tensor | None = None
 
     @staticmethod
     def _name(kind: str, part: str) -> str:
@@ -184,12 +191,36 @@ class LinearAdapter(torch.nn.Module):
         lora = self._low_rank(x).view(base_out.shape)
         if not self.dora:
             return base_out + lora
-        with torch.no_grad():
-            weight = base.weight.detach().float() + self.delta_weight().detach().float()
-            norm = self._row_norm(weight).to(base_out.dtype)
+        norm = self._weight_norm(base, base_out.dtype)
         mag_scale = self.magnitude() / norm
         base_nobias = base_out - base.bias if self._base_has_bias_in_output else base_out
         return base_out + (mag_scale - 1) * base_nobias + mag_scale * lora
+
+    def _weight_norm(self, base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """|W + scale * B A| per output row, without gradient (kept while `keep_norm`)."""
+        if self._kept_norm is not None:
+            return self._kept_norm
+        with torch.no_grad():
+            weight = base.weight.detach().float() + self.delta_weight().detach().float()
+            norm = self._row_norm(weight).to(dtype)
+        if self.keep_norm:
+            self._kept_norm = norm
+        return norm
+
+
+@contextlib.contextmanager
+def norms_once(adapters):
+    """Within: each DoRA adapter of `adapters` computes its weight norm once and reuses it. Only
+    while the weights stay as they are (one step's micro-batches, an evaluation): leaving forgets
+    the norms."""
+    dora = [a for a in adapters if isinstance(a, LinearAdapter) and a.dora]
+    for adapter in dora:
+        adapter.keep_norm = True
+    try:
+        yield
+    finally:
+        for adapter in dora:
+            adapter.keep_norm, adapter._kept_norm = False, None
 
 
 def add_adapter_output(module: torch.nn.Module, args, output):

@@ -12,6 +12,7 @@ The benchmark gives its own model source (random initialisation) and data to the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -542,18 +543,25 @@ class Trainer:
             metrics["train/row_capacity_reruns"] = float(s.row_capacity.reruns)
         return metrics
 
+    def _dora_norms_once(self):
+        """DoRA's weight norms once per step (the weights change only at the optimizer step)."""
+        if self.cfg.peft.method != "dora":
+            return contextlib.nullcontext()
+        return peft_install.dora_norms_once(self.state.model)
+
     def _forward_backward(self, batches, global_tokens: int) -> torch.Tensor:
         s = self.state
-        return train_step.run_forward_backward(
-            s.model,
-            batches,
-            global_tokens,
-            self.rt.device,
-            s.hf_cfg.vocab_size,
-            s.shape.seq_length,
-            mtp_weight=self.cfg.model.mtp_loss_weight,
-            fixed_shape=s.shape.fixed_shape,
-        )
+        with self._dora_norms_once():
+            return train_step.run_forward_backward(
+                s.model,
+                batches,
+                global_tokens,
+                self.rt.device,
+                s.hf_cfg.vocab_size,
+                s.shape.seq_length,
+                mtp_weight=self.cfg.model.mtp_loss_weight,
+                fixed_shape=s.shape.fixed_shape,
+            )
 
     def train(self) -> None:
         if self.finished_at is not None:
@@ -632,7 +640,7 @@ class Trainer:
             chunk.eval()
         per_call = max(self.cfg.trainer.global_batch_size // s.dp_size, 1)
         total = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
-        with torch.no_grad(), s.row_capacity.exact_rows():  # no step to run again: rows counted
+        with torch.no_grad(), s.row_capacity.exact_rows(), self._dora_norms_once():  # rows counted: no rerun
             for batches in s.data.eval.for_rank(s.dp_rank, s.dp_size, per_call):
                 total += train_step.run_forward_backward(
                     s.model,

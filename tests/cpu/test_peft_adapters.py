@@ -5,6 +5,7 @@ inputs fail with errors naming the field and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -125,6 +126,48 @@ def test_adapted_model_equals_the_merged_weights(family, method, entries, share)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(merged) >= (2 if entries == ["attention"] else 4)
+
+
+def test_dora_norms_once_per_step_give_the_same_outputs_and_gradients(family, monkeypatch):
+    """Inside `dora_norms_once` (the trainer's step and evaluation) each DoRA adapter computes its
+    weight norm in the first forward only and the step's other micro-batches reuse it: the same
+    outputs and gradients bit for bit as a norm per forward; after the step the norms are
+    forgotten, so the optimizer's change is seen."""
+    from moe_sft.peft.linear import LinearAdapter
+
+    model = _adapted(family, PeftConfig(method="dora", rank=4, alpha=8, target_modules=["attention"]))
+    dora = [a for _, _, a in state.adapters(model)]
+    qkv = model.decoder.layers[0].self_attention.linear_qkv  # q/k/v parts, one magnitude per query group
+    calls = []
+    row_norm = LinearAdapter._row_norm
+    monkeypatch.setattr(LinearAdapter, "_row_norm", lambda self, w: calls.append(self) or row_norm(self, w))
+    g = torch.Generator().manual_seed(0)
+    micro_batches = [torch.randn(n, 1, qkv.weight.shape[1], generator=g) for n in (5, 9, 3)]
+
+    def step(once: bool):
+        qkv.zero_grad(set_to_none=True)
+        outs = []
+        with install.dora_norms_once([model]) if once else contextlib.nullcontext():
+            for x in micro_batches:
+                out, _ = qkv(x)
+                out.square().sum().backward()
+                outs.append(out.detach())
+        return outs, {n: p.grad.clone() for n, p in qkv.adapter.named_parameters()}
+
+    calls.clear()
+    each, each_grads = step(once=False)
+    assert len(calls) == len(micro_batches)
+    calls.clear()
+    once, once_grads = step(once=True)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(each, once))
+    assert any(n.startswith("lora_magnitude") for n in once_grads) and each_grads.keys() == once_grads.keys()
+    assert all(torch.equal(each_grads[n], once_grads[n]) for n in each_grads)
+    assert all(a._kept_norm is None and not a.keep_norm for a in dora)  # forgotten after the step
+    with torch.no_grad():
+        qkv.adapter.lora_B_q.add_(0.1)  # the optimizer's step
+    changed, _ = step(once=True)
+    assert not torch.equal(changed[0], once[0])
 
 
 @pytest.mark.parametrize("name", [f.name for f in registry.FAMILIES if f.name != "qwen3_moe"])
