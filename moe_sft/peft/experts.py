@@ -89,14 +89,17 @@ class ExpertAdapter(torch.nn.Module):
             return wgrad.GroupedMatmulKernelWgrad.apply(x.contiguous(), weight, ends)
         return grouped_matmul(x, weight, tokens_per_expert)
 
+    # The scale multiplies the rank-wide product, not the output: a pass over rows x rank instead of
+    # rows x ffn (fc1) or rows x hidden (fc2), whose adapters' passes are memory-bound at rank 16.
     def fc1(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        h = self._apply(self.dropout(x), self._param("lora_A1", True), tokens_per_expert)
-        outs = [self._apply(h, self._param(name, False), tokens_per_expert) for name in self.b1_names]
-        return torch.cat(outs, dim=-1) * self.scale
+        t = self._apply(self.dropout(x), self._param("lora_A1", True), tokens_per_expert) * self.scale
+        b1 = [self._param(name, False) for name in self.b1_names]
+        # gate and up as one grouped GEMM: [gate | up] per expert is w1's local column layout
+        return self._apply(t, b1[0] if len(b1) == 1 else torch.cat(b1, dim=-1), tokens_per_expert)
 
     def fc2(self, h: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        t = self._apply(self.dropout(h), self._param("lora_A2", False), tokens_per_expert)
-        return self._apply(t, self._param("lora_B2", True), tokens_per_expert) * self.scale
+        t = self._apply(self.dropout(h), self._param("lora_A2", False), tokens_per_expert) * self.scale
+        return self._apply(t, self._param("lora_B2", True), tokens_per_expert)
 
     def zero_contribution(self) -> torch.Tensor:
         """0, with every factor in the graph: a rank whose experts got no token still runs the

@@ -183,9 +183,10 @@ class LinearAdapter(torch.nn.Module):
             h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
         elif self.tp > 1:
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        h = h * self.scale  # on the rank-wide product: a pass over tokens x rank, not tokens x out
         hs = dict(zip(self.a_names, h.split(a_all.shape[0] // len(self.a_names), dim=-1)))
         outs = [F.linear(hs[self.a_of[p]], self.factors(p)[1]) for p in self.part_names]
-        return combine(outs, self.groups) * self.scale
+        return combine(outs, self.groups)
 
     def output(self, base: torch.nn.Module, x: torch.Tensor, base_out: torch.Tensor) -> torch.Tensor:
         lora = self._low_rank(x).view(base_out.shape)
