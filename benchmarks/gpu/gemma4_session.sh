@@ -2,7 +2,7 @@
 # Gemma 4 MoE on one GPU (issue 45; results: docs/benchmarks.md).
 # Usage, after the install line of ../shared/gpu/README.md:
 #   bash benchmarks/gpu/gemma4_session.sh LOG_DIR tests    # bf16 parity vs transformers, 20 steps, LoRA, norms
-#   bash benchmarks/gpu/gemma4_session.sh LOG_DIR compare  # moe-sft vs transformers, 26B-A4B x 6 layers
+#   bash benchmarks/gpu/gemma4_session.sh LOG_DIR compare  # moe-sft (graphed and eager) vs transformers, 26B-A4B x 6 layers
 set -uo pipefail
 log=${1:?LOG_DIR}; mode=${2:-tests}
 mkdir -p "$log"
@@ -24,6 +24,6 @@ case $mode in
       tests/gpu/test_gpu_parity.py tests/gpu/test_gpu_peft.py tests/gpu/test_gpu_norm.py -k "${TESTS_K:-gemma4 or norm}" ;;
   compare)
     part gemma4_26b "${COMPARE_LIMIT:-560}" python3 benchmarks/benchmark.py compare --model gemma4_26b \
-      --arms moe-sft,transformers --tokens-per-step 32768 --budgets 4096,8192 --warmup "${WARMUP:-3}" \
+      --arms "${ARMS:-moe-sft-graphs,moe-sft,transformers}" --tokens-per-step 32768 --budgets 4096,8192 --warmup "${WARMUP:-3}" \
       --steps "${STEPS:-8}" --profile-steps 1 --out "$log/results" ;;
 esac

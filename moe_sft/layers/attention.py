@@ -237,7 +237,10 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
         qd = q[start:end].transpose(0, 1)  # [heads, s, dim]
         kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
+        if q.is_cuda:  # SDPA's fused CUDA kernels take 4-D inputs only: 3-D ones ran the math backend
+            od = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=causal, scale=scale)[0]
+        else:
+            od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
         out[start:end] = od.transpose(0, 1)
     return out
 
