@@ -69,16 +69,18 @@ def _norm(tokens: int, width: int) -> int:
     return tokens * (2 * width + 4)
 
 
-def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: str | None) -> int:
-    """Saved bytes of one layer's attention block for t tokens (after CP) on one rank."""
+def attention_activation(s: ModelShape, lay: Layout, t: int, recompute: str | None, layer: int | None = None) -> int:
+    """Saved bytes of one layer's attention block for t tokens (after CP) on one rank; `layer` (a
+    decoder layer index) picks that layer's own head dims where layers differ (Gemma 4)."""
     tsp = t // lay.tp if lay.tp > 1 else t  # sequence-parallel region (norms, linear inputs)
     heads = s.num_heads // lay.tp
     lse = 0 if recompute == "selective" else t * heads * 4  # selective recomputes core attention
     out = _norm(tsp, s.hidden) + tsp * 2 * s.hidden  # input norm; first linear's input
     if s.mla is None:
-        groups = s.num_kv_heads // lay.tp
-        d = s.head_dim
-        out += t * (heads + 2 * groups) * d * 2  # QKV output, kept alive by v (a view)
+        a = s.attention_of(layer)
+        groups = a.num_kv_heads // lay.tp
+        d = a.head_dim
+        out += t * (heads + (1 if a.k_eq_v else 2) * groups) * d * 2  # QKV output, kept alive by v (a view)
         if s.qk_norm:  # q is reshaped into its own storage; k's input is a view of the QKV output
             out += _norm(t * heads, d) + _norm(t * groups, d) - t * groups * d * 2
         out += 4 * t * d * 2  # RoPE cos/sin for q and k
@@ -161,9 +163,11 @@ def layer_activation(
     recompute: str | None = None,
     imbalance: float = 1.0,
     linear: bool = False,
+    layer: int | None = None,
 ) -> int:
-    """One decoder layer; `linear`: its mixer is Gated DeltaNet (ModelShape.is_linear_layer)."""
-    mixer = gdn_activation(s, lay, t) if linear else attention_activation(s, lay, t, recompute)
+    """One decoder layer; `linear`: its mixer is Gated DeltaNet (ModelShape.is_linear_layer);
+    `layer`: its index, for per-layer attention dims (None: the shape's own)."""
+    mixer = gdn_activation(s, lay, t) if linear else attention_activation(s, lay, t, recompute, layer)
     return mixer + mlp_activation(s, lay, t, moe, imbalance)
 
 
@@ -286,7 +290,7 @@ def stage_memory(s: ModelShape, lay: Layout, pp_rank: int, train: Training, imba
     chunks = stage_layers(s.num_layers, lay, pp_rank)
     layer_ids = [i for r in chunks for i in r]
     acts = [
-        layer_activation(s, lay, t, s.moe_layers[i], train.recompute, imbalance, s.is_linear_layer(i))
+        layer_activation(s, lay, t, s.moe_layers[i], train.recompute, imbalance, s.is_linear_layer(i), i)
         for i in layer_ids
     ]
     last = pp_rank == lay.pp - 1

@@ -1151,3 +1151,29 @@ def test_gdn_activation_formula_matches_what_fla_kernels_keep(fake_world, monkey
         assert predicted == sum(seen.values()), (tp, predicted, sum(seen.values()))
         full = memory.layer_activation(shape, lay, tokens, True, linear=True)
         assert full == memory.gdn_activation(shape, lay, tokens) + memory.mlp_activation(shape, lay, tokens, True)
+
+
+def test_gemma4_attention_activations_take_each_layers_dims():
+    """Gemma 4's full layers (wider heads, their own key/value heads, K as V) saved bytes: the
+    per-layer path equals the uniform one at that layer's dims, and K-as-V saves exactly the V
+    projection's output."""
+    import dataclasses
+
+    from moe_sft.models import gemma4
+    from moe_sft.plan import memory
+
+    types = ["sliding_attention", "full_attention"]
+    lay, t = Layout(world=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1), 256
+    for k_eq_v in (False, True):
+        hf = gemma4.tiny_hf_config(num_hidden_layers=2, layer_types=types, attention_k_eq_v=k_eq_v)
+        shape = shape_from_hf_dict(hf.to_dict())
+        sliding, full = shape.attention_of(0), shape.attention_of(1)
+        assert full.head_dim > sliding.head_dim and full.k_eq_v == k_eq_v and not sliding.k_eq_v
+        for layer, dims in ((0, sliding), (1, full)):
+            uniform = dataclasses.replace(
+                shape, head_dim=dims.head_dim, num_kv_heads=dims.num_kv_heads, attention_layers=None
+            )
+            v_output = t * dims.num_kv_heads * dims.head_dim * 2 if dims.k_eq_v else 0
+            assert memory.attention_activation(shape, lay, t, None, layer) == (
+                memory.attention_activation(uniform, lay, t, None) - v_output
+            )
