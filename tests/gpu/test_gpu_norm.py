@@ -119,15 +119,48 @@ def test_fused_rmsnorm_takes_strided_inputs():
         assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad) and torch.equal(dw_a, ours.weight.grad)
 
 
+def _round_once_matches(ours, theirs, shape, weight, offset: float):
+    """A norm in the round-once order (fp32 x-hat times the fp32 scale `offset` + w, rounded once):
+    its forward equals transformers' module in bf16 (to the reduction order's rare 1-ulp
+    differences), dx and dw are their fp64 values within one bf16 rounding."""
+    from moe_sft.layers.norm import triton_fits
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
+    assert triton_fits(x, ours.weight)
+    y = ours(x)
+    reference = theirs(x)
+    assert y.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference, rtol=2**-7, atol=0)
+    assert (y != reference).float().mean() < 1e-4
+    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    xd, wd, dyd = x.detach().double(), ours.weight.detach().double() + offset, dy.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x_hat = xd * rstd
+    gd = dyd * wd
+    dx = rstd * (gd - x_hat * (gd * x_hat).mean(-1, keepdim=True))
+    dw = (dyd * x_hat).reshape(-1, shape[-1]).sum(0)
+    torch.testing.assert_close(x.grad.double(), dx, rtol=2**-7, atol=1e-5 * dx.abs().max().item())
+    torch.testing.assert_close(ours.weight.grad.double(), dw, rtol=2**-7, atol=1e-5 * dw.abs().max().item())
+
+
+def _weight(width: int, around: float) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return around + torch.randn(width, device="cuda", generator=g) * 0.2
+
+
 @pytest.mark.parametrize("shape", [HIDDEN, QK_NORM], ids=["hidden", "qk_norm"])
 def test_zero_centred_kernel_matches_transformers_and_fp64_math(shape):
     """Qwen3.5 / Qwen3-Next's zero-centred norm (fp32 x-hat times fp32 (1 + w), rounded once) in the
-    same kernels: the forward equals transformers' Qwen3_5MoeRMSNorm in bf16 (to the reduction
-    order's rare 1-ulp differences), dx and dw are their fp64 values within one bf16 rounding."""
+    same kernels, against transformers' Qwen3_5MoeRMSNorm."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
 
-    from moe_sft.layers.norm import RMSNorm, triton_fits
+    from moe_sft.layers.norm import RMSNorm
 
     config = TransformerConfig(
         num_layers=1, hidden_size=2048, num_attention_heads=16, params_dtype=torch.bfloat16,
@@ -135,61 +168,20 @@ def test_zero_centred_kernel_matches_transformers_and_fp64_math(shape):
     )  # fmt: skip
     ours = RMSNorm(config, shape[-1]).cuda()
     theirs = Qwen3_5MoeRMSNorm(shape[-1], eps=1e-6).to("cuda", torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        ours.weight.copy_(torch.randn(shape[-1], device="cuda", generator=g) * 0.2)
-        theirs.weight.copy_(ours.weight)
-    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
-    assert triton_fits(x, ours.weight)
-    y = ours(x)
-    reference = theirs(x)
-    assert y.dtype == reference.dtype == torch.bfloat16
-    torch.testing.assert_close(y, reference, rtol=2**-7, atol=0)
-    assert (y != reference).float().mean() < 1e-4
-    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
-    y.backward(dy)
-    xd, wd, dyd = x.detach().double(), ours.weight.detach().double() + 1.0, dy.double()
-    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
-    x_hat = xd * rstd
-    gd = dyd * wd
-    dx = rstd * (gd - x_hat * (gd * x_hat).mean(-1, keepdim=True))
-    dw = (dyd * x_hat).reshape(-1, shape[-1]).sum(0)
-    torch.testing.assert_close(x.grad.double(), dx, rtol=2**-7, atol=1e-5 * dx.abs().max().item())
-    torch.testing.assert_close(ours.weight.grad.double(), dw, rtol=2**-7, atol=1e-5 * dw.abs().max().item())
+    _round_once_matches(ours, theirs, shape, _weight(shape[-1], 0.0), offset=1.0)
 
 
 @pytest.mark.parametrize("shape", [HIDDEN, (4096, 2, 512)], ids=["hidden", "full_attention_qk_norm"])
 def test_gemma4_norm_kernel_matches_transformers_and_fp64_math(shape):
     """Gemma 4's norm (fp32 x-hat times the fp32 weight, rounded once: `round_hat=False`) in the same
-    kernels, at the hidden width and its 512-wide full-attention heads: the forward equals
-    transformers' Gemma4RMSNorm in bf16 (to the reduction order's rare 1-ulp differences), dx and dw
-    are their fp64 values within one bf16 rounding."""
+    kernels, at the hidden width and its 512-wide full-attention heads, against transformers'
+    Gemma4RMSNorm."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm as TheirNorm
 
-    from moe_sft.layers.norm import Gemma4RMSNorm, triton_fits
+    from moe_sft.layers.norm import Gemma4RMSNorm
 
     config = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=16, params_dtype=torch.bfloat16)
     ours = Gemma4RMSNorm(config, shape[-1]).cuda()
     theirs = TheirNorm(shape[-1], eps=1e-6).to("cuda", torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        ours.weight.copy_(1 + torch.randn(shape[-1], device="cuda", generator=g) * 0.2)
-        theirs.weight.copy_(ours.weight)
-    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
-    assert triton_fits(x, ours.weight)
-    y = ours(x)
-    reference = theirs(x)
-    assert y.dtype == reference.dtype == torch.bfloat16
-    torch.testing.assert_close(y, reference, rtol=2**-7, atol=0)
-    assert (y != reference).float().mean() < 1e-4
-    dy = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
-    y.backward(dy)
-    xd, wd, dyd = x.detach().double(), ours.weight.detach().double(), dy.double()
-    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
-    x_hat = xd * rstd
-    gd = dyd * wd
-    dx = rstd * (gd - x_hat * (gd * x_hat).mean(-1, keepdim=True))
-    dw = (dyd * x_hat).reshape(-1, shape[-1]).sum(0)
-    torch.testing.assert_close(x.grad.double(), dx, rtol=2**-7, atol=1e-5 * dx.abs().max().item())
-    torch.testing.assert_close(ours.weight.grad.double(), dw, rtol=2**-7, atol=1e-5 * dw.abs().max().item())
+    _round_once_matches(ours, theirs, shape, _weight(shape[-1], 1.0), offset=0.0)
