@@ -67,6 +67,32 @@ def torchrun(
     return proc
 
 
+def torchrun_cases(
+    nproc: int, cases, recipe: str = "quickstart", timeout: int = 1800, env: dict | None = None
+) -> list[str]:
+    """Several runs (one list of overrides each) of one world size in one launch
+    (tests/dist/multi_run.py), in order; each run's rank-0 stdout. The launch must succeed."""
+    import json
+    import tempfile
+
+    from tests.dist.multi_run import CASE_MARK
+
+    argvs = [["--config-path", "recipes", "--config-name", recipe, *map(str, overrides)] for overrides in cases]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "cases.json"
+        spec.write_text(json.dumps(argvs))
+        worker = str(REPO / "tests" / "dist" / "multi_run.py")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", worker]
+        cmd.append(str(spec))
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**clean_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    logs = proc.stdout.split(CASE_MARK)[1:]
+    assert [int(log.split("\n", 1)[0]) for log in logs] == list(range(len(cases))), proc.stdout[-3000:]
+    return [log.split("\n", 1)[1] if "\n" in log else "" for log in logs]
+
+
 def step_metrics(stdout: str) -> dict[int, dict[str, float]]:
     """{step: {metric: value}} from the rank-0 console lines `step N/M loss=... lr=...`."""
     out = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.launch import make_tiny_model, step_metrics, torchrun
+from tests.dist.launch import make_tiny_model, step_metrics, torchrun_cases
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -45,33 +45,38 @@ def _tensorboard(run: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in TAGS}
 
 
-def _train(tmp, name, nproc, overrides):
-    proc = torchrun(
-        nproc,
-        [
-            f"trainer.max_steps={STEPS}",
-            "trainer.log_interval=1",
-            "trainer.global_batch_size=4",
-            "trainer.export_hf_at_end=false",
-            f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false",
-            *overrides,
-        ],
-    )
-    return step_metrics(proc.stdout), _tensorboard(tmp / name), proc.stdout
+def _overrides(tmp, name, overrides) -> list[str]:
+    return [
+        f"trainer.max_steps={STEPS}",
+        "trainer.log_interval=1",
+        "trainer.global_batch_size=4",
+        "trainer.export_hf_at_end=false",
+        f"trainer.output_dir={tmp / name}",
+        f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}",
+        "model.create_tiny_if_missing=false",
+        *overrides,
+    ]
 
 
-@pytest.fixture(scope="module")
-def one_rank(model_dirs):
-    return _train(model_dirs, "one_rank", 1, ["data.pad_documents_to=4"])
+def _train(tmp, nproc, runs: dict[str, list[str]]) -> dict[str, tuple]:
+    """{name: (printed, TensorBoard, log)} of `runs`, one after another in one launch of `nproc`
+    ranks (tests/dist/multi_run.py)."""
+    logs = torchrun_cases(nproc, [_overrides(tmp, name, overrides) for name, overrides in runs.items()])
+    return {name: (step_metrics(log), _tensorboard(tmp / name), log) for name, log in zip(runs, logs)}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_context_parallel_matches_one_rank(model_dirs, one_rank, layout):
-    nproc, overrides = LAYOUTS[layout]
-    printed, tb, log = _train(model_dirs, layout, nproc, overrides)
+def test_context_parallel_matches_one_rank(model_dirs):
+    """Every layout of LAYOUTS (one two-rank launch) against the one-rank run."""
+    one_rank = _train(model_dirs, 1, {"one_rank": ["data.pad_documents_to=4"]})["one_rank"]
+    assert {nproc for nproc, _ in LAYOUTS.values()} == {2}
+    runs = _train(model_dirs, 2, {layout: overrides for layout, (_, overrides) in sorted(LAYOUTS.items())})
+    for layout in sorted(LAYOUTS):
+        _check_layout(layout, runs[layout], one_rank)
+
+
+def _check_layout(layout, run, one_rank):
+    printed, tb, log = run
     ref_printed, ref_tb, _ = one_rank
     assert "cp=2" in log  # the startup layout line
     print(layout, {s: (m["loss"], m["grad_norm"]) for s, m in printed.items()})

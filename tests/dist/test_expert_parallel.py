@@ -10,23 +10,31 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import losses, torchrun
+from tests.dist.launch import losses, torchrun, torchrun_cases
+
+
+def _overrides(tmp, nproc, extra=(), name=""):
+    return [
+        "trainer.max_steps=3",
+        "trainer.log_interval=1",
+        "trainer.export_hf_at_end=false",
+        f"trainer.output_dir={tmp / f'run{nproc}{name}'}",
+        f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}",
+        *extra,
+    ]
 
 
 def _run(tmp, nproc, extra=(), name=""):
-    proc = torchrun(
-        nproc,
-        [
-            "trainer.max_steps=3",
-            "trainer.log_interval=1",
-            "trainer.export_hf_at_end=false",
-            f"trainer.output_dir={tmp / f'run{nproc}{name}'}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            *extra,
-        ],
-    )
+    proc = torchrun(nproc, _overrides(tmp, nproc, extra, name))
     return losses(proc.stdout), proc.stdout + proc.stderr
+
+
+def _runs(tmp, nproc, runs):
+    """[(losses, log)] of `runs` [(extra, name)], one after another in one launch of `nproc` ranks
+    (tests/dist/multi_run.py); a log is the run's rank-0 stdout."""
+    logs = torchrun_cases(nproc, [_overrides(tmp, nproc, extra, name) for extra, name in runs])
+    return [(losses(log), log) for log in logs]
 
 
 def test_ep2_dp2_losses_match_one_rank(tmp_path):
@@ -37,7 +45,16 @@ def test_ep2_dp2_losses_match_one_rank(tmp_path):
     and dispatches each MoE layer in 3 token chunks, `model.moe_dispatch_chunks=3`, each with its
     own capacity)."""
     one, _ = _run(tmp_path, 1)
-    two, log = _run(tmp_path, 2, ["parallel.expert_model_parallel_size=2"])
+    # Capacity 1x (EP3+ runs are capped at 2x): see below; both EP2 runs share one launch
+    capped_run = [
+        "parallel.expert_model_parallel_size=2",
+        "model.moe_static_rows_capacity=1",
+        "model.moe_combine_dtype=bf16",
+        "model.moe_dispatch_chunks=3",
+    ]
+    (two, log), (capped, capped_log) = _runs(
+        tmp_path, 2, [(["parallel.expert_model_parallel_size=2"], ""), (capped_run, "c")]
+    )
     assert "2 MoE layers permute a static row count" in log
     assert sorted(two) == [1, 2, 3]
     for step in (1, 2, 3):  # printed to 4 significant digits
@@ -45,13 +62,7 @@ def test_ep2_dp2_losses_match_one_rank(tmp_path):
     # Capacity 1x (EP3+ runs are capped at 2x): one of the two ranks gets more than its expected rows
     # in nearly every layer, so the capped permutation cuts rows, and every step must run again with
     # exact rows (trainer/row_capacity.py) and still train as one rank does.
-    capped_run = [
-        "parallel.expert_model_parallel_size=2",
-        "model.moe_static_rows_capacity=1",
-        "model.moe_combine_dtype=bf16",
-        "model.moe_dispatch_chunks=3",
-    ]
-    capped, log = _run(tmp_path, 2, capped_run, "c")
+    log = capped_log
     assert "the allgather's combine reduce-scatters in bf16" in log
     assert "2 MoE layers dispatch in 3 token chunks" in log
     reruns = [line for line in log.splitlines() if "runs again with exact row counts" in line]
@@ -84,8 +95,9 @@ def test_a_step_run_again_updates_the_expert_bias_once(tmp_path):
         "model.mtp_loss_weight=0.3",
     ]
     runs = {}
-    for name, capacity in (("plain", 2), ("capped", 1)):
-        _, log = _run(tmp_path, 2, [*glm, f"model.moe_static_rows_capacity={capacity}"], name)
+    capacities = (("plain", 2), ("capped", 1))
+    launch = _runs(tmp_path, 2, [([*glm, f"model.moe_static_rows_capacity={c}"], name) for name, c in capacities])
+    for (name, _), (_, log) in zip(capacities, launch):
         reruns = log.count("runs again with exact row counts")
         scalars = read_scalars(tmp_path / f"run2{name}")
         runs[name] = (reruns, {tag: dict(scalars[tag]) for tag in ("train/loss", "train/grad_norm", "moe/bias_drift")})

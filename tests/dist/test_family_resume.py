@@ -12,8 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from moe_sft.conversion.convert import convert
-from tests.dist.launch import REPO
-from tests.dist.test_family_layouts import REL, STEPS, _train, _write_tiny
+from tests.dist.launch import REPO, step_metrics, torchrun_cases
+from tests.dist.test_family_layouts import REL, STEPS, _overrides, _train, _write_tiny
 
 SAVED_AT = {
     "gpt_oss": ["parallel.expert_model_parallel_size=2"],
@@ -31,14 +31,19 @@ def source(request, tmp_path_factory):
 
 
 def test_a_checkpoint_saved_at_another_layout_resumes_on_one_rank(source):
-    straight = _train(source, "straight", [])
     saved = _train(
         source,
         "resharded",
         [*SAVED_AT[source[2]], f"trainer.max_steps={STEPS - 1}", f"checkpoint.save_interval={STEPS - 1}"],
     )
     assert sorted(saved) == list(range(1, STEPS))
-    resumed = _train(source, "resharded", [])  # no overrides: one rank, the same output_dir, so it resumes
+    # one one-rank launch (tests/dist/multi_run.py): the straight run, then the resume (no overrides:
+    # one rank, the same output_dir, so it resumes)
+    straight, resumed = (
+        step_metrics(log)
+        for log in torchrun_cases(1, [_overrides(source, "straight", []), _overrides(source, "resharded", [])])
+    )
+    assert sorted(straight) == list(range(1, STEPS + 1))
     assert sorted(resumed) == [STEPS]
     keys = ("loss", "grad_norm") + (("mtp_loss",) if source[1] else ())
     for key in keys:

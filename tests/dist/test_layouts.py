@@ -7,13 +7,16 @@ updates were the same. The router aux loss stays on: its gradient crosses the la
 
 Then resharding: a checkpoint saved at one layout resumes at another, also across the EP boundary
 (one optimizer ↔ dense + expert optimizers), with the losses of the straight one-rank run.
+
+Runs of one world size share a launch (tests/dist/multi_run.py: start-up, imports and the process
+group once, each run with its own layout, model and optimizer).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import make_tiny_model, step_metrics, torchrun
+from tests.dist.launch import make_tiny_model, step_metrics, torchrun_cases
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -47,70 +50,32 @@ def model_dirs(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("layouts"), num_hidden_layers=4)
 
 
-def _train(tmp, name, nproc, overrides, max_steps=STEPS, extra=()):
-    proc = torchrun(
-        nproc,
-        [
-            f"trainer.max_steps={max_steps}",
-            "trainer.log_interval=1",
-            "trainer.global_batch_size=4",
-            "trainer.export_hf_at_end=false",
-            f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false",
-            *overrides,
-            *extra,
-        ],
-    )
-    return step_metrics(proc.stdout)
+def _overrides(tmp, name, overrides, max_steps=STEPS) -> list[str]:
+    return [
+        f"trainer.max_steps={max_steps}",
+        "trainer.log_interval=1",
+        "trainer.global_batch_size=4",
+        "trainer.export_hf_at_end=false",
+        f"trainer.output_dir={tmp / name}",
+        f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}",
+        "model.create_tiny_if_missing=false",
+        *overrides,
+    ]
 
 
-@pytest.fixture(scope="module")
-def one_rank(model_dirs):
-    return _train(model_dirs, "one_rank", 1, [], max_steps=STEPS + 1)
+def _train(tmp, nproc, runs) -> dict[str, dict]:
+    """{key: step metrics} of `runs` [(key, output dir name, overrides, max_steps)], one after another
+    in one launch of `nproc` ranks (tests/dist/multi_run.py): a run that resumes an output dir
+    follows the run that saved there."""
+    logs = torchrun_cases(nproc, [_overrides(tmp, name, overrides, steps) for _, name, overrides, steps in runs])
+    return {key: step_metrics(log) for (key, *_), log in zip(runs, logs)}
 
 
 def _assert_same(reference, other, steps, keys=("loss", "grad_norm")):
     for step in steps:
         for key in keys:
             assert other[step][key] == pytest.approx(reference[step][key], rel=REL), (step, key, reference, other)
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_one_rank(model_dirs, one_rank, layout):
-    nproc, overrides = LAYOUTS[layout]
-    metrics = _train(model_dirs, layout, nproc, overrides)
-    print(layout, {s: (m["loss"], m["grad_norm"]) for s, m in metrics.items()})
-    assert sorted(metrics) == list(range(1, STEPS + 1))
-    _assert_same(one_rank, metrics, range(1, STEPS + 1))
-
-
-def test_checkpoint_saved_at_tp2_pp2_resumes_at_ep2(model_dirs, one_rank):
-    """Save after 2 steps on 4 ranks (TP2·PP2, one optimizer), resume on 2 ranks with EP2 (megatron
-    splits the optimizer into dense + expert) for steps 3-4: another world size, another TP/PP and
-    across the EP boundary."""
-    first = _train(model_dirs, "reshard", 4, TP2_PP2, max_steps=2, extra=["checkpoint.save_interval=2"])
-    second = _train(model_dirs, "reshard", 2, ["parallel.expert_model_parallel_size=2"], max_steps=STEPS + 1)
-    print("reshard", first, second)
-    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
-    _assert_same(one_rank, first, [1, 2])
-    _assert_same(one_rank, second, [3, 4])
-
-
-def test_checkpoint_saved_at_ep2_resumes_at_tp2(model_dirs, one_rank):
-    """The other direction across the EP boundary: dense + expert optimizers saved, one loaded."""
-    first = _train(
-        model_dirs,
-        "reshard_ep",
-        2,
-        ["parallel.expert_model_parallel_size=2"],
-        max_steps=2,
-        extra=["checkpoint.save_interval=2"],
-    )
-    second = _train(model_dirs, "reshard_ep", 2, LAYOUTS["tp2_sp"][1], max_steps=STEPS + 1)
-    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
-    _assert_same(one_rank, second, [3, 4])
 
 
 OVERLAP_RECOMPUTE = [
@@ -121,13 +86,68 @@ OVERLAP_RECOMPUTE = [
 ]
 
 
-def test_overlapped_dp2_with_selective_recompute_matches_one_rank_and_resumes(model_dirs, one_rank):
+EP2 = ["parallel.expert_model_parallel_size=2"]
+SAVE_AT_2 = ["checkpoint.save_interval=2"]
+
+
+def test_layouts_match_one_rank_and_checkpoints_reshard(model_dirs):
+    """Every layout, the resharding checkpoints and the overlapped DP2 run, in three launches: four
+    ranks, two ranks (each resume right after the run whose checkpoint it loads), one rank."""
+    runs = _train(
+        model_dirs,
+        4,
+        [(name, name, overrides, STEPS) for name, (nproc, overrides) in sorted(LAYOUTS.items()) if nproc == 4]
+        + [("reshard_first", "reshard", [*TP2_PP2, *SAVE_AT_2], 2)],
+    )
+    runs.update(
+        _train(
+            model_dirs,
+            2,
+            [(name, name, overrides, STEPS) for name, (nproc, overrides) in sorted(LAYOUTS.items()) if nproc == 2]
+            + [
+                ("reshard_second", "reshard", EP2, STEPS + 1),
+                ("reshard_ep_first", "reshard_ep", [*EP2, *SAVE_AT_2], 2),
+                ("reshard_ep_second", "reshard_ep", LAYOUTS["tp2_sp"][1], STEPS + 1),
+                ("overlap_first", "overlap", OVERLAP_RECOMPUTE, STEPS),
+                ("overlap_second", "overlap", OVERLAP_RECOMPUTE, STEPS + 1),
+            ],
+        )
+    )
+    one_rank = _train(model_dirs, 1, [("one_rank", "one_rank", [], STEPS + 1)])["one_rank"]
+    for layout in sorted(LAYOUTS):
+        _check_layout(one_rank, layout, runs[layout])
+    _check_saved_at_tp2_pp2_resumes_at_ep2(one_rank, runs["reshard_first"], runs["reshard_second"])
+    _check_saved_at_ep2_resumes_at_tp2(one_rank, runs["reshard_ep_first"], runs["reshard_ep_second"])
+    _check_overlapped_dp2(model_dirs, one_rank, runs["overlap_first"], runs["overlap_second"])
+
+
+def _check_layout(one_rank, layout, metrics):
+    print(layout, {s: (m["loss"], m["grad_norm"]) for s, m in metrics.items()})
+    assert sorted(metrics) == list(range(1, STEPS + 1)), layout
+    _assert_same(one_rank, metrics, range(1, STEPS + 1))
+
+
+def _check_saved_at_tp2_pp2_resumes_at_ep2(one_rank, first, second):
+    """Save after 2 steps on 4 ranks (TP2·PP2, one optimizer), resume on 2 ranks with EP2 (megatron
+    splits the optimizer into dense + expert) for steps 3-4: another world size, another TP/PP and
+    across the EP boundary."""
+    print("reshard", first, second)
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
+    _assert_same(one_rank, first, [1, 2])
+    _assert_same(one_rank, second, [3, 4])
+
+
+def _check_saved_at_ep2_resumes_at_tp2(one_rank, first, second):
+    """The other direction across the EP boundary: dense + expert optimizers saved, one loaded."""
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]
+    _assert_same(one_rank, second, [3, 4])
+
+
+def _check_overlapped_dp2(model_dirs, one_rank, first, second):
     """DP2 with grad-reduce and param-gather overlap (megatron's bucketed async collectives) and
     selective recompute of attention, MoE and norms: the same steps as one rank. With param-gather
     overlap the updated parameters arrive only in the next forward, so the checkpoint saved after
     step 3 is stale unless the trainer syncs them first: resuming from it must give step 4."""
-    first = _train(model_dirs, "overlap", 2, OVERLAP_RECOMPUTE)
-    second = _train(model_dirs, "overlap", 2, OVERLAP_RECOMPUTE, max_steps=STEPS + 1)
     assert sorted(first) == list(range(1, STEPS + 1)) and sorted(second) == [STEPS + 1]
     _assert_same(one_rank, first, range(1, STEPS + 1))
     _assert_same(one_rank, second, [STEPS + 1])

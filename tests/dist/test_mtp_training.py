@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from moe_sft.conversion.convert import convert
 from tests.cpu.test_families import _all_tensors
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
-from tests.dist.launch import REPO, step_metrics, torchrun
+from tests.dist.launch import REPO, step_metrics, torchrun_cases
 
 MTP_PREFIX = "model.layers.2."  # the tiny config has 2 decoder layers, then the MTP layer
 
@@ -26,37 +26,39 @@ def source(tmp_path_factory):
     return tmp
 
 
-def _train(tmp, name, nproc, *extra):
-    proc = torchrun(
+def _train(tmp, nproc, runs: dict[str, list[str]]) -> dict[str, tuple]:
+    """{name: (step metrics, log)} of `runs`, one after another in one launch of `nproc` ranks
+    (tests/dist/multi_run.py)."""
+    logs = torchrun_cases(
         nproc,
         [
-            "trainer.max_steps=3",
-            "trainer.log_interval=1",
-            f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false",
-            "model.mtp_loss_weight=0.3",
-            *extra,
+            [
+                "trainer.max_steps=3",
+                "trainer.log_interval=1",
+                f"trainer.output_dir={tmp / name}",
+                f"model.hf_path={tmp / 'hf'}",
+                f"model.mcore_path={tmp / 'mcore'}",
+                "model.create_tiny_if_missing=false",
+                "model.mtp_loss_weight=0.3",
+                *extra,
+            ]
+            for name, extra in runs.items()
         ],
     )
-    return step_metrics(proc.stdout), proc.stdout
+    return {name: (step_metrics(log), log) for name, log in zip(runs, logs)}
 
 
 @pytest.fixture(scope="module")
 def trained(source):
-    one = _train(source, "one_rank", 1)
-    pp2 = _train(source, "pp2", 2, "parallel.pipeline_model_parallel_size=2", "trainer.export_hf_at_end=false")
-    # sequence parallel: both heads' rows are picked from hidden states gathered across TP
-    tp2 = _train(
-        source,
-        "tp2_sp",
-        2,
-        "parallel.tensor_model_parallel_size=2",
-        "parallel.sequence_parallel=true",
-        "trainer.export_hf_at_end=false",
-    )
-    return {"one": one, "pp2": pp2, "tp2_sp": tp2}
+    """Two launches: one rank (trained and frozen MTP), two ranks (PP2, TP2 + SP)."""
+    runs = _train(source, 1, {"one": [], "frozen": ["model.freeze_mtp=true"]})
+    no_export = "trainer.export_hf_at_end=false"
+    layouts = {
+        "pp2": ["parallel.pipeline_model_parallel_size=2", no_export],
+        # sequence parallel: both heads' rows are picked from hidden states gathered across TP
+        "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", no_export],
+    }
+    return {**runs, **_train(source, 2, layouts)}
 
 
 @pytest.mark.parametrize("layout", ["pp2", "tp2_sp"])
@@ -72,7 +74,7 @@ def test_mtp_trains_and_other_layouts_match_one_rank(trained, layout):
 
 
 def test_trained_mtp_layer_is_exported_with_its_updates(source, trained):
-    before, after = _all_tensors(source / "hf"), _all_tensors(source / "one_rank" / "hf")
+    before, after = _all_tensors(source / "hf"), _all_tensors(source / "one" / "hf")
     assert set(after) == set(before)
     assert not torch.equal(before[MTP_PREFIX + "eh_proj.weight"], after[MTP_PREFIX + "eh_proj.weight"])
     # the MTP layer's embedding / head copies follow the (trained) main ones
@@ -80,8 +82,8 @@ def test_trained_mtp_layer_is_exported_with_its_updates(source, trained):
     assert torch.equal(after[MTP_PREFIX + "shared_head.head.weight"], after["lm_head.weight"])
 
 
-def test_frozen_mtp_layer_is_exported_unchanged(source):
-    metrics, log = _train(source, "frozen", 1, "model.freeze_mtp=true")
+def test_frozen_mtp_layer_is_exported_unchanged(source, trained):
+    metrics, log = trained["frozen"]
     assert "frozen (exported unchanged)" in log and "mtp_loss" not in metrics[1]
     before, after = _all_tensors(source / "hf"), _all_tensors(source / "frozen" / "hf")
     assert set(after) == set(before)

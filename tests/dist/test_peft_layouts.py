@@ -13,7 +13,10 @@ on the same micro-batches.
 Launches serve two purposes where they can: a layout run saves its adapters after step 2 and
 another layout resumes them for steps 3-4 (TP2+SP → EP2, PP2+VPP2 → one rank): that checks the
 resumed layout and the resharding of an adapters-only checkpoint (global keys) at once. The
-TP2+SP checkpoint is also checked to hold the adapters and their optimizer state only.
+TP2+SP checkpoint is also checked to hold the adapters and their optimizer state only. Runs of one
+world size share a launch (tests/dist/multi_run.py: start-up, imports and the process group once,
+each run with its own layout, model and optimizer); a resume runs in a launch after the one of the
+run it resumes, whose TensorBoard scalars are read in between.
 DoRA (attention, dense MLP and shared experts: peft has no DoRA on fused experts) at TP2+SP
 checks the row norm of the row-parallel linear_proj/linear_fc2, reduced over TP; a shared
 expert A factor (peft.share_expert_factor=a) at EP2 checks its gradient sum over the EP ranks.
@@ -29,7 +32,7 @@ from transformers import AutoTokenizer
 from moe_sft.conversion.convert import convert
 from moe_sft.models import registry
 from tests.cpu.test_families import _hf_model
-from tests.dist.launch import REPO, step_metrics, torchrun
+from tests.dist.launch import REPO, step_metrics, torchrun_cases
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -82,26 +85,34 @@ def _tensorboard(run) -> dict[str, dict[int, float]]:
     return {key: {e.step: e.value for e in acc.Scalars(tag)} for key, tag in TAGS.items()}
 
 
-def _train(tmp, name, nproc, overrides, max_steps=STEPS):
-    proc = torchrun(
-        nproc,
-        [
-            f"trainer.max_steps={max_steps}",
-            "trainer.log_interval=1",
-            "trainer.global_batch_size=4",
-            "trainer.export_hf_at_end=false",
-            f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false",
-            "data.pad_documents_to=4",
-            "optimizer.lr=3.0e-3",
-            "optimizer.lr_warmup_steps=0",
-            "optimizer.lr_decay_style=constant",
-            *overrides,
-        ],
-    )
-    return {"printed": step_metrics(proc.stdout), "tb": _tensorboard(tmp / name), "log": proc.stdout}
+def _overrides(tmp, name, overrides, max_steps=STEPS) -> list[str]:
+    return [
+        f"trainer.max_steps={max_steps}",
+        "trainer.log_interval=1",
+        "trainer.global_batch_size=4",
+        "trainer.export_hf_at_end=false",
+        f"trainer.output_dir={tmp / name}",
+        f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}",
+        "model.create_tiny_if_missing=false",
+        "data.pad_documents_to=4",
+        "optimizer.lr=3.0e-3",
+        "optimizer.lr_warmup_steps=0",
+        "optimizer.lr_decay_style=constant",
+        *overrides,
+    ]
+
+
+def _train(tmp, nproc, runs) -> dict[str, dict]:
+    """{name: run} of `runs` {name: overrides | (overrides, max_steps)} (output dir tmp/name), one
+    after another in one launch of `nproc` ranks (tests/dist/multi_run.py). A run's TensorBoard is
+    read once the launch ends: a run that resumes another's output dir runs in a later launch."""
+    runs = {name: spec if isinstance(spec, tuple) else (spec, STEPS) for name, spec in runs.items()}
+    logs = torchrun_cases(nproc, [_overrides(tmp, name, ov, steps) for name, (ov, steps) in runs.items()])
+    return {
+        name: {"printed": step_metrics(log), "tb": _tensorboard(tmp / name), "log": log}
+        for name, log in zip(runs, logs)
+    }
 
 
 def _assert_same(reference, other, steps) -> dict[str, float]:
@@ -116,27 +127,6 @@ def _assert_same(reference, other, steps) -> dict[str, float]:
     print({k: f"{v:.1e}" for k, v in worst.items()})
     assert max(worst.values()) <= TB_REL, worst
     return worst
-
-
-@pytest.fixture(scope="module")
-def one_rank(source):
-    run = _train(source, "one_rank", 1, LORA, max_steps=STEPS + 1)
-    steps = run["printed"]
-    assert sorted(steps) == [1, 2, 3, 4]
-    # the adapters move the loss: steps 2-4 compare the optimizer's updates, not only the base
-    assert steps[1]["loss"] - steps[3]["loss"] > 0.1, steps
-    return run
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_lora_layout_matches_one_rank(source, one_rank, layout):
-    nproc, overrides = LAYOUTS[layout]
-    run = _train(source, layout, nproc, [*LORA, *overrides])
-    assert sorted(run["printed"]) == list(range(1, STEPS + 1))
-    print(layout, end=" ")
-    _assert_same(one_rank, run, range(1, STEPS + 1))
-    # the startup line counts the whole model at every layout (pipeline stages add up, replicas once)
-    assert _coverage(run["log"]) == _coverage(one_rank["log"]) == COVERAGE, run["log"][-2000:]
 
 
 COVERAGE = (
@@ -163,12 +153,42 @@ def _dir_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("layout", sorted(RESHARDED))
-def test_lora_layout_matches_one_rank_and_resumes_at_another(source, one_rank, layout):
+def test_lora_layouts_match_one_rank_and_resume_at_another(source):
+    """Every layout of LAYOUTS, steps 1-3; every layout of RESHARDED, steps 1-3 (saving the adapters
+    after step 2), then steps 3-4 resumed from them at another layout: all equal the straight one-rank
+    run. Four launches: the two-rank layouts, the four-rank one, the two-rank resume, and one rank
+    (the reference, then the one-rank resume)."""
+    two = {name: [*LORA, *overrides] for name, (nproc, overrides) in sorted(LAYOUTS.items()) if nproc == 2}
+    two.update({name: [*LORA, *overrides, *SAVE_AT_2] for name, (_, overrides, _) in sorted(RESHARDED.items())})
+    assert all(RESHARDED[name][0] == 2 for name in RESHARDED)
+    runs = _train(source, 2, two)
+    runs.update(_train(source, 4, {n: [*LORA, *ov] for n, (nproc, ov) in sorted(LAYOUTS.items()) if nproc == 4}))
+    assert sorted(runs) == sorted([*LAYOUTS, *RESHARDED])
+    resumes = {}  # layout → the run that resumed its step-2 adapters
+    for resume_nproc in sorted({nproc for _, _, (nproc, _) in RESHARDED.values()}, reverse=True):
+        group = {n: ([*LORA, *ov], STEPS + 1) for n, (_, _, (p, ov)) in sorted(RESHARDED.items()) if p == resume_nproc}
+        if resume_nproc == 1:  # the one-rank reference runs first in the one-rank launch
+            group = {"one_rank": (LORA, STEPS + 1), **group}
+        resumes.update(_train(source, resume_nproc, group))
+    one_rank = resumes.pop("one_rank")
+    steps = one_rank["printed"]
+    assert sorted(steps) == [1, 2, 3, 4]
+    # the adapters move the loss: steps 2-4 compare the optimizer's updates, not only the base
+    assert steps[1]["loss"] - steps[3]["loss"] > 0.1, steps
+    for layout in sorted(LAYOUTS):
+        run = runs[layout]
+        assert sorted(run["printed"]) == list(range(1, STEPS + 1))
+        print(layout, end=" ")
+        _assert_same(one_rank, run, range(1, STEPS + 1))
+        # the startup line counts the whole model at every layout (pipeline stages add up, replicas once)
+        assert _coverage(run["log"]) == _coverage(one_rank["log"]) == COVERAGE, run["log"][-2000:]
+    for layout in sorted(RESHARDED):
+        _check_resharded(source, one_rank, layout, runs[layout], resumes[layout])
+
+
+def _check_resharded(source, one_rank, layout, first, second):
     """Steps 1-3 at `layout` (saving the adapters after step 2), then steps 3-4 resumed from them at
     another layout: both equal the straight one-rank run."""
-    nproc, overrides, (resume_nproc, resume_overrides) = RESHARDED[layout]
-    first = _train(source, layout, nproc, [*LORA, *overrides, *SAVE_AT_2])
     assert sorted(first["printed"]) == list(range(1, STEPS + 1))
     print(layout, end=" ")
     _assert_same(one_rank, first, range(1, STEPS + 1))
@@ -184,7 +204,6 @@ def test_lora_layout_matches_one_rank_and_resumes_at_another(source, one_rank, l
         assert sum(model.values()) < 0.15 * base
         # a full-parameter checkpoint is ~3x the base (weights + Adam's two moments)
         assert size < 0.25 * 3 * base_size
-    second = _train(source, layout, resume_nproc, [*LORA, *resume_overrides], max_steps=STEPS + 1)
     assert sorted(second["printed"]) == [3, 4], second["printed"]
     print(f"{layout} -> resumed", end=" ")
     _assert_same(one_rank, second, [3, 4])
@@ -197,15 +216,20 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_peft_variant_matches_one_rank(source, variant):
-    peft, nproc, overrides = VARIANTS[variant]
-    reference = _train(source, f"{variant}_one_rank", 1, peft)
-    run = _train(source, variant, nproc, [*peft, *overrides])
-    assert sorted(run["printed"]) == sorted(reference["printed"]) == list(range(1, STEPS + 1))
-    assert reference["printed"][1]["loss"] - reference["printed"][3]["loss"] > 0.1, reference["printed"]
-    print(variant, end=" ")
-    _assert_same(reference, run, range(1, STEPS + 1))
+def test_peft_variants_match_one_rank(source):
+    """Each variant at its layout against its own one-rank run (one launch of the one-rank runs, one
+    of the variants' layouts)."""
+    references = _train(source, 1, {f"{variant}_one_rank": VARIANTS[variant][0] for variant in sorted(VARIANTS)})
+    assert {nproc for _, nproc, _ in VARIANTS.values()} == {2}
+    runs = _train(
+        source, 2, {variant: [*peft, *overrides] for variant, (peft, _, overrides) in sorted(VARIANTS.items())}
+    )
+    for variant in sorted(VARIANTS):
+        reference, run = references[f"{variant}_one_rank"], runs[variant]
+        assert sorted(run["printed"]) == sorted(reference["printed"]) == list(range(1, STEPS + 1))
+        assert reference["printed"][1]["loss"] - reference["printed"][3]["loss"] > 0.1, reference["printed"]
+        print(variant, end=" ")
+        _assert_same(reference, run, range(1, STEPS + 1))
 
 
 # The hybrid mixers: a tiny Qwen3.5 (three Gated DeltaNet layers, then a gated attention layer) with
@@ -228,15 +252,16 @@ def hybrid_source(tmp_path_factory):
 def test_hybrid_mixers_dora_at_tp2_sp_matches_one_rank_and_resumes_at_one_rank(hybrid_source):
     """Steps 1-3 at TP2+SP (saving the adapters after step 2), then steps 3-4 resumed on one rank
     (the per-part factors resharded from TP2): both equal the straight one-rank run."""
-    reference = _train(hybrid_source, "one_rank", 1, HYBRID_DORA, max_steps=STEPS + 1)
+    # two launches: TP2+SP, then on one rank the reference and the resume (in that order)
+    first = _train(hybrid_source, 2, {"tp2_sp": [*HYBRID_DORA, TP2, SP, *SAVE_AT_2]})["tp2_sp"]
+    later = _train(hybrid_source, 1, {"one_rank": (HYBRID_DORA, STEPS + 1), "tp2_sp": (HYBRID_DORA, STEPS + 1)})
+    reference, second = later["one_rank"], later["tp2_sp"]
     assert sorted(reference["printed"]) == [1, 2, 3, 4]
     assert reference["printed"][1]["loss"] - reference["printed"][3]["loss"] > 0.1, reference["printed"]
     assert "on 16 modules" in reference["log"], reference["log"][-2000:]  # 3 x 2 GDN, 2 attention, 4 x 2 shared
-    first = _train(hybrid_source, "tp2_sp", 2, [*HYBRID_DORA, TP2, SP, *SAVE_AT_2])
     assert sorted(first["printed"]) == list(range(1, STEPS + 1))
     print("hybrid tp2_sp", end=" ")
     _assert_same(reference, first, range(1, STEPS + 1))
-    second = _train(hybrid_source, "tp2_sp", 1, HYBRID_DORA, max_steps=STEPS + 1)
     assert sorted(second["printed"]) == [3, 4], second["printed"]
     print("hybrid tp2_sp -> resumed on one rank", end=" ")
     _assert_same(reference, second, [3, 4])

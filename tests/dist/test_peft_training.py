@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import make_tiny_model, step_metrics, torchrun
+from tests.dist.launch import make_tiny_model, step_metrics, torchrun, torchrun_cases
 
 LORA = ["peft.method=lora", "peft.rank=8", "peft.target_modules=[attention,experts]"]
 
@@ -16,32 +16,30 @@ def model_dirs(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("peft_training"), num_hidden_layers=2)
 
 
+def _overrides(tmp, name, extra) -> list[str]:
+    return [
+        "trainer.max_steps=3",
+        "trainer.log_interval=1",
+        "trainer.export_hf_at_end=false",
+        "checkpoint.save_at_end=false",
+        f"trainer.output_dir={tmp / name}",
+        f"model.hf_path={tmp / 'hf'}",
+        f"model.mcore_path={tmp / 'mcore'}",
+        "model.create_tiny_if_missing=false",
+        *LORA,
+        *extra,
+    ]
+
+
 def _train(tmp, name, extra):
-    proc = torchrun(
-        1,
-        [
-            "trainer.max_steps=3",
-            "trainer.log_interval=1",
-            "trainer.export_hf_at_end=false",
-            "checkpoint.save_at_end=false",
-            f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false",
-            *LORA,
-            *extra,
-        ],
-    )
-    return step_metrics(proc.stdout)
+    return step_metrics(torchrun(1, _overrides(tmp, name, extra)).stdout)
 
 
 def test_full_recompute_gives_the_same_adapter_gradients(model_dirs):
-    plain = _train(model_dirs, "plain", [])
-    recomputed = _train(
-        model_dirs,
-        "recompute",
-        ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"],
-    )
+    recompute = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    # one launch, both runs (tests/dist/multi_run.py)
+    logs = torchrun_cases(1, [_overrides(model_dirs, "plain", []), _overrides(model_dirs, "recompute", recompute)])
+    plain, recomputed = (step_metrics(log) for log in logs)
     assert plain[1]["grad_norm"] > 0.1, plain
     for step in (1, 2, 3):
         for key in ("loss", "grad_norm"):

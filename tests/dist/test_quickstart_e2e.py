@@ -11,32 +11,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.launch import losses, step_metrics, torchrun
+from tests.dist.launch import losses, step_metrics, torchrun_cases
 
 
-def run_train(tmp: Path, run_name: str, max_steps: int, extra=()) -> str:
-    return torchrun(
-        1,
-        [
-            f"trainer.max_steps={max_steps}",
-            "trainer.log_interval=1",
-            "checkpoint.save_interval=2",
-            f"trainer.output_dir={tmp / run_name}",
-            f"model.hf_path={tmp / 'tiny_hf'}",
-            f"model.mcore_path={tmp / 'tiny_mcore'}",
-            *extra,
-        ],
-    ).stdout
+def train_overrides(tmp: Path, run_name: str, max_steps: int, extra=()) -> list[str]:
+    return [
+        f"trainer.max_steps={max_steps}",
+        "trainer.log_interval=1",
+        "checkpoint.save_interval=2",
+        f"trainer.output_dir={tmp / run_name}",
+        f"model.hf_path={tmp / 'tiny_hf'}",
+        f"model.mcore_path={tmp / 'tiny_mcore'}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The three runs in order in one launch (tests/dist/multi_run.py); each run's own log."""
     tmp = tmp_path_factory.mktemp("quickstart")
-    straight = run_train(tmp, "straight", 4, ["trainer.eval_interval=2"])
     # the straight run's export is the one tested; an export costs ~11 s (its own process) on 2 cores
     no_export = ["trainer.eval_interval=0", "trainer.export_hf_at_end=false"]
-    first_half = run_train(tmp, "resumed", 2, no_export)
-    second_half = run_train(tmp, "resumed", 4, no_export)
+    straight, first_half, second_half = torchrun_cases(
+        1,
+        [
+            train_overrides(tmp, "straight", 4, ["trainer.eval_interval=2"]),
+            train_overrides(tmp, "resumed", 2, no_export),
+            train_overrides(tmp, "resumed", 4, no_export),
+        ],
+    )
     return tmp, straight, first_half, second_half
 
 

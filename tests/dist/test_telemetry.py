@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from tests.dist.launch import step_metrics, torchrun
+from tests.dist.launch import step_metrics, torchrun_cases
 
 TOP_K, LAYERS, STEPS = 2, 2, 2
 LAYOUTS = {
@@ -51,20 +51,25 @@ def _tensorboard(run_dir):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("telemetry")
     out = {}
-    for name, (nproc, extra) in LAYOUTS.items():
-        proc = torchrun(
+    for nproc in sorted({nproc for nproc, _ in LAYOUTS.values()}):  # one launch per world size
+        names = [name for name, (n, _) in LAYOUTS.items() if n == nproc]
+        logs = torchrun_cases(
             nproc,
             [
-                f"trainer.max_steps={STEPS}",
-                "trainer.log_interval=1",
-                "trainer.export_hf_at_end=false",
-                f"trainer.output_dir={tmp / name}",
-                f"model.hf_path={tmp / 'hf'}",
-                f"model.mcore_path={tmp / 'mcore'}",
-                *extra,
+                [
+                    f"trainer.max_steps={STEPS}",
+                    "trainer.log_interval=1",
+                    "trainer.export_hf_at_end=false",
+                    f"trainer.output_dir={tmp / name}",
+                    f"model.hf_path={tmp / 'hf'}",
+                    f"model.mcore_path={tmp / 'mcore'}",
+                    *LAYOUTS[name][1],
+                ]
+                for name in names
             ],
         )
-        out[name] = (proc.stdout, *_tensorboard(tmp / name))
+        out.update({name: (log, *_tensorboard(tmp / name)) for name, log in zip(names, logs)})
+    assert sorted(out) == sorted(LAYOUTS)
     return out
 
 

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from moe_sft.conversion.convert import convert
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
-from tests.dist.launch import REPO, step_metrics, torchrun
+from tests.dist.launch import REPO, step_metrics, torchrun_cases
 
 STEPS = 3
 FEATURES = [
@@ -69,31 +69,32 @@ def source(tmp_path_factory):
     return tmp
 
 
-def _train(tmp, name: str, overrides) -> dict[str, dict[int, float]]:
+def _train(tmp, nproc, runs: dict[str, list[str]]) -> dict[str, dict[str, dict[int, float]]]:
+    """{name: TensorBoard scalars} of `runs`, one after another in one launch of `nproc` ranks
+    (tests/dist/multi_run.py)."""
     from tools.plot_metrics import read_scalars
 
-    proc = torchrun(
-        2 if overrides else 1,
+    logs = torchrun_cases(
+        nproc,
         [
-            f"trainer.max_steps={STEPS}",
-            "trainer.log_interval=1",
-            "trainer.global_batch_size=4",
-            "trainer.export_hf_at_end=false",
-            f"trainer.output_dir={tmp / name}",
-            f"model.hf_path={tmp / 'hf'}",
-            f"model.mcore_path={tmp / 'mcore'}",
-            "model.create_tiny_if_missing=false",
-            *FEATURES,
-            *overrides,
+            [
+                f"trainer.max_steps={STEPS}",
+                "trainer.log_interval=1",
+                "trainer.global_batch_size=4",
+                "trainer.export_hf_at_end=false",
+                f"trainer.output_dir={tmp / name}",
+                f"model.hf_path={tmp / 'hf'}",
+                f"model.mcore_path={tmp / 'mcore'}",
+                "model.create_tiny_if_missing=false",
+                *FEATURES,
+                *overrides,
+            ]
+            for name, overrides in runs.items()
         ],
     )
-    assert sorted(step_metrics(proc.stdout)) == list(range(1, STEPS + 1)), proc.stdout[-3000:]
-    return {tag: dict(points) for tag, points in read_scalars(tmp / name).items()}
-
-
-@pytest.fixture(scope="module")
-def one_rank(source):
-    return _train(source, "one_rank", [])
+    for name, log in zip(runs, logs):
+        assert sorted(step_metrics(log)) == list(range(1, STEPS + 1)), (name, log[-3000:])
+    return {name: {tag: dict(points) for tag, points in read_scalars(tmp / name).items()} for name in runs}
 
 
 def _compared_tags(scalars) -> dict[str, float]:
@@ -101,9 +102,15 @@ def _compared_tags(scalars) -> dict[str, float]:
     return {**TOLERANCES, **drifts}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_features_at_layout_match_one_rank(source, one_rank, layout):
-    other = _train(source, layout, LAYOUTS[layout])
+def test_features_at_layouts_match_one_rank(source):
+    """Every layout of LAYOUTS (one two-rank launch) against the one-rank run."""
+    one_rank = _train(source, 1, {"one_rank": []})["one_rank"]
+    runs = _train(source, 2, {layout: LAYOUTS[layout] for layout in sorted(LAYOUTS)})
+    for layout in sorted(LAYOUTS):
+        _check_layout(layout, runs[layout], one_rank)
+
+
+def _check_layout(layout, other, one_rank):
     tags = _compared_tags(one_rank)
     assert len(tags) == len(TOLERANCES) + 2, sorted(one_rank)  # the MoE layer and the MTP layer drift
     worst = {}
