@@ -116,12 +116,15 @@ def make_tiny_model(tmp: Path, **config_overrides) -> Path:
     return tmp
 
 
-def tiny_run_overrides(model_dir: Path, output_dir: Path, max_steps: int, *extra: str) -> list[str]:
-    """A run of the tiny model in `model_dir` (make_tiny_model) writing to `output_dir`."""
+def tiny_run_overrides(
+    model_dir: Path, output_dir: Path, max_steps: int, *extra: str, global_batch_size: int = 2
+) -> list[str]:
+    """A run of the converted model in `model_dir` (hf/ and mcore/, e.g. make_tiny_model) writing to
+    `output_dir`, logging every step, no export."""
     return [
         f"trainer.max_steps={max_steps}",
         "trainer.log_interval=1",
-        "trainer.global_batch_size=2",
+        f"trainer.global_batch_size={global_batch_size}",
         "trainer.export_hf_at_end=false",
         f"trainer.output_dir={output_dir}",
         f"model.hf_path={model_dir / 'hf'}",

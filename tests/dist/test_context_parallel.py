@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.launch import make_tiny_model, step_metrics, torchrun_cases
+from tests.dist.launch import make_tiny_model, step_metrics, tiny_run_overrides, torchrun_cases
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -46,17 +46,7 @@ def _tensorboard(run: Path) -> dict[str, dict[int, float]]:
 
 
 def _overrides(tmp, name, overrides) -> list[str]:
-    return [
-        f"trainer.max_steps={STEPS}",
-        "trainer.log_interval=1",
-        "trainer.global_batch_size=4",
-        "trainer.export_hf_at_end=false",
-        f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}",
-        f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false",
-        *overrides,
-    ]
+    return tiny_run_overrides(tmp, tmp / name, STEPS, *overrides, global_batch_size=4)
 
 
 def _train(tmp, nproc, runs: dict[str, list[str]]) -> dict[str, tuple]:

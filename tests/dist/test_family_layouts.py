@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from moe_sft.conversion.convert import convert
 from moe_sft.models import registry
 from tests.cpu.test_families import _hf_model
-from tests.dist.launch import REPO, step_metrics, torchrun, torchrun_cases
+from tests.dist.launch import REPO, step_metrics, tiny_run_overrides, torchrun, torchrun_cases
 from tests.glm4_moe_mtp import write_tiny_glm4_moe_with_mtp
 from tests.qwen3_next_mtp import write_tiny_with_mtp
 
@@ -73,19 +73,8 @@ def _source(tmp, family_name: str):
 
 def _overrides(source, name, overrides) -> list[str]:
     tmp, has_mtp, _ = source
-    return [
-        f"trainer.max_steps={STEPS}",
-        "trainer.log_interval=1",
-        "trainer.global_batch_size=4",
-        "trainer.export_hf_at_end=false",
-        f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}",
-        f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false",
-        "data.pad_documents_to=4",
-        *(["model.mtp_loss_weight=0.3"] if has_mtp else []),
-        *overrides,
-    ]
+    mtp = ["model.mtp_loss_weight=0.3"] if has_mtp else []
+    return tiny_run_overrides(tmp, tmp / name, STEPS, "data.pad_documents_to=4", *mtp, *overrides, global_batch_size=4)
 
 
 def _train(source, name, overrides):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.launch import make_tiny_model, step_metrics, torchrun_cases
+from tests.dist.launch import make_tiny_model, step_metrics, tiny_run_overrides, torchrun_cases
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -51,17 +51,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _overrides(tmp, name, overrides, max_steps=STEPS) -> list[str]:
-    return [
-        f"trainer.max_steps={max_steps}",
-        "trainer.log_interval=1",
-        "trainer.global_batch_size=4",
-        "trainer.export_hf_at_end=false",
-        f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}",
-        f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false",
-        *overrides,
-    ]
+    return tiny_run_overrides(tmp, tmp / name, max_steps, *overrides, global_batch_size=4)
 
 
 def _train(tmp, nproc, runs) -> dict[str, dict]:

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 from moe_sft.conversion.convert import convert
 from moe_sft.models import registry
 from tests.cpu.test_families import _hf_model
-from tests.dist.launch import REPO, step_metrics, torchrun_cases
+from tests.dist.launch import REPO, step_metrics, tiny_run_overrides, torchrun_cases
 
 STEPS = 3
 REL = 2e-3  # the console prints 4 significant digits
@@ -86,21 +86,10 @@ def _tensorboard(run) -> dict[str, dict[int, float]]:
 
 
 def _overrides(tmp, name, overrides, max_steps=STEPS) -> list[str]:
-    return [
-        f"trainer.max_steps={max_steps}",
-        "trainer.log_interval=1",
-        "trainer.global_batch_size=4",
-        "trainer.export_hf_at_end=false",
-        f"trainer.output_dir={tmp / name}",
-        f"model.hf_path={tmp / 'hf'}",
-        f"model.mcore_path={tmp / 'mcore'}",
-        "model.create_tiny_if_missing=false",
-        "data.pad_documents_to=4",
-        "optimizer.lr=3.0e-3",
-        "optimizer.lr_warmup_steps=0",
-        "optimizer.lr_decay_style=constant",
-        *overrides,
-    ]
+    schedule = ("optimizer.lr=3.0e-3", "optimizer.lr_warmup_steps=0", "optimizer.lr_decay_style=constant")
+    return tiny_run_overrides(
+        tmp, tmp / name, max_steps, "data.pad_documents_to=4", *schedule, *overrides, global_batch_size=4
+    )
 
 
 def _train(tmp, nproc, runs) -> dict[str, dict]:

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from moe_sft.conversion.convert import convert
 from tests.deepseek_mtp import write_tiny_deepseek_with_mtp
-from tests.dist.launch import REPO, step_metrics, torchrun_cases
+from tests.dist.launch import REPO, step_metrics, tiny_run_overrides, torchrun_cases
 
 STEPS = 3
 FEATURES = [
@@ -77,18 +77,7 @@ def _train(tmp, nproc, runs: dict[str, list[str]]) -> dict[str, dict[str, dict[i
     logs = torchrun_cases(
         nproc,
         [
-            [
-                f"trainer.max_steps={STEPS}",
-                "trainer.log_interval=1",
-                "trainer.global_batch_size=4",
-                "trainer.export_hf_at_end=false",
-                f"trainer.output_dir={tmp / name}",
-                f"model.hf_path={tmp / 'hf'}",
-                f"model.mcore_path={tmp / 'mcore'}",
-                "model.create_tiny_if_missing=false",
-                *FEATURES,
-                *overrides,
-            ]
+            tiny_run_overrides(tmp, tmp / name, STEPS, *FEATURES, *overrides, global_batch_size=4)
             for name, overrides in runs.items()
         ],
     )
