@@ -15,8 +15,10 @@ with its transposed input's strides (a bug found here) gave 0.06 in the output.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.dist.launch import REPO, clean_env
 
@@ -24,17 +26,19 @@ LENGTHS = (4, 8, 64, 68, 132, 12)  # multiples of 2·cp, as the CP sharding pads
 TOL = 1e-5
 
 
-def test_gated_delta_net_at_cp2_equals_cp1():
+def test_gated_delta_net_at_cp2_equals_cp1(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__],
         cwd=REPO,
-        env={**clean_env(), "PYTHONPATH": str(REPO)},  # the worker imports tests.dist
+        # the worker imports tests.dist; each rank writes its own file, since two ranks printing to
+        # one pipe can interleave their lines (CI once read two results run together)
+        env={**clean_env(), "PYTHONPATH": str(REPO), "GDN_CP_RESULTS": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    diffs = [json.loads(line[len("GDN_CP ") :]) for line in proc.stdout.splitlines() if line.startswith("GDN_CP ")]
+    diffs = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert len(diffs) == 2, proc.stdout[-3000:]
     for rank in diffs:
         print(rank)
@@ -114,7 +118,7 @@ def _worker() -> None:
         input_grad=(local.grad - whole.grad[mine]).abs().max().item(),
         grads=grads,
     )
-    print("GDN_CP " + json.dumps(result), flush=True)
+    (Path(os.environ["GDN_CP_RESULTS"]) / f"rank{rank}.json").write_text(json.dumps(result))
     distributed.destroy()
 
 
