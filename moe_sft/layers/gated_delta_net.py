@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.ssm.gated_delta_net import _split_tensor_factory, torch_chunk_gated_delta_rule
+from megatron.core.ssm.gated_delta_net import _split_tensor_factory
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
@@ -110,20 +110,68 @@ def causal_conv_per_document(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: 
     return F.silu(out).to(x.dtype)
 
 
-def gated_delta_rule_per_document(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """The chunked gated delta rule (megatron's torch implementation, fp32) over each document
-    alone: q, k [T, H, Dk] (already L2-normed, one per value head), v [T, H, Dv], g, beta [T, H];
-    returns [T, H, Dv] in v's dtype."""
-    bounds = [0, q.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
-    outs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi == lo:
-            continue
-        out, _ = torch_chunk_gated_delta_rule(
-            q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g=g[None, lo:hi], beta=beta[None, lo:hi]
+def gated_delta_rule_per_document(q, k, v, g, beta, cu_seqlens: torch.Tensor | None, chunk: int = FLA_CHUNK):
+    """The chunked gated delta rule over each document alone, in fp32: q, k [T, H, Dk] (already
+    L2-normed, one per value head), v [T, H, Dv], g, beta [T, H]; returns [T, H, Dv] in v's dtype.
+
+    megatron's `torch_chunk_gated_delta_rule` (transformers' torch path) on each document, with
+    every document's chunks in one batch: each document is zero-padded to whole chunks as that
+    function pads a sequence, the intra-chunk part runs over all chunks at once, and the
+    recurrence steps through chunk positions with the documents that still have a chunk there
+    (longest first, so they are a prefix of the batch). The intra-chunk inverse, which megatron
+    builds row by row in a 63-step loop, is one unit-triangular solve. Equal to megatron's function
+    per document within fp32 rounding, forward and backward (tests/cpu/test_gated_delta_net.py)."""
+    tokens, heads, dk = q.shape
+    bounds = [0, tokens] if cu_seqlens is None else cu_seqlens.tolist()
+    docs = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    n_chunks = [-(-(hi - lo) // chunk) for lo, hi in docs]
+    first_chunk = [sum(n_chunks[:d]) for d in range(len(docs))]
+    # each token's row in the padded layout (document d starts at chunk first_chunk[d])
+    rows = torch.cat([torch.arange(hi - lo) + first_chunk[d] * chunk for d, (lo, hi) in enumerate(docs)])
+    rows = rows.to(q.device)
+    padded_len = sum(n_chunks) * chunk
+
+    def chunked(x):  # [T, H, ...] -> [C, H, chunk, ...] in fp32, zeros past each document's end
+        x = x.float()
+        flat = x.new_zeros(padded_len, *x.shape[1:]).index_copy(0, rows, x)
+        return flat.reshape(-1, chunk, *x.shape[1:]).transpose(1, 2)
+
+    query, key, value, beta, g = (chunked(x) for x in (q, k, v, beta, g))
+    query = query * (1 / dk**0.5)
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    g = g.cumsum(dim=-1)
+    decay_mask = ((g.unsqueeze(-1) - g.unsqueeze(-2)).tril().exp().float()).tril()
+    upper = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
+    lower = ((k_beta @ key.transpose(-1, -2)) * decay_mask).masked_fill(upper, 0)
+    # megatron's row-by-row loop computes (I + lower)^-1 (its `attn`); one unit-triangular solve
+    # gives (I + lower)^-1 [v_beta, k_beta e^g] within fp32 rounding, forward and backward
+    eye = torch.eye(chunk, dtype=lower.dtype, device=lower.device)
+    right = torch.cat([v_beta, k_beta * g.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(lower + eye, right, upper=False, unitriangular=True)
+    value, k_cumdecay = solved.split([v_beta.shape[-1], k_beta.shape[-1]], dim=-1)
+
+    strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
+    longest_first = sorted(range(len(docs)), key=lambda d: -n_chunks[d])
+    starts = torch.tensor([first_chunk[d] for d in longest_first], device=q.device)
+    state = query.new_zeros(len(docs), heads, dk, value.shape[-1])
+    outs, order = [], []
+    for i in range(max(n_chunks)):
+        live = sum(1 for d in longest_first if n_chunks[d] > i)
+        idx = starts[:live] + i
+        q_i, k_i, v_i, g_i = query[idx], key[idx], value[idx], g[idx]
+        attn_i = (q_i @ k_i.transpose(-1, -2) * decay_mask[idx]).masked_fill_(strict, 0)
+        state = state[:live]
+        v_new = v_i - k_cumdecay[idx] @ state
+        outs.append((q_i * g_i[..., None].exp()) @ state + attn_i @ v_new)
+        order.append(idx)
+        state = (
+            state * g_i[:, :, -1, None, None].exp()
+            + (k_i * (g_i[:, :, -1, None] - g_i).exp()[..., None]).transpose(-1, -2) @ v_new
         )
-        outs.append(out[0])
-    return torch.cat(outs).to(v.dtype)
+    chunks_out = torch.cat(outs)[torch.argsort(torch.cat(order))]  # back to chunk order
+    out = chunks_out.transpose(1, 2).reshape(padded_len, heads, -1)
+    return out[rows].to(v.dtype)
 
 
 class GatedDeltaNet(MegatronModule):
