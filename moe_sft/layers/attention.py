@@ -227,21 +227,31 @@ def attention_kernel_name(device_type: str) -> str:
 
 
 def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
-    """Attention over each document [cu[i], cu[i+1]) alone; q/k/v are [t, heads, dim]."""
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    """Attention over each document [cu[i], cu[i+1]) alone; q/k/v are [t, heads, dim]; rows outside
+    every document are zero.
+
+    The documents are split and their outputs concatenated (one gradient concatenation in the
+    backward, where writing each into a slice of the output zero-filled a whole-batch gradient
+    per document), and SDPA gets 4-D inputs: its fused kernels (CUDA's memory-efficient one, which
+    takes Gemma 4's 512-wide heads, and the CPU flash kernel) take no other, and 3-D ones ran the
+    math backend."""
     groups = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    whole = slice(bounds[0], bounds[-1])
+    pieces = zip(
+        *(x[whole].split(lengths) for x in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    )
+    outs = []
+    for qd, kd, vd in pieces:
+        if qd.shape[0] == 0:
+            outs.append(q.new_zeros(0, q.shape[1], v.shape[-1]))
             continue
-        qd = q[start:end].transpose(0, 1)  # [heads, s, dim]
-        kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        if q.is_cuda:  # SDPA's fused CUDA kernels take 4-D inputs only: 3-D ones ran the math backend
-            od = F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=causal, scale=scale)[0]
-        else:
-            od = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
-        out[start:end] = od.transpose(0, 1)
+        qd, kd, vd = (x.transpose(0, 1)[None] for x in (qd, kd, vd))  # [1, heads, s, dim]
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)[0].transpose(0, 1))
+    out = torch.cat(outs)
+    if bounds[0] > 0 or bounds[-1] < q.shape[0]:
+        out = F.pad(out, (0, 0, 0, 0, bounds[0], q.shape[0] - bounds[-1]))
     return out
 
 
