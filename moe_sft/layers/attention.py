@@ -25,6 +25,7 @@ moe_sft/layers/attention_sinks.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -38,6 +39,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_sft.layers.attention_sinks import (
     FLASH_KERNELS,
@@ -232,9 +234,10 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
 
     The documents are split and their outputs concatenated (one gradient concatenation in the
     backward, where writing each into a slice of the output zero-filled a whole-batch gradient
-    per document), and SDPA gets 4-D inputs: its fused kernels (CUDA's memory-efficient one, which
-    takes Gemma 4's 512-wide heads, and the CPU flash kernel) take no other, and 3-D ones ran the
-    math backend."""
+    per document), and SDPA gets 4-D inputs: its fused CUDA kernels (the memory-efficient one takes
+    Gemma 4's 512-wide heads) take no other, and 3-D ones ran the math backend. On CPU the math
+    backend stays, the reference's softmax (and FLOP count) as transformers' eager attention has
+    them: the CPU flash kernel gave NaN on a collapsed model where it gives finite values."""
     groups = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
@@ -248,7 +251,8 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
             outs.append(q.new_zeros(0, q.shape[1], v.shape[-1]))
             continue
         qd, kd, vd = (x.transpose(0, 1)[None] for x in (qd, kd, vd))  # [1, heads, s, dim]
-        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)[0].transpose(0, 1))
+        with contextlib.nullcontext() if q.is_cuda else sdpa_kernel([SDPBackend.MATH]):
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)[0].transpose(0, 1))
     out = torch.cat(outs)
     if bounds[0] > 0 or bounds[-1] < q.shape[0]:
         out = F.pad(out, (0, 0, 0, 0, bounds[0], q.shape[0] - bounds[-1]))
