@@ -237,7 +237,7 @@ def sdpa_varlen_reference(q, k, v, cu_seqlens, scale, causal=True):
     per document), and SDPA gets 4-D inputs: its fused CUDA kernels (the memory-efficient one takes
     Gemma 4's 512-wide heads) take no other, and 3-D ones ran the math backend. On CPU the math
     backend stays, the reference's softmax (and FLOP count) as transformers' eager attention has
-    them: the CPU flash kernel gave NaN on a collapsed model where it gives finite values."""
+    them: on a collapsed model the CPU flash kernel gave NaN where the math backend stays finite."""
     groups = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]

@@ -14,8 +14,9 @@ head serves value_heads / key_heads consecutive value heads) → the gated delta
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) → RMSNorm(out) * weight * silu(z) →
 out_proj. Kernels: on CUDA fla's varlen `chunk_gated_delta_rule` and `causal_conv1d` (per-document
 state reset through cu_seqlens) when fla imports and its backward is right on the GPU
-(`fla_trains`); else (CPU, no fla, or fla's Hopper/Triton refusal) megatron's torch
-`torch_chunk_gated_delta_rule` per document in fp32 and a masked convolution: the reference.
+(`fla_trains`); else (CPU, no fla, or fla's Hopper/Triton refusal) the arithmetic of megatron's
+torch `torch_chunk_gated_delta_rule` in fp32, every document's chunks in one batch
+(`gated_delta_rule_per_document`), and a masked convolution: the reference.
 
 Context parallel: an all-to-all over the CP group gives each CP rank every token of the
 micro-batch, in document order, for 1/cp of the TP rank's heads (moe_sft/layers/context_parallel.py),
