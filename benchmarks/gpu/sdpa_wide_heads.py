@@ -4,7 +4,7 @@ the 3-D call the trainer made before against the 4-D call it makes now (`layers/
 
 For each call shape: whether SDPA's memory-efficient kernel accepts it (forced through
 `sdpa_kernel`), the error of out / dq / dk / dv against an fp32 math-backend reference, and the
-forward + backward time over one packed 4096-token micro-batch. Pure torch, one GPU:
+forward + backward time over one packed 4096-token micro-batch. No model, one GPU:
 
     python3 benchmarks/gpu/sdpa_wide_heads.py
 """
@@ -16,6 +16,8 @@ import json
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.ceilings import seconds_per_call
 
 LENGTHS = (1800, 900, 600, 400, 250, 146)  # one 4096-token pack, the benchmark's long-tailed mix
 HEADS, KV_HEADS, DIM = 16, 2, 512
@@ -44,18 +46,6 @@ def run(q, k, v, grad, four_d: bool):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def seconds(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / 1e3
-
-
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     t = sum(LENGTHS)
@@ -78,7 +68,7 @@ def main() -> None:
         got = run(*bf, four_d=four_d)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, reference):
             row[f"{name}_max_abs_err"] = float((a.float() - b).abs().max())
-        row["fwd_bwd_ms"] = round(1e3 * seconds(lambda: run(*bf, four_d=four_d)), 2)
+        row["fwd_bwd_ms"] = round(1e3 * seconds_per_call(lambda: run(*bf, four_d=four_d), "cuda", 1, 10), 2)
         print(json.dumps(row), flush=True)
 
 
