@@ -1,7 +1,6 @@
-"""Shared pytest setup: the repo root is importable, one torch thread per process, the `gpu` marker
-is registered, and a test that hides torch._dynamo.config.disable fails by name."""
+"""Shared pytest setup: the repo root is importable, the `gpu` marker is registered, and a test that
+hides torch._dynamo.config.disable fails by name."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -10,12 +9,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # plain `pytest` (not `python -m pytest`) from any cwd
     sys.path.insert(0, str(REPO))
-
-# One thread per process (the xdist workers and, through the environment, every process they
-# launch): the suite runs two workers on two cores, each torchrun launch adds its ranks, and the
-# tiny models' ops gain nothing from a second thread. Measured alone, a 4-layer GLM LoRA step
-# took 0.97-1.13 s on one thread against 1.66-3.44 s on two. A user's OMP_NUM_THREADS stays.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # pytest-randomly (the `test` extra) shuffles the test order; this seed makes the shuffle the same on
@@ -29,9 +22,6 @@ RANDOM_ORDER_SEED = 1234
 def pytest_configure(config):
     # Registered so `-m "not gpu"` selects the CPU suite and --strict-markers accepts the marker.
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu/, run on an accelerator)")
-    import torch
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch was imported first
     if config.pluginmanager.hasplugin("randomly") and config.getoption("randomly_seed", "default") == "default":
         config.option.randomly_seed = RANDOM_ORDER_SEED
 
